@@ -1,0 +1,47 @@
+"""vit_graph_backend: serve vision encoders from CUDA graphs at any batch size and image size.
+
+``torch.compile(model, backend="vitgraph")`` routes every call through a bucketing pass into a few
+token budgets, pads, and replays one CUDA graph per budget. Packed variable-resolution towers
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are served through :class:`SupportsEncoderCudaGraph` adapters.
+
+Importing this package initializes no CUDA context, registers nothing (the backend is found through
+the ``torch_dynamo_backends`` entry point) and imports no optional dependency.
+"""
+
+from ._version import __version__
+from .budgets import BudgetConfig, CaptureLayout, budget_ladder, capture_layout, ceil_div
+from .errors import (
+    CaptureError,
+    InvalidOptionError,
+    MissingDependencyError,
+    UnsupportedGraphError,
+    UnsupportedModelError,
+    VitGraphError,
+)
+from .planner import Batch, Plan, Segment, plan_batches
+from .protocol import SupportsEncoderCudaGraph, supports_encoder_cudagraph
+from .specs import EncoderItemSpec
+from .stats import GraphStats
+
+__all__ = [
+    "Batch",
+    "BudgetConfig",
+    "CaptureError",
+    "CaptureLayout",
+    "EncoderItemSpec",
+    "GraphStats",
+    "InvalidOptionError",
+    "MissingDependencyError",
+    "Plan",
+    "Segment",
+    "SupportsEncoderCudaGraph",
+    "UnsupportedGraphError",
+    "UnsupportedModelError",
+    "VitGraphError",
+    "__version__",
+    "budget_ladder",
+    "capture_layout",
+    "ceil_div",
+    "plan_batches",
+    "supports_encoder_cudagraph",
+]

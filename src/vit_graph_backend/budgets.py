@@ -1,0 +1,251 @@
+"""Token budgets: the ladder, the four configuration paths and ceil sizing of capture slots.
+
+A *budget* is the number of output tokens one CUDA graph is captured for. A call's items are packed
+into batches and each batch replays the graph of the smallest budget that holds it (see
+``planner``). This module is pure Python so its invariants can be property-tested in milliseconds.
+
+The central invariant, held on every configuration path::
+
+    max_batch_size <= min(budgets)
+
+Each of the ``max_batch_size`` item slots of a captured graph then gets at least one token. Breaking
+it made vLLM size capture slots with ``budget // max_batch_size == 0`` tokens and crash in the patch
+embedding (vLLM PR #38040).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .errors import InvalidOptionError
+from .specs import check_positive_int
+
+__all__ = [
+    "BudgetConfig",
+    "CaptureLayout",
+    "budget_ladder",
+    "capture_layout",
+    "ceil_div",
+    "smallest_fitting",
+]
+
+
+def ceil_div(total: int, parts: int) -> int:
+    """``ceil(total / parts)`` in exact integer arithmetic (no float rounding for large values)."""
+    return -(-total // parts)
+
+
+def budget_ladder(start: int, stop: int) -> tuple[int, ...]:
+    """Budgets doubling from ``start`` and ending exactly at ``stop``.
+
+    ``budget_ladder(64, 1000) == (64, 128, 256, 512, 1000)``: the last step may be less than a
+    doubling, so the largest graph is exactly as large as the model allows and no larger.
+
+    Raises:
+        InvalidOptionError: if either end is not a positive integer or ``start > stop``.
+    """
+    check_positive_int("ladder start", start)
+    check_positive_int("ladder stop", stop)
+    if start > stop:
+        raise InvalidOptionError(
+            f"ladder start={start} is larger than ladder stop={stop}: a budget ladder must "
+            "start at or below its largest budget"
+        )
+    ladder = []
+    value = start
+    while value < stop:
+        ladder.append(value)
+        value *= 2
+    ladder.append(stop)
+    return tuple(ladder)
+
+
+def smallest_fitting(budgets: tuple[int, ...], tokens: int) -> int | None:
+    """The smallest budget ``>= tokens`` from sorted ``budgets``, or ``None`` if none holds them."""
+    for budget in budgets:
+        if budget >= tokens:
+            return budget
+    return None
+
+
+def _normalize_budgets(budgets: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Iterable):
+        raise InvalidOptionError(
+            f"budgets={budgets!r} is invalid: must be a sequence of positive integers"
+        )
+    values = list(budgets)
+    if not values:
+        raise InvalidOptionError("budgets=[] is invalid: give at least one positive integer")
+    for i, value in enumerate(values):
+        check_positive_int(f"budgets[{i}]", value)
+    return tuple(sorted(set(values)))
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """A resolved, valid set of budgets and per-graph caps.
+
+    Build it with :meth:`resolve`; the constructor checks the invariants again so a hand-built
+    config cannot break them either.
+
+    Args:
+        budgets: sorted, unique, positive token budgets.
+        max_batch_size: items one graph holds at most; ``<= min(budgets)``.
+        max_frames_per_batch: frames one graph holds at most, or ``None`` for no frame cap.
+    """
+
+    budgets: tuple[int, ...]
+    max_batch_size: int
+    max_frames_per_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if _normalize_budgets(self.budgets) != tuple(self.budgets):
+            raise InvalidOptionError(
+                f"budgets={self.budgets!r} is invalid: must be sorted, unique and positive; "
+                "use BudgetConfig.resolve() to normalize user budgets"
+            )
+        check_positive_int("max_batch_size", self.max_batch_size)
+        if self.max_frames_per_batch is not None:
+            check_positive_int("max_frames_per_batch", self.max_frames_per_batch)
+        if self.max_batch_size > self.budgets[0]:
+            raise InvalidOptionError(
+                f"max_batch_size={self.max_batch_size} is larger than the smallest budget "
+                f"({self.budgets[0]}): every item slot of a graph needs at least one token; "
+                "lower max_batch_size or raise the smallest budget"
+            )
+
+    @property
+    def max_budget(self) -> int:
+        """The largest budget; items with more output tokens never fit a graph."""
+        return self.budgets[-1]
+
+    @classmethod
+    def resolve(
+        cls,
+        budget_range: tuple[int, int],
+        *,
+        budgets: Iterable[int] | None = None,
+        max_batch_size: int | None = None,
+        max_frames_per_batch: int | None = None,
+    ) -> BudgetConfig:
+        """Resolve user choices against the model's ``(min_budget, max_budget)`` range.
+
+        The four paths (DESIGN.md §2):
+
+        1. budgets and ``max_batch_size`` given: both kept; ``max_batch_size > min(budgets)``
+           raises, naming both numbers.
+        2. only ``max_batch_size``: ladder from ``max(min_budget, max_batch_size)`` to
+           ``max_budget``.
+        3. only budgets: ``max_batch_size = min(max_budget // min_budget, min(budgets))``.
+        4. neither: ladder from ``min_budget`` to ``max_budget``; ``max_batch_size`` as in 3.
+
+        User budgets are de-duplicated and sorted. They may lie outside the model's range: the
+        range only seeds defaults.
+
+        Args:
+            budget_range: the model's ``(min_budget, max_budget)``; positive, ``min <= max``.
+            budgets: user budgets, or ``None`` for the ladder.
+            max_batch_size: items per graph, or ``None`` to derive it.
+            max_frames_per_batch: frames per graph, or ``None`` for no frame cap.
+
+        Raises:
+            InvalidOptionError: (a ``ValueError``) naming the bad value and the allowed range.
+
+        Example::
+
+            >>> BudgetConfig.resolve((64, 1000))
+            BudgetConfig(budgets=(64, 128, 256, 512, 1000), max_batch_size=15, max_frames_per_batch=None)
+        """
+        try:
+            min_budget, max_budget = budget_range
+        except (TypeError, ValueError):
+            raise InvalidOptionError(
+                f"budget_range={budget_range!r} is invalid: must be a pair (min_budget, max_budget)"
+            ) from None
+        check_positive_int("min_budget", min_budget)
+        check_positive_int("max_budget", max_budget)
+        if min_budget > max_budget:
+            raise InvalidOptionError(
+                f"min_budget={min_budget} is larger than max_budget={max_budget}"
+            )
+        if max_batch_size is not None:
+            check_positive_int("max_batch_size", max_batch_size)
+        if max_frames_per_batch is not None:
+            check_positive_int("max_frames_per_batch", max_frames_per_batch)
+
+        if budgets is not None:
+            resolved = _normalize_budgets(budgets)
+            if max_batch_size is None:  # path 3
+                max_batch_size = min(max_budget // min_budget, resolved[0])
+            elif max_batch_size > resolved[0]:  # path 1, violated
+                raise InvalidOptionError(
+                    f"max_batch_size={max_batch_size} is larger than the smallest budget "
+                    f"min(budgets)={resolved[0]}: every item slot of a graph needs at least one "
+                    "token; lower max_batch_size or raise the smallest budget"
+                )
+        elif max_batch_size is not None:  # path 2
+            if max_batch_size > max_budget:
+                raise InvalidOptionError(
+                    f"max_batch_size={max_batch_size} is larger than max_budget={max_budget}: no "
+                    "budget can give every item slot a token; lower max_batch_size"
+                )
+            resolved = budget_ladder(max(min_budget, max_batch_size), max_budget)
+        else:  # path 4
+            resolved = budget_ladder(min_budget, max_budget)
+            max_batch_size = min(max_budget // min_budget, resolved[0])
+        return cls(resolved, max_batch_size, max_frames_per_batch)
+
+
+@dataclass(frozen=True)
+class CaptureLayout:
+    """How a budget's dummy capture input is split over its item slots.
+
+    ``slots * tokens_per_slot >= budget`` and ``slots * frames_per_slot >= max_frames_per_batch``
+    always hold, so any batch that may select this budget fits the captured buffers.
+    """
+
+    budget: int
+    slots: int
+    tokens_per_slot: int
+    frames_per_slot: int
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the capture buffers hold (``slots * tokens_per_slot``, ``>= budget``)."""
+        return self.slots * self.tokens_per_slot
+
+
+def capture_layout(
+    budget: int, max_batch_size: int, max_frames_per_batch: int | None = None
+) -> CaptureLayout:
+    """Size the dummy capture inputs of one budget with ceil division.
+
+    Why not floor: a graph of budget ``B`` may be chosen for *any* batch whose tokens fit, including
+    one item that fills all of ``B``. With floor division the slots hold ``slots * (B // slots)``
+    tokens, fewer than ``B`` whenever ``slots`` does not divide ``B`` (800 tokens over 64 slots gives
+    12 each, 768 in all), and the replay copy overflows the buffer (vLLM PR #38040). Ceil division
+    gives each slot ``ceil(B / slots)`` tokens, so the slots together hold at least ``B``.
+
+    Args:
+        budget: the graph's token budget.
+        max_batch_size: item slots in the graph; must not exceed ``budget``.
+        max_frames_per_batch: frames per graph, or ``None`` (images only: one frame a slot).
+
+    Example::
+
+        >>> capture_layout(800, 64)
+        CaptureLayout(budget=800, slots=64, tokens_per_slot=13, frames_per_slot=1)
+    """
+    check_positive_int("budget", budget)
+    check_positive_int("max_batch_size", max_batch_size)
+    if max_batch_size > budget:
+        raise InvalidOptionError(
+            f"max_batch_size={max_batch_size} is larger than budget={budget}: a slot would get "
+            "no token"
+        )
+    frames = 1
+    if max_frames_per_batch is not None:
+        frames = ceil_div(check_positive_int("max_frames_per_batch", max_frames_per_batch),
+                          max_batch_size)
+    return CaptureLayout(budget, max_batch_size, ceil_div(budget, max_batch_size), frames)

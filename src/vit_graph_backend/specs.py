@@ -1,0 +1,68 @@
+"""`EncoderItemSpec`: the one description of an encoder item that every layer reads.
+
+An *item* is one image or one video given to a vision encoder. The planner, the budget choice and
+the output slicing read only specs, never model-specific inputs, so one spec per item replaces the
+three per-item methods (item count, input sizes, output tokens) that earlier encoder-graph designs
+needed (vLLM PR #41234).
+
+Units:
+    - ``input_size``: rows of input the item occupies (patches for packed encoders, batch rows for
+      batched ``[B, C, H, W]`` encoders).
+    - ``output_tokens``: rows the encoder emits for the item, after any spatial merge. Token budgets
+      are counted in these units.
+    - ``frames``: temporal frames (1 for an image); bounded per batch by ``max_frames_per_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InvalidOptionError
+
+__all__ = ["EncoderItemSpec", "check_positive_int"]
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` if it is a positive ``int``; otherwise raise a message naming ``name``.
+
+    ``bool`` is rejected although it subclasses ``int``: ``budgets=[True]`` is always a mistake.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the field, the bad value and what is allowed.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidOptionError(
+            f"{name}={value!r} is invalid: must be a positive integer, got {type(value).__name__}"
+        )
+    if value <= 0:
+        raise InvalidOptionError(f"{name}={value!r} is invalid: must be a positive integer (>= 1)")
+    return value
+
+
+@dataclass(frozen=True)
+class EncoderItemSpec:
+    """Size of one encoder item (an image or a video).
+
+    Args:
+        input_size: input rows of the item (patches, or batch rows for batched encoders); >= 1.
+        output_tokens: rows the encoder emits for the item, after spatial merge; >= 1.
+        frames: temporal frames, 1 for an image; >= 1.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) if a field is not a positive integer.
+
+    Example::
+
+        >>> # a 448x448 image, patch 14, 2x2 spatial merge: 32*32 patches -> 16*16 tokens
+        >>> EncoderItemSpec(input_size=1024, output_tokens=256)
+        EncoderItemSpec(input_size=1024, output_tokens=256, frames=1)
+    """
+
+    input_size: int
+    output_tokens: int
+    frames: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive_int("input_size", self.input_size)
+        check_positive_int("output_tokens", self.output_tokens)
+        check_positive_int("frames", self.frames)
