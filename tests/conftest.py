@@ -53,4 +53,4 @@ def _reset_dynamo():
     if "torch" in sys.modules:
         import torch
 
-        torch._dynamo.reset()
+        torch.compiler.reset()
