@@ -1,0 +1,122 @@
+"""The only module that touches private PyTorch APIs or checks PyTorch versions.
+
+One small wrapper per capability, each guarded, each naming where the API lives upstream.
+``tests/unit/test_compat.py`` calls every wrapper on the installed torch, so a PyTorch release that
+moves one of these fails CI loudly instead of failing a user's call.
+
+Supported: torch 2.11 through 2.14 (checked on CPU with 2.13/2.14 in CI, on CUDA with 2.11).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+__all__ = [
+    "MIN_TORCH",
+    "TORCH_VERSION",
+    "compile_fx_without_cudagraphs",
+    "example_value",
+    "get_varlen_attn",
+    "graph_pool_bytes",
+    "register_dynamo_backend",
+    "sym_name",
+    "torch_version_at_least",
+    "varlen_attention_available",
+]
+
+TORCH_VERSION = Version(torch.__version__.split("+")[0])
+MIN_TORCH = Version("2.11")
+
+_SYMBOL = re.compile(r"^[A-Za-z_]+\d*$")
+
+
+def torch_version_at_least(version: str) -> bool:
+    """True if the installed torch is at least ``version`` (local build tags ignored)."""
+    return TORCH_VERSION >= Version(version)
+
+
+def example_value(node: torch.fx.Node) -> Any:
+    """The fake value Dynamo recorded for an FX node (``node.meta["example_value"]``).
+
+    Dynamo stores it for every placeholder and intermediate of the graphs it hands to backends
+    (torch/_dynamo/output_graph.py); it is metadata, not public API, hence this wrapper.
+    """
+    return node.meta.get("example_value")
+
+
+def sym_name(value: Any) -> str | None:
+    """The symbol name of a plain symbolic int (``s77``), or ``None`` for a concrete int or an
+    expression such as ``2*s77``.
+
+    ``str()`` of a ``torch.SymInt`` prints its sympy expression; that is the only property used,
+    so no private ``SymNode`` attribute is read.
+    """
+    if isinstance(value, torch.SymInt):
+        text = str(value)
+        return text if _SYMBOL.match(text) else None
+    return None
+
+
+def compile_fx_without_cudagraphs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+                                  ) -> Callable[..., Any]:
+    """Compile ``gm`` with Inductor, with Inductor's own CUDA graphs off (ours wrap it; graphs
+    must not nest). ``torch._inductor.compile_fx.compile_fx`` is what ``backend="inductor"`` calls.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": False})
+
+
+def varlen_attention_available() -> bool:
+    """True if ``torch.nn.attention.varlen.varlen_attn`` exists (PyTorch 2.11+)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_varlen_attn() -> Callable[..., torch.Tensor]:
+    """``torch.nn.attention.varlen.varlen_attn``: packed attention over cumulative offsets given
+    as tensors, so it captures in a CUDA graph (HF's per-segment ``.tolist()`` path does not)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:  # pragma: no cover - torch < 2.11 is not supported
+        raise ImportError(
+            f"torch.nn.attention.varlen.varlen_attn is missing in torch {torch.__version__}; "
+            f"vit_graph_backend needs torch >= {MIN_TORCH}"
+        ) from exc
+    return varlen_attn
+
+
+def graph_pool_bytes(pool: Any, device: torch.device | None = None) -> int | None:
+    """Bytes the CUDA caching allocator has reserved for graph memory pool ``pool``.
+
+    Reads the public ``torch.cuda.memory_snapshot()``, whose segments carry a
+    ``segment_pool_id`` key (the pool's id, as returned by ``torch.cuda.graph_pool_handle()``).
+    Returns ``None`` if this torch's snapshot has no such key.
+    """
+    segments = torch.cuda.memory_snapshot()
+    if segments and "segment_pool_id" not in segments[0]:
+        return None
+    wanted = tuple(pool)
+    total = 0
+    for seg in segments:
+        if device is not None and seg.get("device") != device.index:
+            continue
+        if tuple(seg.get("segment_pool_id", ())) == wanted:
+            total += int(seg["total_size"])
+    return total
+
+
+def register_dynamo_backend(name: str, backend: Callable[..., Any]) -> None:
+    """Register ``backend`` under ``name`` in Dynamo's registry
+    (``torch._dynamo.backends.registry.register_backend``; there is no public equivalent)."""
+    from torch._dynamo.backends.registry import register_backend
+
+    register_backend(compiler_fn=backend, name=name)

@@ -1,0 +1,217 @@
+"""`VitGraphOptions`: every setting of the backend, validated once, when options are built.
+
+``torch.compile(model, backend="vitgraph", options={...})`` hands the dict to
+:meth:`VitGraphOptions.from_compile_kwargs`; packed adapters take the same keys as keyword
+arguments. Unknown keys, bad values and impossible combinations raise
+:class:`~vit_graph_backend.errors.InvalidOptionError` (a ``ValueError``) naming the value and what is
+allowed, at compile time, never at replay (vLLM PR #38040 moved its budget checks to config time
+for the same reason).
+
+The dataclass is frozen and holds tuples, so it hashes and can key caches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .budgets import BudgetConfig
+from .errors import InvalidOptionError, MissingDependencyError
+from .planner import POLICIES
+from .specs import check_positive_int
+
+__all__ = ["INNER_COMPILERS", "MODES", "VitGraphOptions"]
+
+INNER_COMPILERS: tuple[str, ...] = ("eager", "inductor", "tensorrt")
+CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
+
+#: ``torch.compile(mode=...)`` presets. Every mode replays CUDA graphs; they differ in what runs
+#: inside the graph. ``reduce-overhead`` is accepted because users reach for it for this exact
+#: purpose; here it means the default.
+MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "reduce-overhead": {},
+    "max-autotune": {"inner_compiler": "inductor"},
+    "max-autotune-no-cudagraphs": {"inner_compiler": "inductor"},
+}
+
+#: Default largest budget, in rows, for batched ``[B, C, H, W]`` encoders: the ladder is then
+#: 1, 2, 4, 8, 16, 32 rows, and larger calls are cut into 32-row chunks.
+DEFAULT_BATCHED_MAX_BUDGET = 32
+
+
+@dataclass(frozen=True)
+class VitGraphOptions:
+    """Settings of the ``vitgraph`` backend.
+
+    Args:
+        budgets: token budgets (rows for batched encoders, output tokens for packed ones); ``None``
+            for a ladder doubling from ``min_budget`` to ``max_budget``.
+        min_budget: smallest ladder budget; ``None`` for the model's own (1 row for batched).
+        max_budget: largest ladder budget; ``None`` for the model's own (32 rows for batched).
+        max_items_per_graph: items one graph holds (packed encoders); ``None`` derives it so that
+            it never exceeds the smallest budget.
+        max_frames_per_batch: video frames one graph holds; ``None`` for no frame cap.
+        policy: planner policy, ``"baseline"`` (pad to the smallest fitting budget) or ``"exact"``
+            (never pad: replay only exact budget sizes, run the rest eagerly).
+        inner_compiler: what runs inside the graph: ``"eager"`` (the traced graph as is),
+            ``"inductor"`` (its own CUDA graphs off, so graphs do not nest) or ``"tensorrt"``.
+        capture: ``"all"`` captures every budget, largest first into one pool, at the first call
+            of a shape; ``"lazy"`` captures a budget the first time a batch needs it.
+        warmup_iters: eager runs of each budget before its capture (cuBLAS/cuDNN set-up).
+        max_graph_sets: graph sets kept for other dynamic dims (e.g. image height/width); the least
+            recently used set is freed beyond this.
+        static_graphs: serve Dynamo's static (first, and batch-1) compiles from one exact-shape
+            graph; ``False`` runs them eagerly.
+        verify: compare the first replay of each budget with an eager run of the same items; a
+            mismatch beyond ``verify_tolerance`` disables that budget's graph with a warning.
+        verify_tolerance: max abs error allowed relative to the eager output's max abs value;
+            ``None`` picks by dtype (fp32 1e-3, fp16 1e-2, bf16 3e-2).
+
+    Example::
+
+        >>> VitGraphOptions.from_compile_kwargs({"max_budget": 64, "inner_compiler": "inductor"})
+        VitGraphOptions(budgets=None, min_budget=None, max_budget=64, ...)
+    """
+
+    budgets: tuple[int, ...] | None = None
+    min_budget: int | None = None
+    max_budget: int | None = None
+    max_items_per_graph: int | None = None
+    max_frames_per_batch: int | None = None
+    policy: str = "baseline"
+    inner_compiler: str = "eager"
+    capture: str = "all"
+    warmup_iters: int = 2
+    max_graph_sets: int = 4
+    static_graphs: bool = True
+    verify: bool = False
+    verify_tolerance: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.budgets is not None:
+            if isinstance(self.budgets, (str, bytes)) or not hasattr(self.budgets, "__iter__"):
+                raise InvalidOptionError(
+                    f"budgets={self.budgets!r} is invalid: must be a list of positive integers"
+                )
+            values = list(self.budgets)
+            if not values:
+                raise InvalidOptionError("budgets=[] is invalid: give at least one positive integer")
+            for i, value in enumerate(values):
+                check_positive_int(f"budgets[{i}]", value)
+            object.__setattr__(self, "budgets", tuple(sorted(set(values))))
+        for name in ("min_budget", "max_budget", "max_items_per_graph", "max_frames_per_batch"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        check_positive_int("max_graph_sets", self.max_graph_sets)
+        if isinstance(self.warmup_iters, bool) or not isinstance(self.warmup_iters, int) or (
+            self.warmup_iters < 0
+        ):
+            raise InvalidOptionError(
+                f"warmup_iters={self.warmup_iters!r} is invalid: must be an integer >= 0"
+            )
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
+        _check_choice("capture", self.capture, CAPTURE_MODES)
+        for name in ("static_graphs", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidOptionError(
+                    f"{name}={getattr(self, name)!r} is invalid: must be True or False"
+                )
+        tol = self.verify_tolerance
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
+                                or not tol > 0):
+            raise InvalidOptionError(
+                f"verify_tolerance={tol!r} is invalid: must be a positive number or None"
+            )
+        if (self.min_budget is not None and self.max_budget is not None
+                and self.min_budget > self.max_budget):
+            raise InvalidOptionError(
+                f"min_budget={self.min_budget} is larger than max_budget={self.max_budget}"
+            )
+        if (self.budgets is not None and self.max_items_per_graph is not None
+                and self.max_items_per_graph > self.budgets[0]):
+            raise InvalidOptionError(
+                f"max_items_per_graph={self.max_items_per_graph} is larger than the smallest "
+                f"budget min(budgets)={self.budgets[0]}: every item slot of a graph needs at least "
+                "one token; lower max_items_per_graph or raise the smallest budget"
+            )
+        if self.inner_compiler == "tensorrt" and importlib.util.find_spec("torch_tensorrt") is None:
+            raise MissingDependencyError(
+                "inner_compiler='tensorrt' needs torch-tensorrt, which is not installed: "
+                "pip install 'vit-graph-backend[tensorrt]' (torch-tensorrt pins one torch minor "
+                "version and its native TensorRT libraries come from NVIDIA's package index), "
+                "or use inner_compiler='inductor'"
+            )
+
+    @classmethod
+    def from_compile_kwargs(
+        cls, options: Mapping[str, Any] | None = None, mode: str | None = None
+    ) -> VitGraphOptions:
+        """Build options from ``torch.compile``'s ``options=`` dict or ``mode=`` string.
+
+        ``torch.compile`` refuses ``mode`` and ``options`` together, and so does this function.
+
+        Raises:
+            InvalidOptionError: unknown mode or key (with the valid ones), or a bad value.
+        """
+        if options is not None and mode is not None:
+            raise InvalidOptionError(
+                f"mode={mode!r} and options={dict(options)!r} were both given: pass one of them"
+            )
+        if mode is not None:
+            if mode not in MODES:
+                raise InvalidOptionError(
+                    f"mode={mode!r} is invalid: must be one of {sorted(MODES)}"
+                )
+            return cls(**MODES[mode])
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise InvalidOptionError(
+                f"options={options!r} is invalid: must be a dict of option names to values"
+            )
+        return cls.from_dict(options)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> VitGraphOptions:
+        """Inverse of :meth:`to_dict`; unknown keys raise with a "did you mean"."""
+        valid = [f.name for f in fields(cls)]
+        for key in data:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise InvalidOptionError(
+                    f"unknown vitgraph option {key!r}{hint}; valid options: {', '.join(valid)}"
+                )
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (budgets as a list)."""
+        data = asdict(self)
+        if data["budgets"] is not None:
+            data["budgets"] = list(data["budgets"])
+        return data
+
+    def budget_config(self, model_range: tuple[int, int]) -> BudgetConfig:
+        """Resolve these options against a model's ``(min_budget, max_budget)`` range."""
+        lo = self.min_budget if self.min_budget is not None else model_range[0]
+        hi = self.max_budget if self.max_budget is not None else model_range[1]
+        if self.min_budget is not None and self.max_budget is None and lo > hi:
+            hi = lo
+        if self.max_budget is not None and self.min_budget is None and lo > hi:
+            lo = hi
+        return BudgetConfig.resolve(
+            (lo, hi),
+            budgets=self.budgets,
+            max_batch_size=self.max_items_per_graph,
+            max_frames_per_batch=self.max_frames_per_batch,
+        )
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise InvalidOptionError(f"{name}={value!r} is invalid: must be one of {allowed}")

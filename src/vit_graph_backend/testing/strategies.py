@@ -1,0 +1,313 @@
+"""Hypothesis strategies for the package's value types, for this package's tests and for yours.
+
+Each strategy checks its arguments when it is *called*, not when the first example is drawn, the way
+Hypothesis's own ``order_check`` does: a bad argument fails at the line that wrote it, with a
+message naming the argument and its value (``min_tokens=5 is larger than max_tokens=3``). The
+errors are :class:`~vit_graph_backend.errors.InvalidOptionError`, which is also a ``ValueError``.
+
+Every strategy draws only valid values: specs that construct, configs built through
+:meth:`~vit_graph_backend.budgets.BudgetConfig.resolve` (all four of its paths), ladders from
+:func:`~vit_graph_backend.budgets.budget_ladder`. Property tests can then assert the invariants
+without filtering.
+
+Example::
+
+    from hypothesis import given
+    from vit_graph_backend import plan_batches
+    from vit_graph_backend.testing import budget_configs, item_spec_lists
+
+    @given(budget_configs(max_value=512), item_spec_lists(max_tokens=1024))
+    def test_every_graph_batch_fits(config, specs):
+        for batch in plan_batches(specs, config).graph_batches:
+            assert batch.tokens <= batch.budget
+
+This module is the only place in the package that imports ``hypothesis`` (install the ``test``
+extra).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+
+from ..budgets import BudgetConfig, budget_ladder, ceil_div
+from ..errors import InvalidOptionError
+from ..specs import EncoderItemSpec, check_positive_int
+
+__all__ = [
+    "budget_configs",
+    "budget_ladders",
+    "budget_ranges",
+    "image_grids",
+    "item_spec_lists",
+    "item_specs",
+    "token_counts",
+]
+
+#: Default upper bound for token counts and budgets: large enough for a 896x896 image at patch 14
+#: (4096 patches), small enough that plans stay quick to build and shrink.
+DEFAULT_MAX_TOKENS = 4096
+
+
+def _order_check(name: str, low: int, high: int) -> None:
+    """Raise if ``min_<name> > max_<name>`` (Hypothesis's ``order_check`` message shape)."""
+    if low > high:
+        raise InvalidOptionError(f"min_{name}={low!r} is larger than max_{name}={high!r}")
+
+
+def _check_non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidOptionError(
+            f"{name}={value!r} is invalid: must be a non-negative integer, got "
+            f"{type(value).__name__}"
+        )
+    if value < 0:
+        raise InvalidOptionError(f"{name}={value!r} is invalid: must be a non-negative integer")
+    return value
+
+
+def _check_optional_positive_int(name: str, value: object) -> int | None:
+    return None if value is None else check_positive_int(name, value)
+
+
+def token_counts(min_value: int = 1, max_value: int = DEFAULT_MAX_TOKENS) -> st.SearchStrategy[int]:
+    """Positive token counts (output tokens of an item, or of a batch).
+
+    Args:
+        min_value: the smallest count drawn; a positive integer.
+        max_value: the largest count drawn; ``>= min_value``.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
+
+    Example::
+
+        >>> from hypothesis import given
+        >>> @given(token_counts(max_value=64))
+        ... def test(n):
+        ...     assert 1 <= n <= 64
+    """
+    check_positive_int("min_value", min_value)
+    check_positive_int("max_value", max_value)
+    _order_check("value", min_value, max_value)
+    return st.integers(min_value, max_value)
+
+
+def item_specs(
+    min_tokens: int = 1,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_frames: int = 1,
+    merge: int | None = None,
+) -> st.SearchStrategy[EncoderItemSpec]:
+    """Valid :class:`~vit_graph_backend.specs.EncoderItemSpec` values.
+
+    Args:
+        min_tokens: the fewest output tokens an item has; a positive integer.
+        max_tokens: the most output tokens an item has; ``>= min_tokens``.
+        max_frames: the most frames an item has (drawn from ``1..max_frames``); 1 for images.
+        merge: spatial merge factor ``m``: ``input_size == output_tokens * m * m``. ``merge=1``
+            with ``max_frames=1`` gives *row items* (a batched layout's rows, which
+            ``plan_batches(chunk=True)`` can split). ``None`` draws ``input_size`` independently
+            of ``output_tokens``, from ``1..4 * output_tokens``.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
+    """
+    check_positive_int("min_tokens", min_tokens)
+    check_positive_int("max_tokens", max_tokens)
+    _order_check("tokens", min_tokens, max_tokens)
+    check_positive_int("max_frames", max_frames)
+    _check_optional_positive_int("merge", merge)
+
+    @st.composite
+    def draw_spec(draw: Any) -> EncoderItemSpec:
+        tokens = draw(st.integers(min_tokens, max_tokens))
+        frames = draw(st.integers(1, max_frames))
+        if merge is None:
+            input_size = draw(st.integers(1, 4 * tokens))
+        else:
+            input_size = tokens * merge * merge
+        return EncoderItemSpec(input_size=input_size, output_tokens=tokens, frames=frames)
+
+    return draw_spec()
+
+
+def item_spec_lists(
+    min_size: int = 0,
+    max_size: int = 16,
+    *,
+    min_tokens: int = 1,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_frames: int = 1,
+    merge: int | None = None,
+) -> st.SearchStrategy[list[EncoderItemSpec]]:
+    """Lists of item specs: the items of one call, in the caller's order.
+
+    Args:
+        min_size: the fewest items in a list; a non-negative integer.
+        max_size: the most items in a list; ``>= min_size``.
+        min_tokens: as in :func:`item_specs`.
+        max_tokens: as in :func:`item_specs`.
+        max_frames: as in :func:`item_specs`.
+        merge: as in :func:`item_specs`.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
+    """
+    _check_non_negative_int("min_size", min_size)
+    _check_non_negative_int("max_size", max_size)
+    _order_check("size", min_size, max_size)
+    elements = item_specs(min_tokens, max_tokens, max_frames, merge)
+    return st.lists(elements, min_size=min_size, max_size=max_size)
+
+
+def budget_ranges(
+    min_value: int = 1, max_value: int = DEFAULT_MAX_TOKENS
+) -> st.SearchStrategy[tuple[int, int]]:
+    """A model's ``(min_budget, max_budget)`` budget range, ``min_budget <= max_budget``.
+
+    Args:
+        min_value: the smallest ``min_budget`` drawn; a positive integer.
+        max_value: the largest ``max_budget`` drawn; ``>= min_value``.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
+    """
+    check_positive_int("min_value", min_value)
+    check_positive_int("max_value", max_value)
+    _order_check("value", min_value, max_value)
+
+    @st.composite
+    def draw_range(draw: Any) -> tuple[int, int]:
+        low = draw(st.integers(min_value, max_value))
+        return low, draw(st.integers(low, max_value))
+
+    return draw_range()
+
+
+def budget_ladders(
+    min_value: int = 1, max_value: int = DEFAULT_MAX_TOKENS
+) -> st.SearchStrategy[tuple[int, ...]]:
+    """Budget ladders as :func:`~vit_graph_backend.budgets.budget_ladder` builds them.
+
+    Each ladder doubles from its start and ends exactly at its stop, with
+    ``min_value <= start <= stop <= max_value``.
+
+    Args:
+        min_value: the smallest start drawn; a positive integer.
+        max_value: the largest stop drawn; ``>= min_value``.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
+    """
+    return budget_ranges(min_value, max_value).map(lambda r: budget_ladder(*r))
+
+
+def _budget_config_draws(
+    min_value: int, max_value: int, max_budgets: int, max_frames: int | None
+) -> st.SearchStrategy[tuple[int, dict[str, Any], BudgetConfig]]:
+    """``(path, resolve keyword arguments, config)``; tests use it to see every path is drawn."""
+    check_positive_int("min_value", min_value)
+    check_positive_int("max_value", max_value)
+    _order_check("value", min_value, max_value)
+    check_positive_int("max_budgets", max_budgets)
+    _check_optional_positive_int("max_frames", max_frames)
+    frame_caps = st.none() if max_frames is None else st.none() | st.integers(1, max_frames)
+    user_budgets = st.lists(st.integers(min_value, max_value), min_size=1, max_size=max_budgets)
+
+    @st.composite
+    def draw_config(draw: Any) -> tuple[int, dict[str, Any], BudgetConfig]:
+        budget_range = draw(budget_ranges(min_value, max_value))
+        path = draw(st.sampled_from((1, 2, 3, 4)))
+        kwargs: dict[str, Any] = {"max_frames_per_batch": draw(frame_caps)}
+        if path in (1, 3):
+            kwargs["budgets"] = draw(user_budgets)
+        if path == 1:  # keep the invariant max_batch_size <= min(budgets)
+            kwargs["max_batch_size"] = draw(st.integers(1, min(kwargs["budgets"])))
+        elif path == 2:  # a ladder from max(min_budget, max_batch_size) needs it <= max_budget
+            kwargs["max_batch_size"] = draw(st.integers(1, budget_range[1]))
+        return path, kwargs, BudgetConfig.resolve(budget_range, **kwargs)
+
+    return draw_config()
+
+
+def budget_configs(
+    min_value: int = 1,
+    max_value: int = DEFAULT_MAX_TOKENS,
+    max_budgets: int = 6,
+    max_frames: int | None = None,
+) -> st.SearchStrategy[BudgetConfig]:
+    """Valid :class:`~vit_graph_backend.budgets.BudgetConfig` values.
+
+    Each config is built by :meth:`BudgetConfig.resolve` from a drawn model range and one of its
+    four paths, drawn evenly: budgets and ``max_batch_size`` given, only ``max_batch_size``,
+    only budgets, neither. The user choices always satisfy ``max_batch_size <= min(budgets)``, so
+    ``resolve`` never raises.
+
+    Args:
+        min_value: the smallest budget (and range bound) drawn; a positive integer.
+        max_value: the largest budget (and range bound) drawn; ``>= min_value``.
+        max_budgets: the most user budgets on the paths that take them; a positive integer.
+        max_frames: the largest ``max_frames_per_batch`` drawn (``None`` is drawn too); ``None``
+            draws configs without a frame cap only.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
+    """
+    return _budget_config_draws(min_value, max_value, max_budgets, max_frames).map(
+        lambda drawn: drawn[2]
+    )
+
+
+def image_grids(
+    patch: int = 14,
+    merge: int = 2,
+    min_side: int | None = None,
+    max_side: int = 896,
+    max_frames: int = 1,
+) -> st.SearchStrategy[tuple[int, int, int]]:
+    """``(t, h, w)`` patch grids, as packed encoders (Qwen-VL's ``grid_thw``) describe an item.
+
+    ``h`` and ``w`` count patches and are multiples of ``merge``, so the item has
+    ``t * h * w`` input patches and ``t * (h // merge) * (w // merge)`` output tokens. The image
+    sides ``h * patch`` and ``w * patch`` lie in ``[min_side, max_side]`` pixels.
+
+    Args:
+        patch: patch side in pixels; a positive integer.
+        merge: spatial merge factor; ``h`` and ``w`` are multiples of it; a positive integer.
+        min_side: the smallest image side in pixels; ``None`` for one merged patch
+            (``patch * merge``).
+        max_side: the largest image side in pixels; must leave room for at least one side that
+            is a multiple of ``patch * merge`` at or above ``min_side``.
+        max_frames: the most frames ``t`` (drawn from ``1..max_frames``); 1 for images.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
+
+    Example::
+
+        >>> from hypothesis import given
+        >>> @given(image_grids(patch=14, merge=2, max_side=448))
+        ... def test(grid):
+        ...     t, h, w = grid
+        ...     assert h % 2 == 0 and w % 2 == 0 and h * 14 <= 448
+    """
+    check_positive_int("patch", patch)
+    check_positive_int("merge", merge)
+    step = patch * merge
+    if min_side is None:
+        min_side = step
+    check_positive_int("min_side", min_side)
+    check_positive_int("max_side", max_side)
+    _order_check("side", min_side, max_side)
+    check_positive_int("max_frames", max_frames)
+    low, high = ceil_div(min_side, step), max_side // step
+    if low > high:
+        raise InvalidOptionError(
+            f"min_side={min_side} and max_side={max_side} hold no multiple of "
+            f"patch * merge = {patch} * {merge} = {step} pixels; widen the range or lower "
+            "patch or merge"
+        )
+    sides = st.integers(low, high).map(lambda k: k * merge)
+    return st.tuples(st.integers(1, max_frames), sides, sides)
