@@ -1,0 +1,188 @@
+"""CUDA graph runtime on a GPU. Every test here needs CUDA (marked ``gpu``):
+
+- one graph per budget, captured largest first into the supplied pool; ``clear()`` frees them;
+- replay equals eager (fp32 and bf16, measured error printed), counters, memory report;
+- NaN-poisoned static buffers do not reach outputs;
+- capture failure (a host sync in the forward) falls back to eager with a warning;
+- ``torch.compile(backend="vitgraph")`` on a timm ViT with the eager and inductor inner compilers;
+- two threads calling one compiled model.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from toy_encoders import PaddedSegToyEncoder
+from vit_graph_backend.options import VitGraphOptions
+from vit_graph_backend.runtime import EncoderCudaGraphManager
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def _toy(dtype=torch.float32, mbs=4):
+    torch.manual_seed(0)
+    return PaddedSegToyEncoder(dim=32, budget_range=(8, 64), max_batch_size=mbs).to(DEV, dtype).eval()
+
+
+def _inputs(lengths, dtype=torch.float32, dim=32, seed=1):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(sum(lengths), dim, generator=g).to(DEV, dtype)
+    return {"x": x, "lengths": list(lengths)}
+
+
+def _reference(model, inputs):
+    offs = [0]
+    for n in inputs["lengths"]:
+        offs.append(offs[-1] + n)
+    return [model(inputs["x"][offs[i]:offs[i + 1]], [n]) for i, n in enumerate(inputs["lengths"])]
+
+
+@torch.no_grad()
+def test_one_graph_per_budget_in_supplied_pool_and_clear_frees_it():
+    model = _toy()
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
+    assert mgr.get_num_graphs_to_capture() == len(mgr.token_budgets) == 4  # 8,16,32,64
+    pool = torch.cuda.graph_pool_handle()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    mgr.capture(pool)
+    assert mgr.graph_pool is pool
+    assert mgr.num_graphs == 4
+    for entry in mgr._graphs.values():
+        assert entry.graph.pool() == pool
+    report = mgr.memory_report()
+    print("memory report", report)
+    assert report["pool_bytes"] > 0
+    assert report["largest_budget"] == 64
+    assert report["total_bytes"] < 256 * 2**20  # a toy at <=64 rows cannot plausibly hold more
+    assert torch.cuda.memory_reserved() > before
+    mgr.clear()
+    assert mgr.num_graphs == 0 and mgr.graph_pool is None
+    del pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= before + 2 * 2**20
+    out = mgr.run(_inputs([5, 9]))  # a later call captures again
+    assert mgr.num_graphs == 4 and len(out) == 2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@torch.no_grad()
+def test_replay_equals_eager_and_counts(dtype, tol):
+    model = _toy(dtype)
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
+    worst = 0.0
+    for seed, lengths in enumerate([[3], [8, 1, 30], [64], [2, 2, 2, 2, 2, 2], [100, 4], [17, 40]]):
+        inputs = _inputs(lengths, dtype, seed=seed)
+        got = mgr.run(inputs)
+        ref = _reference(model, inputs)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape
+            worst = max(worst, (g.float() - r.float()).abs().max().item())
+    print(f"{dtype}: max abs error graph vs eager {worst:.3g}")
+    assert worst <= tol
+    stats = mgr.stats.as_dict()
+    assert stats["eager_items"] == 1  # the 100-row item exceeds the largest budget
+    assert stats["graph_replays"] > 0 and 0 < stats["hit_rate"] < 1
+    assert mgr.num_graphs == 4
+
+
+@torch.no_grad()
+def test_nan_poisoned_static_buffers_do_not_change_outputs():
+    model = _toy()
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
+    inputs = _inputs([5, 11, 3])
+    clean = mgr.run(inputs)
+    for entry in mgr._graphs.values():
+        for t in entry.static.values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+    poisoned = mgr.run(inputs)
+    for a, b in zip(clean, poisoned):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_capture_failure_falls_back_to_eager_with_warning():
+    model = _toy()
+    model.sync_in_forward = True
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
+    inputs = _inputs([5, 9])
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        got = mgr.run(inputs)
+    model.sync_in_forward = False
+    for g, r in zip(got, _reference(model, inputs)):
+        torch.testing.assert_close(g, r)
+    assert mgr.stats.eager_items == 2 and mgr.num_graphs == 0
+
+
+@torch.no_grad()
+def test_verify_mode_disables_a_wrong_graph():
+    from toy_encoders import ToyPackedEncoder  # pads seg with zeros: padding joins item 0
+
+    torch.manual_seed(0)
+    model = ToyPackedEncoder(dim=32).to(DEV).eval()
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4, verify=True))
+    inputs = _inputs([5, 9])
+    with pytest.warns(RuntimeWarning, match="verification failed"):
+        got = mgr.run(inputs)
+    for g, r in zip(got, _reference(model, inputs)):
+        torch.testing.assert_close(g, r)
+
+
+def _vit(depth=2):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64,
+                             depth=depth, num_classes=10).to(DEV).eval()
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@torch.no_grad()
+def test_compiled_timm_vit_matches_eager(inner):
+    from vit_graph_backend.backend import vitgraph
+
+    model = _vit()
+    compiled = torch.compile(model, backend="vitgraph", options={"inner_compiler": inner})
+    worst = 0.0
+    for b in [3, 5, 1, 7, 40, 2, 16, 33]:
+        x = torch.randn(b, 3, 64, 64, device=DEV)
+        worst = max(worst, (compiled(x) - model(x)).abs().max().item())
+    report = vitgraph.report()
+    print(inner, "max abs error", worst, report)
+    assert worst < 1e-3
+    assert report["compiles"] <= 3
+    assert report["graphs_captured"] >= 6  # the 1..32 ladder, plus exact static graphs
+    assert report["stats"]["eager_items"] == 0
+
+
+@torch.no_grad()
+def test_two_threads_share_one_compiled_model():
+    model = _vit()
+    compiled = torch.compile(model, backend="vitgraph")
+    xs = [torch.randn(b, 3, 64, 64, device=DEV) for b in (2, 3, 5, 9)]
+    for x in xs:
+        compiled(x)  # compile and capture first
+    refs = [model(x) for x in xs]
+    errors = []
+
+    def worker(k):
+        with torch.no_grad():
+            for _ in range(20):
+                for x, r in zip(xs[k:] + xs[:k], refs[k:] + refs[:k]):
+                    if (compiled(x) - r).abs().max().item() > 1e-3:
+                        errors.append(k)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
