@@ -47,27 +47,23 @@ def test_one_graph_per_budget_in_supplied_pool_and_clear_frees_it():
     model = _toy()
     mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
     assert mgr.get_num_graphs_to_capture() == len(mgr.token_budgets) == 4  # 8,16,32,64
+    from vit_graph_backend import _compat
+
     pool = torch.cuda.graph_pool_handle()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
     mgr.capture(pool)
     assert mgr.graph_pool is pool
     assert mgr.num_graphs == 4
-    for entry in mgr._graphs.values():
-        assert entry.graph.pool() == pool
+    assert all(e.graph.pool() == pool for e in mgr._graphs.values())
     report = mgr.memory_report()
     print("memory report", report)
-    assert report["pool_bytes"] > 0
+    assert report["pool_bytes"] == _compat.graph_pool_bytes(pool) > 0
     assert report["largest_budget"] == 64
     assert report["total_bytes"] < 256 * 2**20  # a toy at <=64 rows cannot plausibly hold more
-    assert torch.cuda.memory_reserved() > before
     mgr.clear()
     assert mgr.num_graphs == 0 and mgr.graph_pool is None
-    del pool
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    assert torch.cuda.memory_reserved() <= before + 2 * 2**20
+    assert _compat.graph_pool_bytes(pool) == 0  # the pool's segments went back to the device
     out = mgr.run(_inputs([5, 9]))  # a later call captures again
     assert mgr.num_graphs == 4 and len(out) == 2
 
@@ -106,7 +102,8 @@ def test_nan_poisoned_static_buffers_do_not_change_outputs():
     poisoned = mgr.run(inputs)
     for a, b in zip(clean, poisoned):
         assert torch.isfinite(b).all()
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # index_add_ sums with atomics, so two clean runs may differ in the last bits too
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @torch.no_grad()

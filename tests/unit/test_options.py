@@ -1,0 +1,90 @@
+"""`VitGraphOptions`: validation table, mode presets, round trip, budget resolution."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vit_graph_backend.errors import InvalidOptionError, MissingDependencyError
+from vit_graph_backend.options import MODES, VitGraphOptions
+
+BAD = [
+    ({"budgets": []}, r"budgets=\[\] is invalid"),
+    ({"budgets": [8, 0]}, r"budgets\[1\]=0 is invalid"),
+    ({"budgets": "8"}, r"budgets='8' is invalid"),
+    ({"min_budget": -1}, r"min_budget=-1 is invalid"),
+    ({"max_budget": 2.5}, r"max_budget=2.5 is invalid"),
+    ({"max_items_per_graph": True}, r"max_items_per_graph=True is invalid"),
+    ({"max_frames_per_batch": 0}, r"max_frames_per_batch=0 is invalid"),
+    ({"max_graph_sets": 0}, r"max_graph_sets=0 is invalid"),
+    ({"warmup_iters": -1}, r"warmup_iters=-1 is invalid"),
+    ({"policy": "ffd"}, r"policy='ffd' is invalid: must be one of \('baseline', 'exact'\)"),
+    ({"inner_compiler": "tvm"}, r"inner_compiler='tvm' is invalid"),
+    ({"capture": "never"}, r"capture='never' is invalid"),
+    ({"verify": 1}, r"verify=1 is invalid: must be True or False"),
+    ({"verify_tolerance": 0}, r"verify_tolerance=0 is invalid"),
+    ({"min_budget": 64, "max_budget": 8}, r"min_budget=64 is larger than max_budget=8"),
+    ({"budgets": [8, 16], "max_items_per_graph": 9},
+     r"max_items_per_graph=9 is larger than the smallest budget min\(budgets\)=8"),
+    ({"max_budgte": 8}, r"unknown vitgraph option 'max_budgte' \(did you mean 'max_budget'\?\)"),
+]
+
+
+@pytest.mark.parametrize("options,match", BAD)
+def test_bad_options_name_the_value(options, match):
+    with pytest.raises(InvalidOptionError, match=match) as info:
+        VitGraphOptions.from_compile_kwargs(options)
+    assert isinstance(info.value, ValueError)
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(InvalidOptionError, match="valid options: budgets, min_budget"):
+        VitGraphOptions.from_dict({"zzz": 1})
+
+
+def test_mode_and_options_together_are_refused():
+    with pytest.raises(InvalidOptionError, match="were both given"):
+        VitGraphOptions.from_compile_kwargs({"verify": True}, "max-autotune")
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_mode_presets(mode):
+    opts = VitGraphOptions.from_compile_kwargs(None, mode)
+    assert opts.inner_compiler == ("inductor" if mode.startswith("max-autotune") else "eager")
+
+
+def test_unknown_mode():
+    with pytest.raises(InvalidOptionError, match=r"mode='fast' is invalid: must be one of"):
+        VitGraphOptions.from_compile_kwargs(None, "fast")
+
+
+def test_tensorrt_missing_is_a_clear_import_error():
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("torch_tensorrt") is not None:
+        pytest.skip("torch_tensorrt is installed here")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'vit-graph-backend\[tensorrt\]'"
+                       ) as info:
+        VitGraphOptions(inner_compiler="tensorrt")
+    assert isinstance(info.value, ImportError)
+
+
+@given(budgets=st.none() | st.lists(st.integers(1, 512), min_size=1, max_size=6),
+       verify=st.booleans(), policy=st.sampled_from(["baseline", "exact"]),
+       inner=st.sampled_from(["eager", "inductor"]), sets=st.integers(1, 16))
+def test_round_trip_through_dict(budgets, verify, policy, inner, sets):
+    opts = VitGraphOptions(budgets=budgets, verify=verify, policy=policy, inner_compiler=inner,
+                           max_graph_sets=sets)
+    again = VitGraphOptions.from_dict(opts.to_dict())
+    assert again == opts and hash(again) == hash(opts)
+    if budgets is not None:
+        assert opts.budgets == tuple(sorted(set(budgets)))
+
+
+def test_budget_config_uses_model_range_unless_overridden():
+    assert VitGraphOptions().budget_config((64, 1024)).budgets == (64, 128, 256, 512, 1024)
+    assert VitGraphOptions(max_budget=256).budget_config((64, 1024)).budgets == (64, 128, 256)
+    cfg = VitGraphOptions(max_items_per_graph=8).budget_config((64, 1024))
+    assert cfg.max_batch_size == 8 and cfg.budgets[0] == 64
