@@ -1,0 +1,107 @@
+"""Serving packed encoders: :class:`PackedGraphEncoder` and :func:`serve`.
+
+A packed encoder (``pixel_values [total_patches, D]`` + ``grid_thw [items, 3]``) implements
+:class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`, usually through an adapter from
+:func:`vit_graph_backend.adapters.adapt`. :class:`PackedGraphEncoder` wraps it: its ``forward``
+routes items through an :class:`~vit_graph_backend.runtime.EncoderCudaGraphManager` and returns
+the packed output in the caller's item order, exactly as the wrapped tower would.
+
+The routing frame is Python over host metadata (grids, plans, offsets) and must not be traced:
+``forward`` is excluded from Dynamo with ``torch.compiler.disable``, so
+``torch.compile(served, backend="vitgraph")`` works and compiles nothing around it. The
+budget-shaped compute, ``encoder_cudagraph_forward``, is what the inner compiler sees: with
+``inner_compiler="eager"`` it runs as written inside the graph; with ``"inductor"`` it is compiled
+once per budget shape (``dynamic=False``) before that budget's capture.
+
+Options for packed encoders are given here (``serve(model, max_items_per_graph=4, ...)``), not
+through ``torch.compile(options=...)``: Dynamo never calls a backend for a frame it skips, so
+those options could not reach the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters import adapt
+from .inner import inner_backend
+from .options import VitGraphOptions
+from .protocol import SupportsEncoderCudaGraph
+from .runtime import EncoderCudaGraphManager
+
+__all__ = ["PackedGraphEncoder", "serve"]
+
+
+class _CompiledCompute:
+    """The encoder with ``encoder_cudagraph_forward`` replaced by its inner-compiled version."""
+
+    def __init__(self, encoder: Any, options: VitGraphOptions) -> None:
+        self._encoder = encoder
+        self._forward = torch.compile(encoder.encoder_cudagraph_forward,
+                                      backend=inner_backend(options), dynamic=False)
+
+    def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
+        return self._forward(values)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._encoder, name)
+
+
+class PackedGraphEncoder(nn.Module):
+    """A packed encoder served from budgeted CUDA graphs.
+
+    Args:
+        encoder: a ``SupportsEncoderCudaGraph`` module (e.g. from ``adapt(hf_tower)``).
+        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments.
+
+    Example::
+
+        served = serve(hf_qwen25_vl.model.visual, max_items_per_graph=4)
+        merged = served(pixel_values, grid_thw)       # same layout as the HF tower's output
+        print(served.manager.stats.as_dict(), served.manager.memory_report())
+    """
+
+    def __init__(self, encoder: SupportsEncoderCudaGraph, options: VitGraphOptions | None = None,
+                 **option_kwargs: Any) -> None:
+        super().__init__()
+        if options is None:
+            options = VitGraphOptions.from_dict(option_kwargs)
+        elif option_kwargs:
+            raise TypeError("give options or keyword options, not both")
+        self.encoder = encoder
+        self.options = options
+        compute = encoder if options.inner_compiler == "eager" else _CompiledCompute(encoder,
+                                                                                      options)
+        self.manager = EncoderCudaGraphManager(compute, options)
+
+    @torch.compiler.disable
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        """Encode packed items; returns the packed output (a tensor or a tuple of tensors)."""
+        outputs = self.manager.run({"pixel_values": pixel_values, "grid_thw": grid_thw})
+        return _concat(outputs)
+
+    @torch.compiler.disable
+    def run(self, inputs: Mapping[str, Any]) -> list[Any]:
+        """Encode ``inputs`` (the encoder's own input mapping); one output per item, in order."""
+        return self.manager.run(inputs)
+
+
+def serve(model: nn.Module, options: VitGraphOptions | None = None,
+          **option_kwargs: Any) -> PackedGraphEncoder:
+    """Serve a packed encoder from CUDA graphs, adapting it first if it needs an adapter.
+
+    Raises:
+        UnsupportedModelError: (a ``TypeError``) if no adapter serves ``model``'s class.
+        InvalidOptionError: for bad options, before anything runs.
+    """
+    return PackedGraphEncoder(adapt(model), options, **option_kwargs)
+
+
+def _concat(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs)
+    return type(first)(torch.cat([o[i] for o in outputs]) for i in range(len(first)))
