@@ -86,6 +86,29 @@ def run_mode(name, model, stream, dtype):
     return result
 
 
+def exact_graph_ms(model, dtype, batch, reps=50):
+    """Reference floor: one CUDA graph captured at exactly this batch, replay time only."""
+    x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=dtype)
+    with torch.inference_mode():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            model(x)
+        g.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    del g
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=120)
@@ -111,7 +134,10 @@ def main():
             r["max_abs_err_vs_eager"] = max((outs[b] - ref[b]).abs().max().item() for b in outs)
         results.append(r)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-    meta = {"benchmark": "vit_stream", "model": args.model, "dtype": "bfloat16",
+    torch.compiler.reset()
+    floors = {b: exact_graph_ms(model, dtype, b) for b in (1, 8, 32)}
+    print("exact-shape graph replay ms:", {b: round(v, 3) for b, v in floors.items()})
+    meta = {"benchmark": "vit_stream", "exact_graph_ms": floors, "model": args.model, "dtype": "bfloat16",
             "calls": args.calls, "seed": args.seed, "batch_sizes": "uniform 1..32",
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "cuda": torch.version.cuda, "results": results}

@@ -10,6 +10,7 @@ the ``torch_dynamo_backends`` entry point) and imports no optional dependency.
 
 from ._version import __version__
 from .budgets import BudgetConfig, CaptureLayout, budget_ladder, capture_layout, ceil_div
+from .adapters import adapt
 from .errors import (
     CaptureError,
     InvalidOptionError,
@@ -18,6 +19,8 @@ from .errors import (
     UnsupportedModelError,
     VitGraphError,
 )
+from .options import VitGraphOptions
+from .packed import PackedGraphEncoder, serve
 from .planner import Batch, Plan, Segment, plan_batches
 from .protocol import SupportsEncoderCudaGraph, supports_encoder_cudagraph
 from .specs import EncoderItemSpec
@@ -32,16 +35,20 @@ __all__ = [
     "GraphStats",
     "InvalidOptionError",
     "MissingDependencyError",
+    "PackedGraphEncoder",
     "Plan",
     "Segment",
     "SupportsEncoderCudaGraph",
     "UnsupportedGraphError",
     "UnsupportedModelError",
     "VitGraphError",
+    "VitGraphOptions",
     "__version__",
+    "adapt",
     "budget_ladder",
     "capture_layout",
     "ceil_div",
     "plan_batches",
+    "serve",
     "supports_encoder_cudagraph",
 ]

@@ -29,6 +29,7 @@ padded (``static_graphs=False`` runs them eagerly instead).
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -47,6 +48,8 @@ from .stats import GraphStats
 __all__ = ["BatchedGraphEncoder", "analyze_graph"]
 
 log = logging.getLogger(__name__)
+
+_data_ptr = torch.Tensor.data_ptr
 
 _TRAINING_OPS = {
     torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
@@ -161,6 +164,8 @@ class _GraphSet:
         self.template = list(template)
         self.referenced = [i for i in layout.state if i not in copied]
         self.pointers = [template[i].data_ptr() for i in self.referenced]
+        # checked at every call (ViT-B: ~150 tensors), so kept to one C-level pass
+        self._pick = operator.itemgetter(*self.referenced) if self.referenced else None
 
     # row items: one item per call, B rows (or one "row" for an exact static graph)
     def get_encoder_cudagraph_item_specs(self, args: Sequence[Any]) -> list[EncoderItemSpec]:
@@ -231,7 +236,15 @@ class _GraphSet:
         return tuple(t.unsqueeze(0) for t in out) if self.static_shape else out
 
     def moved_inputs(self, args: Sequence[Any]) -> list[int]:
-        return [i for i, p in zip(self.referenced, self.pointers) if args[i].data_ptr() != p]
+        if self._pick is None:
+            return []
+        picked = self._pick(args)
+        if len(self.referenced) == 1:
+            picked = (picked,)
+        pointers = list(map(_data_ptr, picked))
+        if pointers == self.pointers:
+            return []
+        return [i for i, p, q in zip(self.referenced, pointers, self.pointers) if p != q]
 
 
 class BatchedGraphEncoder:
