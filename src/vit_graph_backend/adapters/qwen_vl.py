@@ -1,0 +1,369 @@
+"""Adapters that serve the HF transformers Qwen-VL vision towers from budgeted CUDA graphs.
+
+Each adapter is a ``torch.nn.Module`` wrapping one tower (``adapter.tower``) and reusing its own
+submodules and weights (patch embedding, blocks' norms/qkv/proj/MLP, rotary ``inv_freq``,
+mergers): nothing is copied, so ``.to()``, ``.eval()`` and loaded weights act on both. Each
+implements :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`, plus
+``forward(pixel_values, grid_thw)`` and ``graph_unsupported_reason()``.
+
+What the towers return in transformers 5.x, and what the adapters return:
+
+- ``Qwen2VisionTransformerPretrainedModel`` and ``Qwen2_5_VisionTransformerPretrainedModel`` return
+  ``BaseModelOutputWithPooling``: ``last_hidden_state`` holds the unmerged patch rows (for
+  Qwen2.5-VL still in window order) and ``pooler_output`` the merged per-token features in the
+  caller's order, which the language model consumes (``get_image_features`` splits it). The
+  adapters return ``pooler_output``: a ``(tokens, out_hidden)`` tensor.
+- ``Qwen3VLVisionModel`` returns ``BaseModelOutputWithDeepstackFeatures``; the adapter returns the
+  tuple ``(pooler_output, *deepstack_features)``, every tensor ``(tokens, out_hidden)``.
+
+Inputs are a mapping with ``"pixel_values"`` (``(patches, C * temporal_patch * patch**2)``, as the
+HF processor emits) and ``"grid_thw"`` (``(items, 3)``). Static buffers and how padding works:
+see ``_qwen_metadata``. Attention: ``_packed_attention``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _compat
+from ..budgets import capture_layout
+from ..errors import InvalidOptionError, UnsupportedGraphError
+from ..specs import EncoderItemSpec, check_positive_int
+from ._packed_attention import Segments, packed_attention, varlen_supported
+from ._qwen_metadata import (
+    Grid,
+    MetadataCache,
+    PackedMetadata,
+    QwenLayout,
+    SegmentSlots,
+    pack_metadata,
+    segment_slots,
+)
+
+__all__ = ["Qwen2VLVisionAdapter", "Qwen2_5_VLVisionAdapter", "Qwen3VLVisionAdapter"]
+
+#: Default largest budget in output tokens (a 1792 x 1792 image at patch 14, merge 2).
+DEFAULT_MAX_BUDGET = 4096
+#: The smallest default budget is the token count of a square image of this side, in pixels.
+MIN_BUDGET_IMAGE_SIDE = 224
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # HF's apply_rotary_pos_emb_vision: float32 math, cast back.
+    xf = x.float()
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+class _QwenVisionAdapter(nn.Module):
+    """Shared code of the three adapters; subclasses fill in the family hooks."""
+
+    #: fully qualified name of the wrapped class (checked at construction).
+    wrapped_class: str = ""
+
+    def __init__(self, model: nn.Module, *, min_budget: int | None = None,
+                 max_budget: int | None = None) -> None:
+        super().__init__()
+        names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
+        if self.wrapped_class not in names:
+            raise InvalidOptionError(
+                f"{type(self).__name__} wraps {self.wrapped_class}, got "
+                f"{type(model).__module__}.{type(model).__qualname__}; use "
+                "vit_graph_backend.adapters.adapt(model) to pick the adapter by class")
+        self.tower = model
+        self.training = model.training  # a new wrapper mirrors the tower (nn.Module says True)
+        cfg = model.config
+        self.merge = int(cfg.spatial_merge_size)
+        self.patch_size = int(cfg.patch_size)
+        self.patch_dim = int(cfg.in_channels) * int(cfg.temporal_patch_size) * self.patch_size ** 2
+        self.layout = QwenLayout(self.merge, self._window_tokens())
+        self._metadata_cache = MetadataCache(self.layout, self._item_extras)
+        self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
+        self._captured_slots: dict[int, SegmentSlots] = {}
+        side = max(1, MIN_BUDGET_IMAGE_SIDE // (self.patch_size * self.merge))
+        low = side * side if min_budget is None else check_positive_int("min_budget", min_budget)
+        high = (max(DEFAULT_MAX_BUDGET, low) if max_budget is None
+                else check_positive_int("max_budget", max_budget))
+        if low > high:
+            raise InvalidOptionError(f"min_budget={low} is larger than max_budget={high}")
+        self._budget_range = (low, high)
+
+    # ------------------------------------------------------------------ family hooks
+    def _window_tokens(self) -> int:
+        return 0
+
+    def _item_extras(self, grid: Grid) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.tower.patch_embed(values["pixel_values"])
+
+    def _is_full_attention(self, layer: int) -> bool:
+        return True
+
+    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
+              features: list[torch.Tensor]) -> Any:
+        return self.tower.merger(hidden)
+
+    def _collect(self, layer: int, hidden: torch.Tensor, features: list[torch.Tensor]) -> None:
+        pass
+
+    # ------------------------------------------------------------------ protocol
+    def get_encoder_cudagraph_item_specs(self, inputs: Mapping[str, torch.Tensor]
+                                         ) -> list[EncoderItemSpec]:
+        """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``."""
+        m = self.merge
+        grids = self._grids(inputs)
+        return [EncoderItemSpec(t * h * w, t * (h // m) * (w // m), t) for t, h, w in grids]
+
+    def get_encoder_cudagraph_budget_range(self) -> tuple[int, int]:
+        """``(tokens of a 224 px square image, 4096)`` unless given to the constructor."""
+        return self._budget_range
+
+    def prepare_encoder_cudagraph_capture_inputs(
+        self, budget: int, max_batch_size: int, max_frames_per_batch: int | None,
+        device: torch.device, dtype: torch.dtype,
+    ) -> dict[str, torch.Tensor]:
+        """Static buffers of ``budget``'s graph: ``max_batch_size`` slots of
+        ``ceil(budget / max_batch_size)`` tokens (one ``1 x m*tokens`` strip of patches per slot),
+        and segment buffers for ``max_frames_per_batch`` frames (one per slot if ``None``)."""
+        layout = capture_layout(budget, max_batch_size, max_frames_per_batch)
+        m = self.merge
+        grids = [(1, m, m * layout.tokens_per_slot)] * layout.slots
+        slots = segment_slots(self.layout, layout.capacity, layout.slots * layout.frames_per_slot)
+        meta = self._pack(grids, range(len(grids)), slots)
+        self._captured_slots[budget] = slots
+        values = {key: value.to(device) for key, value in meta.values.items()}
+        values["pixel_values"] = torch.zeros(meta.rows, self.patch_dim, device=device, dtype=dtype)
+        return values
+
+    def prepare_encoder_cudagraph_replay_buffers(
+        self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int], budget: int,
+    ) -> dict[str, torch.Tensor]:
+        """The items' rows and metadata, back to back, unpadded: the runtime copies each buffer
+        into the head of its static buffer and zeroes the tail (zero-length segments, zero
+        pixels); the graph gives the padding rows their own segments."""
+        meta, pixels = self._batch(inputs, item_indices)
+        if meta.tokens > budget:
+            raise UnsupportedGraphError(
+                f"items {list(item_indices)} have {meta.tokens} tokens, more than budget {budget}")
+        slots = self._captured_slots.get(budget)
+        if slots is not None:
+            frames = meta.values["frame_seqlens"].numel()
+            windows = meta.values["window_seqlens"].numel() if self.layout.window else 0
+            if frames > slots.frames or windows > slots.windows:
+                raise UnsupportedGraphError(
+                    f"items {list(item_indices)} have {frames} frames and {windows} windows; "
+                    f"budget {budget} was captured for {slots.frames} frames and "
+                    f"{slots.windows} windows: set max_frames_per_batch so the planner caps the "
+                    "frames of a batch (without it, capture assumes one frame per item)")
+        values = {key: value.to(pixels.device) for key, value in meta.values.items()}
+        values["pixel_values"] = pixels
+        return values
+
+    def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
+        """The captured computation over the static buffers (pure tensor code: every Python int
+        comes from a static shape, ``max_seqlen`` is the buffer's row count)."""
+        return self._run(values, None)
+
+    def encoder_eager_forward(self, inputs: Mapping[str, torch.Tensor],
+                              item_indices: Sequence[int]) -> Any:
+        """``item_indices`` packed back to back without padding, exact segment lengths."""
+        meta, pixels = self._batch(inputs, item_indices)
+        values = {key: value.to(pixels.device) for key, value in meta.values.items()}
+        values["pixel_values"] = pixels
+        return self._run(values, meta)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        """The tower's packed output for all items (see the module docstring for which)."""
+        inputs = {"pixel_values": pixel_values, "grid_thw": grid_thw}
+        return self.encoder_eager_forward(inputs, range(grid_thw.shape[0]))
+
+    def graph_unsupported_reason(self) -> str | None:
+        """Why this tower cannot be served from CUDA graphs right now, or ``None`` if it can."""
+        if self.tower.training:
+            return "the vision tower is in training mode; CUDA graphs serve eval() inference"
+        param = next(self.tower.parameters())
+        if param.device.type != "cuda":
+            return None  # the runtime runs its CPU path without graphs
+        if self._varlen is None:
+            return (f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn "
+                    "(PyTorch 2.11+), which the packed graph needs on CUDA")
+        head_dim = self.tower.blocks[0].attn.head_dim
+        if not varlen_supported(param.dtype, head_dim):
+            return (f"varlen flash attention needs float16/bfloat16 weights and head_dim a "
+                    f"multiple of 8 up to 256; got {param.dtype} and head_dim={head_dim} "
+                    "(a dense budget x budget mask would be used instead)")
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _grids(self, inputs: Mapping[str, torch.Tensor]) -> list[Grid]:
+        grids = [(int(t), int(h), int(w)) for t, h, w in inputs["grid_thw"].tolist()]
+        m = self.merge
+        for i, (t, h, w) in enumerate(grids):
+            if min(t, h, w) < 1 or h % m or w % m:
+                raise InvalidOptionError(
+                    f"grid_thw[{i}]={[t, h, w]} is invalid: t, h, w must be positive and h, w "
+                    f"multiples of spatial_merge_size={m}")
+        return grids
+
+    def _pack(self, grids: Sequence[Grid], indices: Sequence[int],
+              slots: SegmentSlots | None = None) -> PackedMetadata:
+        starts, row = [], 0
+        for t, h, w in grids:
+            starts.append(row)
+            row += t * h * w
+        return pack_metadata([self._metadata_cache(grids[i]) for i in indices], self.layout,
+                             [starts[i] for i in indices], slots)
+
+    def _batch(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
+               ) -> tuple[PackedMetadata, torch.Tensor]:
+        grids = self._grids(inputs)
+        pixels = inputs["pixel_values"]
+        total = sum(t * h * w for t, h, w in grids)
+        if pixels.dim() != 2 or pixels.shape[0] != total or pixels.shape[1] != self.patch_dim:
+            raise InvalidOptionError(
+                f"pixel_values of shape {tuple(pixels.shape)} does not match grid_thw: expected "
+                f"({total}, {self.patch_dim}) (sum of t*h*w rows, C*temporal_patch*patch**2)")
+        meta = self._pack(grids, list(item_indices))
+        index = meta.row_index
+        if not self.layout.window and index.numel() and bool(
+                (index == torch.arange(int(index[0]), int(index[0]) + index.numel())).all()):
+            gathered = pixels.narrow(0, int(index[0]), index.numel())
+        else:
+            gathered = pixels.index_select(0, index.to(pixels.device))
+        return meta, gathered
+
+    def _segments(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None
+                  ) -> tuple[Segments, Segments | None]:
+        """Offsets for full and window attention. The padding rows after the real ones form
+        one segment (full attention) or window-sized chunks (window attention, so that the
+        window ``max_seqlen`` stays one window), computed from the static row count."""
+        rows = values["pixel_values"].shape[0]
+        lengths = values["frame_seqlens"].cumsum(0, dtype=torch.int32)
+        full_offsets = F.pad(F.pad(lengths, (1, 0)), (0, 1), value=rows)
+        if meta is not None:
+            full = Segments(full_offsets, max(meta.max_frame_rows, 1), meta.frame_offsets)
+        else:
+            full = Segments(full_offsets, rows)
+        if not self.layout.window:
+            return full, None
+        wins = F.pad(values["window_seqlens"].cumsum(0, dtype=torch.int32), (1, 0))
+        if meta is not None:
+            return full, Segments(wins, max(meta.max_window_rows, 1), meta.window_offsets)
+        chunk = self.layout.window_rows
+        steps = torch.arange(1, -(-rows // chunk) + 1, device=wins.device, dtype=torch.int32)
+        pad_offsets = torch.clamp(wins[-1:] + chunk * steps, max=rows)
+        return full, Segments(torch.cat([wins, pad_offsets]), min(chunk, rows))
+
+    def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   segments: Segments) -> torch.Tensor:
+        rows = x.shape[0]
+        q, k, v = attn.qkv(x).reshape(rows, 3, attn.num_heads, -1).unbind(1)
+        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+        out = packed_attention(q, k, v, segments, attn.scaling, self._varlen)
+        return attn.proj(out.reshape(rows, -1))
+
+    def _run(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None) -> Any:
+        hidden = self._embed(values)
+        cos, sin = self.tower.rotary_pos_emb(hidden, values["position_ids"])
+        cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+        full, window = self._segments(values, meta)
+        features: list[torch.Tensor] = []
+        for layer, block in enumerate(self.tower.blocks):
+            segments = full if window is None or self._is_full_attention(layer) else window
+            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, segments)
+            hidden = hidden + block.mlp(block.norm2(hidden))
+            self._collect(layer, hidden, features)
+        return self._head(hidden, values, features)
+
+
+class Qwen2VLVisionAdapter(_QwenVisionAdapter):
+    """Qwen2-VL's ``Qwen2VisionTransformerPretrainedModel``: full attention per frame.
+
+    Output: the merged tokens (HF's ``pooler_output``), ``(tokens, hidden_size)``.
+    """
+
+    wrapped_class = ("transformers.models.qwen2_vl.modeling_qwen2_vl."
+                     "Qwen2VisionTransformerPretrainedModel")
+
+
+class Qwen2_5_VLVisionAdapter(_QwenVisionAdapter):
+    """Qwen2.5-VL's ``Qwen2_5_VisionTransformerPretrainedModel``: window attention, with full
+    attention per frame in ``fullatt_block_indexes``.
+
+    Rows run in window order (gathered so on the host); the merged tokens are put back in the
+    caller's order by ``reverse_index`` in the graph. Output: HF's ``pooler_output``,
+    ``(tokens, out_hidden_size)``.
+    """
+
+    wrapped_class = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl."
+                     "Qwen2_5_VisionTransformerPretrainedModel")
+
+    def _window_tokens(self) -> int:
+        cfg = self.tower.config
+        window = int(cfg.window_size) // self.merge // self.patch_size
+        if window < 1:
+            raise InvalidOptionError(
+                f"window_size={cfg.window_size} is smaller than one merged patch "
+                f"({self.merge * self.patch_size} px); the tower cannot run")
+        return window
+
+    def _is_full_attention(self, layer: int) -> bool:
+        return layer in self.tower.fullatt_block_indexes
+
+    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
+              features: list[torch.Tensor]) -> Any:
+        merged = self.tower.merger(hidden)
+        tokens = merged.shape[0]
+        # Real tokens go back to the caller's order; padding (the zero tail of a short replay
+        # buffer) maps to itself.
+        real = (values["frame_seqlens"].sum() // self.layout.unit).to(torch.int64)
+        position = torch.arange(tokens, device=merged.device)
+        index = torch.where(position < real, values["reverse_index"], position)
+        return merged.index_select(0, index)
+
+
+class Qwen3VLVisionAdapter(_QwenVisionAdapter):
+    """Qwen3-VL's ``Qwen3VLVisionModel``: full attention per frame, an interpolated learned
+    position embedding, and deepstack mergers after ``deepstack_visual_indexes``.
+
+    Output: ``(merged, *deepstack_features)`` (HF's ``pooler_output`` and
+    ``deepstack_features``), each ``(tokens, out_hidden_size)``.
+    """
+
+    wrapped_class = "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel"
+
+    def _item_extras(self, grid: Grid) -> dict[str, torch.Tensor]:
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+        tower = self.tower
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            torch.tensor([grid]), num_grid_per_side=tower.num_grid_per_side,
+            mode=tower.interpolation_mode, align_corners=tower.interpolation_align_corners,
+            spatial_merge_size=self.merge)
+        return {"interp_indices": indices, "interp_weights": weights}
+
+    def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        hidden = self.tower.patch_embed(values["pixel_values"])
+        taps = self.tower.pos_embed(values["interp_indices"])
+        pos = (taps * values["interp_weights"].unsqueeze(-1)).sum(1)
+        return hidden + pos.to(hidden.dtype)
+
+    def _collect(self, layer: int, hidden: torch.Tensor, features: list[torch.Tensor]) -> None:
+        indexes = list(self.tower.deepstack_visual_indexes)
+        if layer in indexes:
+            features.append(self.tower.deepstack_merger_list[indexes.index(layer)](hidden))
+
+    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
+              features: list[torch.Tensor]) -> Any:
+        return (self.tower.merger(hidden), *features)

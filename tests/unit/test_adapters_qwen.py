@@ -1,0 +1,458 @@
+"""Qwen-VL adapters against the HF towers they wrap, on tiny random configs, float32, CPU.
+
+Three properties, for Qwen2-VL, Qwen2.5-VL (window attention plus a full-attention block) and
+Qwen3-VL (deepstack):
+
+1. ``adapter(pixel_values, grid_thw)`` equals the HF module's own eager output (``pooler_output``,
+   plus ``deepstack_features`` for Qwen3-VL) for several images and videos per call.
+2. A *reference dispatch*, written here with ``plan_batches`` and the protocol methods only (the
+   runtime does the same), gives every item the output HF gives it alone: several batches per
+   call, oversize items run eagerly, static buffers poisoned with NaN before each copy.
+3. Capture and replay buffers fit each other: fixed shapes per budget, a replay buffer never
+   longer than its capture buffer.
+
+Tolerances: the eager path runs HF's own per-segment SDPA and matches bit for bit (checked at
+``EAGER_ATOL``); the graph path on CPU uses a block-diagonal masked SDPA over the padded budget,
+which reorders float32 sums: max abs error measured ~5e-6 on outputs of magnitude ~10
+(``GRAPH_ATOL = 5e-5``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("transformers")
+
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (  # noqa: E402
+    Qwen2_5_VLVisionConfig,
+)
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (  # noqa: E402
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig  # noqa: E402
+from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
+    Qwen2VisionTransformerPretrainedModel,
+)
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig  # noqa: E402
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel  # noqa: E402
+
+from vit_graph_backend.adapters import (  # noqa: E402
+    adapt,
+    adapter_for,
+    register_adapter,
+    supported_classes,
+)
+from vit_graph_backend.adapters.qwen_vl import (  # noqa: E402
+    Qwen2_5_VLVisionAdapter,
+    Qwen2VLVisionAdapter,
+)
+from vit_graph_backend.budgets import BudgetConfig  # noqa: E402
+from vit_graph_backend.errors import (  # noqa: E402
+    InvalidOptionError,
+    UnsupportedGraphError,
+    UnsupportedModelError,
+)
+from vit_graph_backend.planner import plan_batches  # noqa: E402
+from vit_graph_backend.protocol import supports_encoder_cudagraph  # noqa: E402
+from vit_graph_backend.testing import image_grids  # noqa: E402
+
+PATCH, MERGE = 2, 2
+PATCH_DIM = 3 * 2 * PATCH * PATCH
+EAGER_ATOL = 1e-5
+GRAPH_ATOL = 5e-5
+MIN_BUDGET, MAX_BUDGET = 4, 48
+FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Seeded weights with std 0.2, so outputs are O(10) and every path matters."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model.eval()
+
+
+def _qwen2() -> torch.nn.Module:
+    return Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
+        depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=PATCH))
+
+
+def _qwen2_5() -> torch.nn.Module:
+    # window_size 8 px = 2 merged tokens a side: small grids still span several windows.
+    return Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
+        depth=3, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=24,
+        patch_size=PATCH, window_size=2 * MERGE * PATCH, fullatt_block_indexes=[1]))
+
+
+def _qwen3() -> torch.nn.Module:
+    return Qwen3VLVisionModel(Qwen3VLVisionConfig(
+        depth=3, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=24,
+        patch_size=PATCH, num_position_embeddings=16, deepstack_visual_indexes=[0, 2]))
+
+
+FAMILIES = {"qwen2": _qwen2, "qwen2_5": _qwen2_5, "qwen3": _qwen3}
+
+
+@pytest.fixture(scope="module")
+def towers() -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+    """family -> (HF tower, adapter over it)."""
+    result = {}
+    for seed, (name, build) in enumerate(FAMILIES.items()):
+        hf = _randomize(build(), seed)
+        result[name] = (hf, adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET))
+    return result
+
+
+def _as_tuple(out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _hf(model, pixel_values, grid_thw) -> tuple[torch.Tensor, ...]:
+    """The HF module's per-token merged output(s) for the LLM: pooler_output (+ deepstack)."""
+    out = model(pixel_values, grid_thw)
+    return (out.pooler_output, *(getattr(out, "deepstack_features", None) or ()))
+
+
+def _inputs(grids, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(t * h * w for t, h, w in grids)
+    return {"pixel_values": torch.randn(rows, PATCH_DIM, generator=gen),
+            "grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3)}
+
+
+def _hf_per_item(model, inputs) -> list[tuple[torch.Tensor, ...]]:
+    """Each item run alone through the HF module."""
+    outs, row = [], 0
+    for grid in inputs["grid_thw"]:
+        rows = int(grid.prod())
+        outs.append(_hf(model, inputs["pixel_values"][row:row + rows], grid[None]))
+        row += rows
+    return outs
+
+
+def _assert_close(actual, expected, atol: float) -> float:
+    worst = 0.0
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        assert a.shape == e.shape
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, e, atol=atol, rtol=1e-5)
+        worst = max(worst, float((a - e).abs().max()) if a.numel() else 0.0)
+    return worst
+
+
+def reference_dispatch(adapter, inputs, config: BudgetConfig, poison: bool = True):
+    """What the runtime does, in a few lines: plan; per graph batch copy the replay buffers into
+    the budget's static buffers (head copied, tail zeroed) and run the captured function; slice
+    each item's rows; run oversize items eagerly; restore the caller's order."""
+    specs = adapter.get_encoder_cudagraph_item_specs(inputs)
+    plan = plan_batches(specs, config)
+    static: dict[int, dict[str, torch.Tensor]] = {}
+    per_item = []
+    for batch in plan.batches:
+        if batch.eager:
+            out = adapter.encoder_eager_forward(inputs, batch.items)
+        else:
+            if batch.budget not in static:
+                static[batch.budget] = adapter.prepare_encoder_cudagraph_capture_inputs(
+                    batch.budget, config.max_batch_size, config.max_frames_per_batch,
+                    torch.device("cpu"), torch.float32)
+            buffers = static[batch.budget]
+            replay = adapter.prepare_encoder_cudagraph_replay_buffers(
+                inputs, batch.items, batch.budget)
+            assert replay.keys() == buffers.keys()
+            for key, buf in buffers.items():
+                if poison:  # stale garbage from a shared pool must never reach real rows
+                    buf.fill_(float("nan") if buf.is_floating_point() else 10**6)
+                value = replay[key]
+                assert value.shape[1:] == buf.shape[1:] and value.shape[0] <= buf.shape[0], key
+                buf[:value.shape[0]].copy_(value)
+                buf[value.shape[0]:].zero_()
+            out = adapter.encoder_cudagraph_forward(buffers)
+            assert all(o.shape[0] >= batch.budget for o in _as_tuple(out))
+        row = 0
+        for seg in batch.segments:
+            per_item.append(tuple(o[row:row + seg.tokens] for o in _as_tuple(out)))
+            row += seg.tokens
+    return plan, plan.restore(per_item)
+
+
+# --------------------------------------------------------------------------- eager equivalence
+GRID_SETS = {
+    "one image": [(1, 4, 6)],
+    "images of several sizes": [(1, 4, 6), (1, 2, 2), (1, 10, 6), (1, 8, 8)],
+    "videos": [(2, 4, 4), (3, 6, 2)],
+    "mixed": [(1, 6, 6), (2, 2, 4), (1, 2, 10), (3, 4, 4)],
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("grids", GRID_SETS.values(), ids=GRID_SETS.keys())
+def test_forward_matches_hf(towers, family, grids):
+    hf, adapter = towers[family]
+    inputs = _inputs(grids, seed=len(grids))
+    with torch.no_grad():
+        expected = _hf(hf, inputs["pixel_values"], inputs["grid_thw"])
+        actual = _as_tuple(adapter(inputs["pixel_values"], inputs["grid_thw"]))
+    _assert_close(actual, expected, EAGER_ATOL)
+
+
+grid_lists = st.lists(image_grids(patch=PATCH, merge=MERGE, max_side=PATCH * MERGE * 6,
+                                  max_frames=3), min_size=1, max_size=5)
+
+
+@FAST
+@given(grids=grid_lists, seed=st.integers(0, 2**16))
+def test_forward_matches_hf_random_grids(towers, grids, seed):
+    inputs = _inputs(grids, seed)
+    for hf, adapter in towers.values():
+        with torch.no_grad():
+            expected = _hf(hf, inputs["pixel_values"], inputs["grid_thw"])
+            actual = _as_tuple(adapter(inputs["pixel_values"], inputs["grid_thw"]))
+        _assert_close(actual, expected, EAGER_ATOL)
+
+
+# --------------------------------------------------------------------------- graph equivalence
+@st.composite
+def dispatch_cases(draw):
+    """A call and a budget config: images only without a frame cap (capture assumes one frame
+    per item then), videos only with one."""
+    frame_cap = draw(st.none() | st.integers(3, 8))
+    max_frames = 1 if frame_cap is None else 3
+    grids = draw(st.lists(image_grids(patch=PATCH, merge=MERGE, max_side=PATCH * MERGE * 8,
+                                      max_frames=max_frames), min_size=1, max_size=6))
+    config = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET),
+                                  max_batch_size=draw(st.none() | st.integers(1, MIN_BUDGET)),
+                                  max_frames_per_batch=frame_cap)
+    return grids, config, draw(st.integers(0, 2**16))
+
+
+@FAST
+@given(case=dispatch_cases())
+def test_reference_dispatch_matches_hf_per_item(towers, case):
+    grids, config, seed = case
+    inputs = _inputs(grids, seed)
+    for hf, adapter in towers.values():
+        with torch.no_grad():
+            expected = _hf_per_item(hf, inputs)
+            _, actual = reference_dispatch(adapter, inputs, config)
+        for a, e in zip(actual, expected, strict=True):
+            _assert_close(a, e, GRAPH_ATOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dispatch_with_several_batches_and_an_oversize_item(towers, family):
+    hf, adapter = towers[family]
+    # 70 tokens > MAX_BUDGET runs eagerly; the rest needs several batches of <= 2 items.
+    grids = [(1, 4, 4), (1, 20, 14), (1, 2, 2), (2, 4, 6), (1, 8, 8), (1, 2, 6), (1, 6, 6)]
+    config = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET), max_batch_size=2,
+                                  max_frames_per_batch=4)
+    inputs = _inputs(grids, seed=7)
+    with torch.no_grad():
+        plan, actual = reference_dispatch(adapter, inputs, config)
+        expected = _hf_per_item(hf, inputs)
+    assert plan.eager_items == (1,)
+    assert len(plan.graph_batches) >= 3
+    assert any(len(b.segments) == 2 for b in plan.graph_batches)
+    for a, e in zip(actual, expected, strict=True):
+        _assert_close(a, e, GRAPH_ATOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_item_output_does_not_depend_on_its_batch(towers, family):
+    _, adapter = towers[family]
+    grids = [(1, 6, 4), (2, 4, 4), (1, 2, 2)]
+    inputs = _inputs(grids, seed=3)
+    config = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET), max_batch_size=3,
+                                  max_frames_per_batch=6)
+    with torch.no_grad():
+        _, packed = reference_dispatch(adapter, inputs, config)
+        for i, grid in enumerate(grids):
+            alone_inputs = {"pixel_values": inputs["pixel_values"][
+                sum(t * h * w for t, h, w in grids[:i]):][:grid[0] * grid[1] * grid[2]],
+                "grid_thw": torch.tensor([grid])}
+            _, (alone,) = reference_dispatch(adapter, alone_inputs, config)
+            _assert_close(packed[i], alone, GRAPH_ATOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_buffers_have_fixed_shapes_per_budget(towers, family):
+    _, adapter = towers[family]
+    config = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET), max_batch_size=3,
+                                  max_frames_per_batch=5)
+    for budget in config.budgets:
+        first, second = (adapter.prepare_encoder_cudagraph_capture_inputs(
+            budget, config.max_batch_size, config.max_frames_per_batch, torch.device("cpu"),
+            torch.float32) for _ in range(2))
+        assert {k: v.shape for k, v in first.items()} == {k: v.shape for k, v in second.items()}
+        assert first["pixel_values"].shape[0] >= budget * MERGE * MERGE
+        with torch.no_grad():
+            out = _as_tuple(adapter.encoder_cudagraph_forward(first))
+        assert all(o.shape[0] >= budget and torch.isfinite(o).all() for o in out)
+
+
+def test_videos_beyond_the_captured_frames_are_refused(towers):
+    _, adapter = towers["qwen2"]
+    config = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET), max_batch_size=2)  # no frame cap
+    adapter.prepare_encoder_cudagraph_capture_inputs(32, 2, None, torch.device("cpu"),
+                                                      torch.float32)
+    inputs = _inputs([(3, 2, 2), (1, 2, 2)], seed=0)
+    assert config.max_frames_per_batch is None
+    with pytest.raises(UnsupportedGraphError, match="4 frames .* captured for 2 frames"):
+        adapter.prepare_encoder_cudagraph_replay_buffers(inputs, [0, 1], 32)
+    with pytest.raises(UnsupportedGraphError, match="4 tokens, more than budget 3"):
+        adapter.prepare_encoder_cudagraph_replay_buffers(inputs, [0, 1], 3)
+
+
+# --------------------------------------------------------------------------- metadata vs HF
+@settings(max_examples=40, deadline=None)
+@given(grids=st.lists(image_grids(patch=PATCH, merge=MERGE, max_side=PATCH * MERGE * 9,
+                                  max_frames=3), min_size=1, max_size=4))
+def test_metadata_matches_hf_helpers(towers, grids):
+    from transformers.vision_utils import (
+        get_vision_cu_seqlens,
+        get_vision_position_ids,
+        get_vision_window_index,
+    )
+
+    grid_thw = torch.tensor(grids)
+    hf, adapter = towers["qwen2_5"]
+    meta = adapter._pack(grids, range(len(grids)))
+    window_index, cu_window = get_vision_window_index(
+        grid_thw, MERGE, hf.config.window_size, PATCH)
+    unit = MERGE * MERGE
+    assert torch.equal(meta.row_index.reshape(-1, unit)[:, 0] // unit, window_index)
+    assert meta.window_offsets == cu_window.tolist()
+    assert meta.frame_offsets == get_vision_cu_seqlens(grid_thw).tolist()
+    positions = get_vision_position_ids(grid_thw, MERGE)
+    assert torch.equal(meta.values["position_ids"], positions[meta.row_index])
+    assert torch.equal(meta.values["reverse_index"], torch.argsort(window_index))
+
+
+# --------------------------------------------------------------------------- configuration
+def test_graph_unsupported_reason_for_training_mode(towers):
+    hf, adapter = towers["qwen3"]
+    assert adapter.graph_unsupported_reason() is None
+    adapter.train()
+    try:
+        assert "training mode" in adapter.graph_unsupported_reason()
+    finally:
+        adapter.eval()
+    assert not hf.training
+
+
+def test_adapters_reuse_the_tower_weights(towers):
+    for hf, adapter in towers.values():
+        assert adapter.tower is hf
+        hf_params = {id(p) for p in hf.parameters()}
+        assert {id(p) for p in adapter.parameters()} == hf_params
+        assert supports_encoder_cudagraph(adapter)
+
+
+def test_budget_range_defaults_and_options():
+    qwen2 = _qwen2().eval()
+    # a 224 px square image: (224 // (patch * merge)) ** 2 tokens
+    assert adapt(qwen2).get_encoder_cudagraph_budget_range() == (3136, 4096)  # patch 2
+    real_patch = Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
+        depth=1, embed_dim=16, hidden_size=16, num_heads=2, mlp_ratio=1))
+    assert adapt(real_patch).get_encoder_cudagraph_budget_range() == (64, 4096)
+    qwen3 = Qwen3VLVisionModel(Qwen3VLVisionConfig(
+        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=8,
+        deepstack_visual_indexes=[]))
+    assert adapt(qwen3).get_encoder_cudagraph_budget_range() == (49, 4096)  # patch 16
+    assert adapt(qwen2, min_budget=16, max_budget=256).get_encoder_cudagraph_budget_range() == (
+        16, 256)
+    with pytest.raises(InvalidOptionError, match="min_budget=512 is larger than max_budget=256"):
+        adapt(qwen2, min_budget=512, max_budget=256)
+    with pytest.raises(InvalidOptionError, match="did you mean 'max_budget'"):
+        adapt(qwen2, max_budgte=256)
+    with pytest.raises(InvalidOptionError, match="max_budget=0"):
+        adapt(qwen2, max_budget=0)
+
+
+def test_bad_inputs_are_rejected_with_the_numbers(towers):
+    _, adapter = towers["qwen2"]
+    with pytest.raises(InvalidOptionError, match=r"grid_thw\[0\]=\[1, 3, 4\]"):
+        adapter.get_encoder_cudagraph_item_specs({"grid_thw": torch.tensor([[1, 3, 4]])})
+    inputs = _inputs([(1, 2, 4)], seed=0)
+    inputs["pixel_values"] = inputs["pixel_values"][:-1]
+    with pytest.raises(InvalidOptionError, match=r"expected \(8, 24\)"):
+        adapter.encoder_eager_forward(inputs, [0])
+
+
+def test_unsupported_model_lists_supported_classes():
+    with pytest.raises(UnsupportedModelError, match="Supported classes") as info:
+        adapt(torch.nn.Linear(2, 2))
+    assert isinstance(info.value, TypeError)
+    assert "vit_graph_backend.protocol.SupportsEncoderCudaGraph" in str(info.value)
+    for name in supported_classes():
+        assert name in str(info.value)
+    assert len(supported_classes()) == 3
+
+
+def test_adapt_returns_protocol_models_unchanged(towers):
+    _, adapter = towers["qwen2"]
+    assert adapt(adapter) is adapter
+    with pytest.raises(InvalidOptionError, match="implements SupportsEncoderCudaGraph itself"):
+        adapt(adapter, max_budget=8)
+
+
+def test_register_adapter_for_a_subclass():
+    class MyTower(Qwen2_5_VisionTransformerPretrainedModel):
+        pass
+
+    tower = _randomize(MyTower(_qwen2_5().config), seed=0)
+    with pytest.raises(UnsupportedModelError):
+        adapt(tower)  # exact class match: a subclass may change forward
+    register_adapter(MyTower, Qwen2_5_VLVisionAdapter)
+    assert adapter_for(tower) is Qwen2_5_VLVisionAdapter
+    assert isinstance(adapt(tower), Qwen2_5_VLVisionAdapter)
+    with pytest.raises(InvalidOptionError, match="module:attribute"):
+        register_adapter(MyTower, "no_colon")
+    with pytest.raises(InvalidOptionError, match="wraps .*Qwen2VisionTransformerPretrainedModel"):
+        Qwen2VLVisionAdapter(tower)
+
+
+def test_importing_adapters_does_not_import_transformers():
+    code = ("import sys, vit_graph_backend.adapters as a; a.supported_classes(); "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_captured_function_traces_without_graph_breaks(towers, family):
+    """``encoder_cudagraph_forward`` has no ``.item()``/``.tolist()`` or data-dependent Python
+    control flow: Dynamo traces it in one graph (``fullgraph=True`` raises on any break)."""
+    _, adapter = towers[family]
+    values = adapter.prepare_encoder_cudagraph_capture_inputs(16, 2, 2, torch.device("cpu"),
+                                                              torch.float32)
+    compiled = torch.compile(adapter.encoder_cudagraph_forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(values), adapter.encoder_cudagraph_forward(values))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_runtime_serves_the_adapters(towers, family):
+    """The package's own runtime (CPU: plan, pad, run the captured function, slice) with the
+    adapter gives each item HF's output for it alone."""
+    from vit_graph_backend.options import VitGraphOptions
+    from vit_graph_backend.runtime import EncoderCudaGraphManager
+
+    hf, adapter = towers[family]
+    manager = EncoderCudaGraphManager(adapter, VitGraphOptions(
+        max_items_per_graph=2, max_frames_per_batch=4))
+    inputs = _inputs([(1, 4, 4), (1, 20, 14), (2, 4, 6), (1, 2, 2), (1, 6, 6)], seed=5)
+    with torch.no_grad():
+        actual = manager.run(inputs)
+        expected = _hf_per_item(hf, inputs)
+    for a, e in zip(actual, expected, strict=True):
+        _assert_close(_as_tuple(a), e, GRAPH_ATOL)
+    stats = manager.stats.as_dict()
+    assert stats["graph_replays"] >= 2 and stats["eager_items"] == 1
