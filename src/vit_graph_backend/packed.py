@@ -30,7 +30,7 @@ from .adapters import adapt
 from .inner import inner_backend
 from .options import VitGraphOptions
 from .protocol import SupportsEncoderCudaGraph
-from .runtime import EncoderCudaGraphManager
+from .runtime import EncoderCudaGraphManager, infer_device_dtype
 
 __all__ = ["PackedGraphEncoder", "serve"]
 
@@ -75,7 +75,9 @@ class PackedGraphEncoder(nn.Module):
         self.options = options
         compute = encoder if options.inner_compiler == "eager" else _CompiledCompute(encoder,
                                                                                       options)
-        self.manager = EncoderCudaGraphManager(compute, options)
+        # the compiled wrapper is no nn.Module: take device and dtype from the encoder itself
+        device, dtype = infer_device_dtype(encoder)
+        self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype)
 
     @torch.compiler.disable
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:

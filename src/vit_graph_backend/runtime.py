@@ -37,14 +37,14 @@ import torch
 
 from . import _compat
 from .budgets import BudgetConfig
-from .errors import InvalidOptionError
+from .errors import InvalidOptionError, UnsupportedGraphError
 from .options import VitGraphOptions
 from .planner import Batch, Plan, Segment, plan_batches
 from .protocol import SupportsEncoderCudaGraph
 from .specs import EncoderItemSpec
 from .stats import GraphStats
 
-__all__ = ["EncoderCudaGraphManager", "map_output"]
+__all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class EncoderCudaGraphManager:
         self.options = options if options is not None else VitGraphOptions()
         self.config = budget_config or self.options.budget_config(
             model.get_encoder_cudagraph_budget_range())
-        self.device, self.dtype = _infer_device_dtype(model, device, dtype)
+        self.device, self.dtype = infer_device_dtype(model, device, dtype)
         self._segment_api = hasattr(model, "prepare_encoder_cudagraph_replay_segments")
         if chunk and not self._segment_api:
             raise InvalidOptionError(
@@ -267,6 +267,8 @@ class EncoderCudaGraphManager:
             return self._eager(inputs, batch, self._disabled[batch.budget])
         try:
             outs = self._replay(inputs, batch)
+        except UnsupportedGraphError as exc:  # this batch only (e.g. more frames than captured)
+            return self._eager(inputs, batch, f"batch not servable by graph: {exc}")
         except Exception as exc:  # a graph path must never crash a user's call
             why = f"replay failed: {type(exc).__name__}: {exc}"
             self._disable_budget(batch.budget, why)
@@ -452,7 +454,7 @@ def _assemble(pieces: list[tuple[int, Any]]) -> Any:
     return type(first)(torch.cat([p[1][i] for p in pieces]) for i in range(len(first)))
 
 
-def _infer_device_dtype(model: Any, device: Any, dtype: Any) -> tuple[torch.device, torch.dtype]:
+def infer_device_dtype(model: Any, device: Any = None, dtype: Any = None) -> tuple[torch.device, torch.dtype]:
     param = None
     if isinstance(model, torch.nn.Module):
         param = next(iter(model.parameters()), None)
