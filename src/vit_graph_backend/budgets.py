@@ -105,6 +105,9 @@ class BudgetConfig:
                 f"budgets={self.budgets!r} is invalid: must be sorted, unique and positive; "
                 "use BudgetConfig.resolve() to normalize user budgets"
             )
+        # Store a tuple even when given a list: a list would make the frozen config unhashable
+        # (it keys caches) and unequal to the same config built with a tuple.
+        object.__setattr__(self, "budgets", tuple(self.budgets))
         check_positive_int("max_batch_size", self.max_batch_size)
         if self.max_frames_per_batch is not None:
             check_positive_int("max_frames_per_batch", self.max_frames_per_batch)

@@ -455,6 +455,7 @@ def _assemble(pieces: list[tuple[int, Any]]) -> Any:
 
 
 def infer_device_dtype(model: Any, device: Any = None, dtype: Any = None) -> tuple[torch.device, torch.dtype]:
+    """``(device, dtype)`` given, or else those of ``model``'s first parameter (CPU/fp32 if none)."""
     param = None
     if isinstance(model, torch.nn.Module):
         param = next(iter(model.parameters()), None)

@@ -295,13 +295,18 @@ def image_grids(
     """
     check_positive_int("patch", patch)
     check_positive_int("merge", merge)
+    check_positive_int("max_side", max_side)
+    check_positive_int("max_frames", max_frames)
     step = patch * merge
     if min_side is None:
+        if step > max_side:
+            raise InvalidOptionError(
+                f"max_side={max_side} is smaller than one merged patch, patch * merge = "
+                f"{patch} * {merge} = {step} pixels; raise max_side or lower patch or merge"
+            )
         min_side = step
     check_positive_int("min_side", min_side)
-    check_positive_int("max_side", max_side)
     _order_check("side", min_side, max_side)
-    check_positive_int("max_frames", max_frames)
     low, high = ceil_div(min_side, step), max_side // step
     if low > high:
         raise InvalidOptionError(

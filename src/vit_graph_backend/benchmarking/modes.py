@@ -1,0 +1,126 @@
+"""The modes ``vitgraph bench`` compares, each a way to run the same model on the same stream.
+
+=====================  ======================================================================
+``eager``              the model as is (``torch.no_grad``)
+``compile-default``    ``torch.compile(model)``
+``reduce-overhead``    ``torch.compile(model, mode="reduce-overhead")`` (Inductor's CUDA graph trees)
+``vitgraph``           batched: ``torch.compile(model, backend=vitgraph, options={...})`` with
+                       ``inner_compiler="eager"``; packed: ``serve(tower, **options)``
+``vitgraph-inductor``  the same with ``inner_compiler="inductor"``
+=====================  ======================================================================
+
+Packed towers go through :func:`vit_graph_backend.packed.serve` (adapter + router) rather than
+``torch.compile(adapter, backend="vitgraph", options=...)``: the router frame is skipped by Dynamo,
+so options given to ``torch.compile`` could not reach it (see ``packed.py``). The backend object is
+imported and passed directly, so a broken entry point cannot hide behind a name lookup. Any failure
+(the backend missing, a compile or capture error, a crash at replay) is raised to the runner,
+which reports the mode as failed and goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "MODES",
+    "VITGRAPH_INNER",
+    "BackendMissingError",
+    "PreparedMode",
+    "backend_report",
+    "prepare_mode",
+    "reset",
+]
+
+MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead", "vitgraph",
+                          "vitgraph-inductor")
+
+#: The vitgraph modes and the inner compiler each one asks for.
+VITGRAPH_INNER: dict[str, str] = {"vitgraph": "eager", "vitgraph-inductor": "inductor"}
+
+
+class BackendMissingError(ImportError):
+    """The vitgraph backend (or its packed serving module) cannot be imported here."""
+
+
+@dataclass
+class PreparedMode:
+    """A mode ready to run: ``fn(*inputs)``; vitgraph modes add a report and a cleanup."""
+
+    name: str
+    fn: Callable[..., Any]
+    report: Callable[[], dict[str, Any]] | None = None
+    cleanup: Callable[[], None] | None = None
+    options: dict[str, Any] | None = None
+
+
+def _import(what: str) -> Any:
+    module, _, attr = what.partition(":")
+    try:
+        return getattr(importlib.import_module(module, __package__), attr)
+    except ImportError as exc:
+        raise BackendMissingError(
+            f"{module.lstrip('.')} not present yet ({type(exc).__name__}: {exc})") from exc
+
+
+def _packed_report(served: Any) -> dict[str, Any]:
+    """A packed encoder's counters, shaped like ``vitgraph.report()`` (no Dynamo compiles)."""
+    memory = served.manager.memory_report()
+    return {"compiles": None, "graphs_captured": memory["graphs"],
+            "graph_memory_bytes": memory["total_bytes"],
+            "capture_seconds": memory["capture_seconds"],
+            "stats": served.manager.stats.as_dict()}
+
+
+def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> PreparedMode:
+    """Build mode ``name`` around ``built`` (a :class:`~.models.BuiltModel`).
+
+    Args:
+        name: one of :data:`MODES`.
+        built: the model.
+        vitgraph_options: backend options shared by the vitgraph modes (budgets, policy, ...);
+            the mode adds its ``inner_compiler``.
+
+    Raises:
+        ValueError: for an unknown mode. Anything else (missing backend or adapter) propagates.
+    """
+    import torch
+
+    if name == "eager":
+        return PreparedMode(name, built.module)
+    if name == "compile-default":
+        return PreparedMode(name, torch.compile(built.module))
+    if name == "reduce-overhead":
+        return PreparedMode(name, torch.compile(built.module, mode="reduce-overhead"))
+    if name not in VITGRAPH_INNER:
+        raise ValueError(f"mode={name!r} is invalid: choose from {', '.join(MODES)}")
+    options = {**vitgraph_options, "inner_compiler": VITGRAPH_INNER[name]}
+    if built.entry.packed:
+        served = _import("..packed:serve")(built.module, **options)
+        return PreparedMode(name, served, lambda: _packed_report(served),
+                            served.manager.clear, options)
+    backend = _import("..backend:vitgraph")
+    fn = torch.compile(built.module, backend=backend, options=options)
+    return PreparedMode(name, fn, backend.report, backend.reset, options)
+
+
+def backend_report(mode: PreparedMode) -> dict[str, Any] | None:
+    """The vitgraph counters after a vitgraph mode ran, or ``None`` for the other modes."""
+    return None if mode.report is None else dict(mode.report())
+
+
+def reset(mode: PreparedMode | None = None) -> None:
+    """Free compiled frames and captured graphs between modes (``torch.compiler.reset()``, which
+    also resets the vitgraph backend, plus the mode's own cleanup)."""
+    import gc
+
+    import torch
+
+    torch.compiler.reset()
+    if mode is not None and mode.cleanup is not None:
+        mode.cleanup()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

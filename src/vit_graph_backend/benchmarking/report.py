@@ -1,0 +1,300 @@
+"""Result of ``vitgraph bench``: the JSON schema (versioned), the text table and the latency plot.
+
+The JSON document is the one source: the table and the plot are rendered from it, so what is
+printed and what is saved cannot disagree. :data:`RESULT_SCHEMA` spells out every key and type of
+schema version :data:`SCHEMA_VERSION`; any change to the keys or types bumps the version (a test
+pins version 1). :func:`validate` checks a document against it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "validate", "write_json",
+           "write_plot"]
+
+SCHEMA_VERSION = 1
+
+
+class Nullable:
+    """``spec`` or ``null``."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+
+class ListOf:
+    """A JSON array whose elements all match ``spec``."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+
+class MapOf:
+    """A JSON object with free string keys whose values all match ``spec``."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+
+class OneOf:
+    """One of the given literal values."""
+
+    def __init__(self, *values: Any) -> None:
+        self.values = values
+
+
+NUMBER = (int, float)
+STATS = {  # GraphStats.as_dict(): planned (routing) or measured (backend report)
+    "calls": int, "graph_replays": int, "graph_items": int, "eager_batches": int,
+    "eager_items": int, "real_tokens": int, "padded_tokens": int, "hit_rate": NUMBER,
+    "padding_ratio": NUMBER, "replays_per_budget": MapOf(int), "fallback_reasons": MapOf(int),
+}
+PLAN = {  # routing.plan_to_dict() plus the call index
+    "call": int,
+    "items": ListOf({"input_size": int, "output_tokens": int, "frames": int}),
+    "batches": ListOf({"budget": Nullable(int), "items": ListOf(int), "tokens": int,
+                       "padded_tokens": int}),
+    "eager_items": ListOf(int), "real_tokens": int, "padded_tokens": int,
+    "padding_ratio": NUMBER,
+}
+MODE = {
+    "mode": str, "status": OneOf("ok", "failed"), "error": Nullable(str),
+    "traceback": Nullable(str),
+    "latency_ms": Nullable({"p50": NUMBER, "p99": NUMBER, "mean": NUMBER, "min": NUMBER,
+                            "max": NUMBER}),
+    "per_call_ms": ListOf(NUMBER), "stream_total_s": Nullable(NUMBER),
+    "first_pass_s": Nullable(NUMBER), "peak_memory_bytes": Nullable(int),
+    "graphs_captured": Nullable(int), "compiles": Nullable(int), "hit_rate": Nullable(NUMBER),
+    "padding_ratio": Nullable(NUMBER), "max_abs_error": Nullable(NUMBER),
+    "speedup_vs_eager": Nullable(NUMBER), "backend_report": Nullable(dict),
+    "notes": ListOf(str),
+}
+RESULT_SCHEMA: dict[str, Any] = {
+    "schema_version": int,
+    "tool": str,
+    "package_version": str,
+    "created_utc": str,
+    "environment": {
+        "vit_graph_backend": str, "python": str, "platform": str, "cpu_count": int,
+        "torch": str, "cuda_available": bool, "cuda_version": Nullable(str), "device": str,
+        "device_name": str, "packages": MapOf(Nullable(str)),
+    },
+    "config": {
+        "model": str, "workload": str, "modality": str, "modes": ListOf(str), "calls": int,
+        "seed": int, "max_batch": int, "budgets": ListOf(int), "max_budget": Nullable(int),
+        "items_per_graph": Nullable(int), "max_frames_per_graph": Nullable(int),
+        "policy": str, "device": str, "dtype": str, "check_calls": int, "progress": bool,
+        "layout": OneOf("batched", "packed"), "family": str, "params": int, "items": int,
+    },
+    "routing": {
+        "unit": OneOf("rows", "tokens"), "budgets": ListOf(int),
+        "items_per_graph": Nullable(int), "max_frames_per_graph": Nullable(int),
+        "policy": str, "planned": STATS, "sample_plans": ListOf(PLAN),
+    },
+    "notes": ListOf(str),
+    "modes": ListOf(MODE),
+}
+
+
+def _check(value: Any, spec: Any, path: str, problems: list[str]) -> None:
+    if isinstance(spec, Nullable):
+        if value is not None:
+            _check(value, spec.spec, path, problems)
+    elif isinstance(spec, OneOf):
+        if value not in spec.values:
+            problems.append(f"{path}: {value!r} is not one of {spec.values}")
+    elif isinstance(spec, ListOf):
+        if not isinstance(value, list):
+            problems.append(f"{path}: expected a list, got {type(value).__name__}")
+            return
+        for i, element in enumerate(value):
+            _check(element, spec.spec, f"{path}[{i}]", problems)
+    elif isinstance(spec, MapOf):
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected an object, got {type(value).__name__}")
+            return
+        for key, element in value.items():
+            if not isinstance(key, str):
+                problems.append(f"{path}: key {key!r} is not a string")
+            _check(element, spec.spec, f"{path}.{key}", problems)
+    elif isinstance(spec, dict):
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected an object, got {type(value).__name__}")
+            return
+        missing, extra = sorted(set(spec) - set(value)), sorted(set(value) - set(spec))
+        if missing:
+            problems.append(f"{path}: missing keys {missing}")
+        if extra:
+            problems.append(f"{path}: unexpected keys {extra}")
+        for key in set(spec) & set(value):
+            _check(value[key], spec[key], f"{path}.{key}", problems)
+    else:
+        types = spec if isinstance(spec, tuple) else (spec,)
+        if isinstance(value, bool) and bool not in types:
+            problems.append(f"{path}: expected {spec}, got bool")
+        elif not isinstance(value, types):
+            problems.append(f"{path}: expected {spec}, got {type(value).__name__}")
+
+
+def validate(doc: Any, schema: Any = None) -> list[str]:
+    """Problems of ``doc`` against ``schema`` (default :data:`RESULT_SCHEMA`); empty if valid."""
+    problems: list[str] = []
+    _check(doc, RESULT_SCHEMA if schema is None else schema, "$", problems)
+    return problems
+
+
+def write_json(doc: Mapping[str, Any], path: str | Path) -> Path:
+    """Write ``doc`` as indented JSON (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return path
+
+
+# -- text ------------------------------------------------------------------------------------
+
+_COLUMNS = ("mode", "status", "p50 ms", "p99 ms", "mean ms", "stream s", "first pass s",
+            "peak mem", "graphs", "hit rate", "padding", "max err", "speed-up")
+
+
+def _num(value: Any, fmt: str, na: str = "n/a") -> str:
+    return na if value is None else format(value, fmt)
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100.0 * value:.1f} %"
+
+
+def _row(m: Mapping[str, Any]) -> tuple[str, ...]:
+    if m["status"] != "ok":
+        return (m["mode"], "FAILED") + ("-",) * (len(_COLUMNS) - 2)
+    lat = m["latency_ms"]
+    return (m["mode"], "ok", f"{lat['p50']:.2f}", f"{lat['p99']:.2f}", f"{lat['mean']:.2f}",
+            f"{m['stream_total_s']:.3f}", f"{m['first_pass_s']:.2f}",
+            _mib(m["peak_memory_bytes"]), _num(m["graphs_captured"], "d"), _pct(m["hit_rate"]),
+            _pct(m["padding_ratio"]), _num(m["max_abs_error"], ".1e"),
+            _num(m["speedup_vs_eager"], ".2f") + ("x" if m["speedup_vs_eager"] else ""))
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if c < 2 else cell.rjust(w)
+                      for c, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+
+
+def _budget_counts(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in counts.items()) or "none"
+
+
+def _routing_lines(doc: Mapping[str, Any]) -> list[str]:
+    from .routing import plan_line
+
+    r, unit = doc["routing"], doc["routing"]["unit"]
+    p = r["planned"]
+    cap = (f"{r['items_per_graph']} item(s) per graph" if r["items_per_graph"] is not None
+           else "one row item per call, chunked above the largest budget")
+    if r["max_frames_per_graph"] is not None:
+        cap += f", {r['max_frames_per_graph']} frames per graph"
+    lines = [
+        "routing (planner preview: what vitgraph does with these options, on any device):",
+        f"  budgets ({unit}): {' '.join(map(str, r['budgets']))} | {cap} | policy {r['policy']}",
+        f"  planned over the stream: {p['graph_replays']} replays ({_budget_counts(p['replays_per_budget'])}), "
+        f"{p['eager_batches']} eager batches ({p['eager_items']} items); hit rate "
+        f"{_pct(p['hit_rate'])}; padding {_pct(p['padding_ratio'])} "
+        f"({p['padded_tokens']} of {p['real_tokens'] + p['padded_tokens']} graph {unit})",
+    ]
+    lines += [f"  call {plan['call']}: {plan_line(plan, unit=unit)}" for plan in r["sample_plans"]]
+    return lines
+
+
+def _backend_lines(m: Mapping[str, Any]) -> list[str]:
+    rep = m["backend_report"]
+    s = rep.get("stats", {})
+    reasons = s.get("fallback_reasons") or {}
+    return [
+        f"  {m['mode']}: {_num(rep.get('compiles'), 'd')} Dynamo compiles, "
+        f"{rep.get('graphs_captured')} graphs "
+        f"({_mib(rep.get('graph_memory_bytes'))}, captured in {rep.get('capture_seconds')} s); "
+        f"{s.get('calls')} calls: {s.get('graph_replays')} replays "
+        f"({_budget_counts(s.get('replays_per_budget') or {})}), {s.get('eager_batches')} eager "
+        f"batches ({s.get('eager_items')} items); hit rate {_pct(s.get('hit_rate'))}, "
+        f"padding {_pct(s.get('padding_ratio'))}; fallbacks: "
+        f"{', '.join(f'{k} x{v}' for k, v in reasons.items()) or 'none'}"
+    ]
+
+
+def format_text(doc: Mapping[str, Any]) -> str:
+    """The human-readable report of a result document."""
+    env, cfg = doc["environment"], doc["config"]
+    lines = [
+        f"vitgraph bench: {cfg['model']} ({cfg['family']}, {cfg['layout']}, "
+        f"{cfg['params'] / 1e6:.2f} M params, random weights) | workload {cfg['workload']}, "
+        f"modality {cfg['modality']}, {cfg['calls']} calls ({cfg['items']} items), "
+        f"seed {cfg['seed']}",
+        f"device {env['device']} ({env['device_name']}) | {cfg['dtype']} | torch {env['torch']} "
+        f"| vit_graph_backend {env['vit_graph_backend']}",
+    ]
+    lines += [f"note: {note}" for note in doc["notes"]]
+    lines += [""] + _routing_lines(doc) + [""]
+    lines += _table([_COLUMNS] + [_row(m) for m in doc["modes"]])
+    failed = [m for m in doc["modes"] if m["status"] != "ok"]
+    if failed:
+        lines += ["", "failed modes (the run went on):"]
+        lines += [f"  {m['mode']}: {m['error']}" for m in failed]
+    reported = [m for m in doc["modes"] if m["backend_report"]]
+    if reported:
+        lines += ["", "vitgraph backend reports (counts cover the first and the timed pass):"]
+        for m in reported:
+            lines += _backend_lines(m)
+    noted = [(m["mode"], n) for m in doc["modes"] for n in m["notes"]]
+    lines += [f"note ({mode}): {n}" for mode, n in noted]
+    lines += [
+        "",
+        "p50/p99/mean: per call, timed pass. stream s: sum of the timed pass. first pass s: wall "
+        "time of the first run of the stream (compiles and captures included).",
+        f"max err: max |mode - eager| over the first {cfg['check_calls']} calls. speed-up: eager "
+        "stream s / mode stream s. peak mem: torch.cuda.max_memory_allocated (n/a on CPU).",
+    ]
+    return "\n".join(lines)
+
+
+# -- plot ------------------------------------------------------------------------------------
+
+
+def write_plot(doc: Mapping[str, Any], path: str | Path) -> Path:
+    """Save the latency distribution of each mode that ran as a PNG: a box plot per mode (left)
+    and per-call latency along the stream (right). Needs matplotlib (the ``bench`` extra)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ok = [m for m in doc["modes"] if m["status"] == "ok"]
+    cfg, env = doc["config"], doc["environment"]
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    box, line = fig.subplots(1, 2, width_ratios=(1, 2))
+    if ok:
+        box.boxplot([m["per_call_ms"] for m in ok], tick_labels=[m["mode"] for m in ok])
+        for m in ok:
+            line.plot(range(len(m["per_call_ms"])), m["per_call_ms"], label=m["mode"], lw=1)
+        line.legend(fontsize="small")
+        for ax in (box, line):
+            ax.set_yscale("log")
+    else:
+        box.text(0.5, 0.5, "no mode ran", ha="center", va="center", transform=box.transAxes)
+    box.set_ylabel("latency per call (ms)")
+    box.tick_params(axis="x", labelrotation=30)
+    line.set_xlabel("call (timed pass)")
+    fig.suptitle(f"{cfg['model']} | {cfg['workload']} ({cfg['modality']}) | {env['device_name']} "
+                 f"| {cfg['dtype']} | torch {env['torch']}", fontsize="medium")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=110)
+    return path

@@ -1,0 +1,156 @@
+"""Routing preview: what the ``vitgraph`` planner does with a call or a stream, without torch.
+
+``vitgraph plan`` and the routing section of ``vitgraph bench`` both come from here, so the two
+always agree with :func:`~vit_graph_backend.planner.plan_batches`, which the backend runs at replay.
+Stream totals are counted with :class:`~vit_graph_backend.stats.GraphStats`, the same counters the
+backend reports, so a planned hit rate and a measured one mean the same thing.
+
+Two layouts (DESIGN.md §2):
+    - batched ``[B, C, H, W]``: a call is one *row item* of ``B`` rows, budgets count rows and a
+      call larger than the largest budget is cut into chunks (``chunk=True``), one item per graph;
+    - packed (Qwen-VL): every image or video is an item, budgets count output tokens.
+
+This module must not import torch: ``vitgraph plan`` is instant on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..budgets import BudgetConfig, budget_ladder
+from ..planner import Plan, plan_batches
+from ..specs import EncoderItemSpec
+from ..stats import GraphStats
+
+__all__ = [
+    "batched_budget_config",
+    "default_batched_budgets",
+    "default_packed_budgets",
+    "format_plan",
+    "plan_line",
+    "plan_stream",
+    "plan_to_dict",
+    "summarize_plans",
+]
+
+#: Eager-fallback reasons, as the planner decides them.
+OVERSIZE = "larger than the largest budget or frame cap"
+NOT_EXACT = "exact policy: tokens match no budget"
+
+
+def default_batched_budgets(max_rows: int, max_budget: int | None = None) -> tuple[int, ...]:
+    """Row budgets ``1, 2, 4, ...`` ending exactly at ``max_budget`` (default: ``max_rows``)."""
+    return budget_ladder(1, max_budget or max_rows)
+
+
+def default_packed_budgets(
+    calls: Sequence[Sequence[int]], items_per_graph: int, max_budget: int | None = None
+) -> tuple[int, ...]:
+    """A token ladder that covers a stream of packed calls.
+
+    It starts at the largest power of two not above the stream's smallest item (but at least
+    ``items_per_graph``, so every item slot gets a token) and ends at ``max_budget``, by default
+    the largest sum of ``items_per_graph`` items of one call, so that every item fits a graph.
+
+    Args:
+        calls: per call, the output tokens of its items.
+        items_per_graph: items one graph holds.
+        max_budget: the largest budget, or ``None`` to derive it from the stream.
+    """
+    tokens = [t for call in calls for t in call]
+    if not tokens:
+        raise ValueError("the stream has no items")
+    stop = max_budget or max(sum(sorted(call)[-items_per_graph:]) for call in calls if call)
+    start = 1 << (min(tokens).bit_length() - 1)
+    start = min(max(start, items_per_graph), stop)
+    return budget_ladder(start, stop)
+
+
+def batched_budget_config(budgets: Sequence[int]) -> BudgetConfig:
+    """The config of a batched model: one row item per graph, budgets in rows."""
+    return BudgetConfig.resolve((min(budgets), max(budgets)), budgets=budgets, max_batch_size=1)
+
+
+def _eager_reason(batch_tokens: int, batch_frames: int, config: BudgetConfig) -> str:
+    cap = config.max_frames_per_batch
+    if batch_tokens > config.max_budget or (cap is not None and batch_frames > cap):
+        return OVERSIZE
+    return NOT_EXACT
+
+
+def summarize_plans(plans: Sequence[Plan], config: BudgetConfig) -> dict[str, Any]:
+    """Totals over a stream's plans, keyed as :meth:`GraphStats.as_dict` (planned, not measured)."""
+    stats = GraphStats()
+    for plan in plans:
+        stats.record_call()
+        for batch in plan.batches:
+            if batch.eager:
+                stats.record_eager(len(batch.segments),
+                                   _eager_reason(batch.tokens, batch.frames, config))
+            else:
+                stats.record_replay(batch.budget, len(batch.segments), batch.tokens)
+    return stats.as_dict()
+
+
+def plan_to_dict(plan: Plan, specs: Sequence[EncoderItemSpec]) -> dict[str, Any]:
+    """A JSON-ready description of one call's plan."""
+    return {
+        "items": [{"input_size": s.input_size, "output_tokens": s.output_tokens,
+                   "frames": s.frames} for s in specs],
+        "batches": [{"budget": b.budget, "items": list(b.items), "tokens": b.tokens,
+                     "padded_tokens": b.padded_tokens} for b in plan.batches],
+        "eager_items": list(plan.eager_items),
+        "real_tokens": plan.real_tokens,
+        "padded_tokens": plan.padded_tokens,
+        "padding_ratio": plan.padding_ratio,
+    }
+
+
+def format_plan(plan: dict[str, Any], *, unit: str = "tokens", indent: str = "") -> list[str]:
+    """Text lines for a plan given as :func:`plan_to_dict` returns it."""
+    rows = [("batch", "budget", "items", unit, "padding")]
+    for i, batch in enumerate(plan["batches"]):
+        eager = batch["budget"] is None
+        rows.append((str(i), "eager" if eager else str(batch["budget"]),
+                     ",".join(map(str, batch["items"])), str(batch["tokens"]),
+                     "-" if eager else str(batch["padded_tokens"])))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [row[0].rjust(widths[0]), row[1].rjust(widths[1]), row[2].ljust(widths[2]),
+                 row[3].rjust(widths[3]), row[4].rjust(widths[4])]
+        lines.append(indent + "  ".join(cells).rstrip())
+    total = plan["real_tokens"] + plan["padded_tokens"]
+    eager = plan["eager_items"]
+    lines.append(
+        f"{indent}padding waste: {plan['padded_tokens']} of {total} graph {unit} "
+        f"({100.0 * plan['padding_ratio']:.1f} %); "
+        f"eager items: {', '.join(map(str, eager)) if eager else 'none'}"
+    )
+    return lines
+
+
+def plan_line(plan: dict[str, Any], *, unit: str = "tokens") -> str:
+    """One line for a plan given as :func:`plan_to_dict` returns it (the bench's sample calls)."""
+    parts = []
+    for batch in plan["batches"]:
+        items = ",".join(map(str, batch["items"]))
+        if batch["budget"] is None:
+            parts.append(f"[eager: items {items}, {batch['tokens']}]")
+        else:
+            parts.append(f"[budget {batch['budget']}: items {items}, {batch['tokens']} + "
+                         f"{batch['padded_tokens']} padding]")
+    sizes = ",".join(str(item["output_tokens"]) for item in plan["items"])
+    return f"items of {sizes} {unit} -> {' '.join(parts)}"
+
+
+def plan_stream(
+    calls_specs: Sequence[Sequence[EncoderItemSpec]],
+    config: BudgetConfig,
+    *,
+    policy: str = "baseline",
+    chunk: bool = False,
+) -> list[Plan]:
+    """Plan every call of a stream."""
+    return [plan_batches(specs, config, policy=policy, chunk=chunk) for specs in calls_specs]

@@ -1,0 +1,284 @@
+"""``vitgraph bench``: one model, one seeded stream, several modes side by side in one process.
+
+Protocol, per mode (DESIGN.md §1 measured the same way):
+
+1. ``torch.compiler.reset()``; on CUDA, reset the peak-memory counter.
+2. **First pass**: the whole stream once, untimed per call; its wall time (compiles, captures,
+   recompiles included) is reported as *first pass*.
+3. **Timed pass**: the same stream again, each call timed (CUDA events on CUDA, ``perf_counter`` on
+   CPU, synchronized around each call). p50/p99/mean and *stream total* (sum of the calls) come
+   from this pass; *speed-up* is eager's stream total over the mode's.
+4. **Equivalence**: the timed pass's outputs for the first ``check_calls`` calls against the eager
+   model's, as the max abs error.
+5. vitgraph modes add ``vitgraph.report()`` (graphs, memory, hits, eager fallbacks, padding); its
+   counts cover both passes.
+
+A mode that raises is reported as failed with its error and the run goes on. The routing preview
+(:mod:`.routing`) is computed from the planner alone, so it shows on any machine, even while the
+backend is missing.
+
+Defaults depend on the device: on CPU a tiny model, 24 calls, modes ``eager,vitgraph``, fp32 (well
+under a minute on 2 cores); on CUDA ``vit-b16``, 120 calls (60 for packed models), all five modes,
+bf16.
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..budgets import BudgetConfig
+from . import routing
+from .models import MODELS, ModelEntry, availability, call_specs, primary_output
+from .modes import MODES, backend_report, prepare_mode, reset
+from .report import SCHEMA_VERSION
+from .timing import CallTimer, progress, summarize
+from .workloads import WORKLOADS, Call, make_stream, resolve_modality
+
+__all__ = ["DTYPES", "BenchConfig", "Resolved", "resolve", "run_benchmark"]
+
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+CPU_NOTE = (
+    "no CUDA device: CUDA graphs need a CUDA device. On CPU the vitgraph modes run the same "
+    "plan/pad/slice path without graphs, so these timings show routing overhead, not the speed-up; "
+    "run the same command on a CUDA machine for the real numbers."
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the user asked for; ``None`` means "the default for the device" (see module doc)."""
+
+    model: str | None = None
+    workload: str = "uniform-batch"
+    modality: str | None = None
+    modes: tuple[str, ...] | None = None
+    calls: int | None = None
+    seed: int = 0
+    max_batch: int | None = None
+    budgets: tuple[int, ...] | None = None
+    max_budget: int | None = None
+    items_per_graph: int | None = None
+    max_frames_per_graph: int | None = None
+    policy: str = "baseline"
+    device: str | None = None
+    dtype: str | None = None
+    check_calls: int = 3
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A config with every default filled in, its stream and the routing it implies."""
+
+    config: BenchConfig  # no None left in model/modality/modes/calls/max_batch/device/dtype
+    entry: ModelEntry
+    stream: list[Call]
+    budgets: BudgetConfig
+
+    @property
+    def vitgraph_options(self) -> dict[str, Any]:
+        """The backend options of the vitgraph modes (each adds its inner compiler)."""
+        options: dict[str, Any] = {"budgets": list(self.budgets.budgets),
+                                   "policy": self.config.policy}
+        if self.entry.packed:
+            options["max_items_per_graph"] = self.budgets.max_batch_size
+            if self.budgets.max_frames_per_batch is not None:
+                options["max_frames_per_batch"] = self.budgets.max_frames_per_batch
+        return options
+
+
+def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
+    """Fill in device-dependent defaults and check the combination; torch is not imported.
+
+    Raises:
+        ValueError: naming the bad value (unknown model, workload or mode, a clash of modality
+            and model, budgets that break ``items_per_graph <= min(budgets)``, ...).
+    """
+    device = config.device or ("cuda" if cuda_available else "cpu")
+    cuda = device.startswith("cuda")
+    if cuda and not cuda_available:
+        raise ValueError(f"device={device!r} is invalid: CUDA is not available on this machine")
+    model = config.model or ("vit-b16" if cuda else "vit-micro")
+    if model not in MODELS:
+        raise ValueError(f"model={model!r} is invalid: choose from {', '.join(MODELS)}")
+    entry = MODELS[model]
+    if config.workload not in WORKLOADS:
+        raise ValueError(
+            f"workload={config.workload!r} is invalid: choose from {', '.join(WORKLOADS)}")
+    modes = config.modes or (MODES if cuda else ("eager", "vitgraph"))
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is invalid: choose from {', '.join(MODES)}")
+    dtype = config.dtype or ("bfloat16" if cuda else "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: choose from {', '.join(DTYPES)}")
+    modality = resolve_modality(config.workload, config.modality, packed=entry.packed)
+    if not entry.packed and (config.items_per_graph or config.max_frames_per_graph):
+        raise ValueError(
+            f"items_per_graph/max_frames_per_graph apply to packed models; {model!r} is batched: "
+            "its budgets count rows (use budgets or max_budget)")
+    max_batch = config.max_batch or (4 if entry.packed else (32 if cuda else 8))
+    calls = config.calls or ((60 if entry.packed else 120) if cuda else 24)
+    stream = make_stream(config.workload, modality, entry.space, calls=calls, seed=config.seed,
+                         max_batch=max_batch)
+    specs = [call_specs(entry, call) for call in stream]
+    if entry.packed:
+        items = config.items_per_graph or (2 if modality == "image+video" else 1)
+        budgets = config.budgets or routing.default_packed_budgets(
+            [[s.output_tokens for s in call] for call in specs], items, config.max_budget)
+        frames = config.max_frames_per_graph
+        if frames is None and modality != "image":
+            # Capture sizes frame-dependent buffers (e.g. Qwen2.5-VL windows) for a frame cap;
+            # without one it assumes a frame per item and video batches fall back to eager.
+            frames = max(sum(sorted(s.frames for s in call)[-items:]) for call in specs)
+        budget_config = BudgetConfig.resolve(
+            (min(budgets), max(budgets)), budgets=budgets, max_batch_size=items,
+            max_frames_per_batch=frames)
+    else:
+        rows = max(s.output_tokens for call in specs for s in call)
+        budgets = config.budgets or routing.default_batched_budgets(rows, config.max_budget)
+        budget_config = routing.batched_budget_config(budgets)
+    resolved = replace(config, model=model, modality=modality, modes=tuple(modes), calls=calls,
+                       max_batch=max_batch, device=device, dtype=dtype,
+                       budgets=budget_config.budgets,
+                       items_per_graph=budget_config.max_batch_size if entry.packed else None)
+    return Resolved(resolved, entry, stream, budget_config)
+
+
+def _routing_section(run: Resolved) -> dict[str, Any]:
+    entry, cfg = run.entry, run.config
+    specs = [call_specs(entry, call) for call in run.stream]
+    plans = routing.plan_stream(specs, run.budgets, policy=cfg.policy, chunk=not entry.packed)
+    return {
+        "unit": "tokens" if entry.packed else "rows",
+        "budgets": list(run.budgets.budgets),
+        "items_per_graph": run.budgets.max_batch_size if entry.packed else None,
+        "max_frames_per_graph": run.budgets.max_frames_per_batch,
+        "policy": cfg.policy,
+        "planned": routing.summarize_plans(plans, run.budgets),
+        "sample_plans": [{"call": i, **routing.plan_to_dict(plans[i], specs[i])}
+                         for i in range(min(3, len(plans)))],
+    }
+
+
+def _mode_result(name: str) -> dict[str, Any]:
+    return {"mode": name, "status": "failed", "error": None, "traceback": None,
+            "latency_ms": None, "per_call_ms": [], "stream_total_s": None, "first_pass_s": None,
+            "peak_memory_bytes": None, "graphs_captured": None, "compiles": None,
+            "hit_rate": None, "padding_ratio": None, "max_abs_error": None,
+            "speedup_vs_eager": None, "backend_report": None, "notes": []}
+
+
+def _max_abs_error(out: Any, ref: Any) -> float | None:
+    got = primary_output(out).detach().float().cpu()
+    if got.shape != ref.shape:
+        return None
+    return float((got - ref).abs().max()) if got.numel() else 0.0
+
+
+def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]],
+              refs: list[Any], timer: CallTimer) -> dict[str, Any]:
+    import torch
+
+    result = _mode_result(name)
+    show = run.config.progress
+    prepared = None
+    try:
+        if timer.cuda:
+            torch.cuda.reset_peak_memory_stats(timer.device)
+        prepared = prepare_mode(name, built, run.vitgraph_options)
+
+        def first_pass() -> None:
+            for args in progress(inputs, desc=f"{name}: first pass (compile, capture)",
+                                 total=len(inputs), enabled=show):
+                prepared.fn(*args)
+
+        with torch.no_grad():
+            _, result["first_pass_s"] = timer.wall(first_pass)
+            ms, errors = [], []
+            for i, args in enumerate(progress(inputs, desc=f"{name}: timed pass",
+                                              total=len(inputs), enabled=show)):
+                out, elapsed = timer.time_call(prepared.fn, args)
+                ms.append(elapsed)
+                if i < len(refs):
+                    errors.append(_max_abs_error(out, refs[i]))
+                del out
+        result.update(status="ok", latency_ms=summarize(ms), per_call_ms=ms,
+                      stream_total_s=sum(ms) / 1e3)
+        if None in errors:
+            result["notes"].append("output shape differs from eager: no equivalence check")
+        elif errors:
+            result["max_abs_error"] = max(errors)
+        if timer.cuda:
+            result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(timer.device))
+        report = backend_report(prepared)
+        if report is not None:
+            stats = report.get("stats", {})
+            result.update(backend_report=report, graphs_captured=report.get("graphs_captured"),
+                          compiles=report.get("compiles"), hit_rate=stats.get("hit_rate"),
+                          padding_ratio=stats.get("padding_ratio"))
+    except Exception as exc:  # a failing mode is a result, not the end of the run
+        result.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000],
+                      traceback=traceback.format_exc()[-8000:])
+    finally:
+        reset(prepared)
+    return result
+
+
+def run_benchmark(config: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark and return its JSON-ready result (see :mod:`.report` for the schema).
+
+    Raises:
+        ValueError: for a bad configuration (before anything runs).
+        RuntimeError: if the model is unavailable here.
+    """
+    import torch
+
+    from .. import __version__
+    from .environment import collect_environment
+
+    run = resolve(config, cuda_available=torch.cuda.is_available())
+    cfg, entry = run.config, run.entry
+    reason = availability(entry)
+    if reason is not None:
+        raise RuntimeError(f"model {entry.name!r} is unavailable here: {reason}")
+    from .models import build_model
+
+    dtype = getattr(torch, cfg.dtype)
+    sizes = {(i.height, i.width) for call in run.stream for i in call.items}
+    built = build_model(entry, device=cfg.device, dtype=dtype, dynamic_size=len(sizes) > 1,
+                        seed=cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    inputs = [built.inputs(call, generator) for call in run.stream]
+    timer = CallTimer(cfg.device)
+
+    with torch.no_grad():  # eager reference for the equivalence check
+        refs = [primary_output(built.module(*args)).detach().float().cpu()
+                for args in inputs[: cfg.check_calls]]
+
+    notes = [] if timer.cuda else [CPU_NOTE]
+    modes = [_run_mode(name, run, built, inputs, refs, timer) for name in cfg.modes]
+    eager = next((m for m in modes if m["mode"] == "eager" and m["status"] == "ok"), None)
+    for m in modes:
+        if eager is not None and m["status"] == "ok" and m["stream_total_s"]:
+            m["speedup_vs_eager"] = eager["stream_total_s"] / m["stream_total_s"]
+
+    items = sum(len(call.items) for call in run.stream)
+    config_block = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
+    config_block.update(layout=entry.layout, family=entry.family, params=built.num_params,
+                        items=items)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "vitgraph bench",
+        "package_version": __version__,
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": collect_environment(cfg.device),
+        "config": config_block,
+        "routing": _routing_section(run),
+        "notes": notes,
+        "modes": modes,
+    }
+

@@ -1,0 +1,275 @@
+"""The ``vitgraph bench`` harness: workloads, defaults, routing preview, timing, schema, models, modes.
+
+CPU only. The registry's tiny models are built and run once each; ``compile-default`` is run on one
+static shape (one Inductor compile, marked ``slow``); the packed vitgraph path runs on a tiny
+Qwen2.5-VL tower once ``vit_graph_backend.packed`` exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from pathlib import Path
+
+import pytest
+
+import vit_graph_backend
+from vit_graph_backend.benchmarking import (
+    MODELS,
+    RESULT_SCHEMA,
+    SCHEMA_VERSION,
+    WORKLOADS,
+    BenchConfig,
+    resolve,
+    run_benchmark,
+    validate,
+)
+from vit_graph_backend.benchmarking.models import availability, build_model, call_specs
+from vit_graph_backend.benchmarking.routing import (
+    default_batched_budgets,
+    default_packed_budgets,
+    plan_stream,
+    summarize_plans,
+)
+from vit_graph_backend.benchmarking.timing import percentile, summarize
+from vit_graph_backend.benchmarking.workloads import make_stream, resolve_modality
+from vit_graph_backend.budgets import BudgetConfig
+from vit_graph_backend.specs import EncoderItemSpec
+
+SRC = Path(vit_graph_backend.__file__).resolve().parent
+TINY = [name for name in MODELS if name.endswith("-tiny") or name == "vit-micro"]
+
+# -- workloads -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("model", ["vit-micro", "qwen2.5-vl-tiny"])
+def test_streams_are_seeded_and_within_the_size_space(workload, model):
+    entry = MODELS[model]
+    try:
+        modality = resolve_modality(workload, None, packed=entry.packed)
+    except ValueError:
+        assert workload == "video" and not entry.packed
+        return
+    kwargs = dict(calls=20, seed=3, max_batch=5)
+    stream = make_stream(workload, modality, entry.space, **kwargs)
+    assert stream == make_stream(workload, modality, entry.space, **kwargs)
+    assert stream != make_stream(workload, modality, entry.space, **{**kwargs, "seed": 4}) or (
+        workload == "fixed-batch")
+    for call in stream:
+        assert 1 <= len(call.items) <= 5
+        for item in call.items:
+            assert item.height in entry.space.sizes and item.width in entry.space.sizes
+            assert item.is_video == (modality == "video")
+        if not entry.packed:  # one [B, C, H, W] tensor per call
+            assert len({(i.height, i.width) for i in call.items}) == 1
+
+
+def test_image_plus_video_adds_one_video_per_call():
+    space = MODELS["qwen2-vl-tiny"].space
+    for call in make_stream("multi-image", "image+video", space, calls=10, seed=0, max_batch=4):
+        assert [i.is_video for i in call.items].count(True) == 1
+        assert call.items[-1].frames in space.video_frames
+
+
+@pytest.mark.parametrize(("workload", "modality", "packed", "needle"), [
+    ("video", "image", True, "streams videos"),
+    ("uniform-batch", "video", False, "needs a packed"),
+    ("uniform-batch", "sound", True, "modality='sound' is invalid"),
+])
+def test_modality_clashes_are_named(workload, modality, packed, needle):
+    with pytest.raises(ValueError, match=needle):
+        resolve_modality(workload, modality, packed=packed)
+
+
+# -- defaults and routing ------------------------------------------------------------------------
+
+
+def test_defaults_depend_on_the_device():
+    cpu = resolve(BenchConfig(), cuda_available=False).config
+    assert (cpu.model, cpu.device, cpu.dtype, cpu.modes, cpu.calls, cpu.max_batch) == (
+        "vit-micro", "cpu", "float32", ("eager", "vitgraph"), 24, 8)
+    gpu = resolve(BenchConfig(), cuda_available=True).config
+    assert (gpu.model, gpu.device, gpu.dtype, gpu.calls, gpu.max_batch) == (
+        "vit-b16", "cuda", "bfloat16", 120, 32)
+    assert gpu.modes == ("eager", "compile-default", "reduce-overhead", "vitgraph",
+                         "vitgraph-inductor")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve(BenchConfig(device="cuda"), cuda_available=False)
+
+
+@pytest.mark.parametrize(("modality", "items"), [("image", 1), ("video", 1), ("image+video", 2)])
+def test_items_per_graph_default_follows_the_modality(modality, items):
+    run = resolve(BenchConfig(model="qwen2-vl-tiny", workload="multi-image", modality=modality),
+                  cuda_available=False)
+    assert run.vitgraph_options["max_items_per_graph"] == items
+    assert ("max_frames_per_batch" in run.vitgraph_options) == (modality != "image")
+
+
+def test_batched_budgets_count_rows_and_cover_the_stream():
+    run = resolve(BenchConfig(model="vit-micro", max_batch=6), cuda_available=False)
+    assert run.budgets.budgets == (1, 2, 4, 6) == default_batched_budgets(6)
+    assert run.vitgraph_options == {"budgets": [1, 2, 4, 6], "policy": "baseline"}
+    assert default_batched_budgets(6, max_budget=32) == (1, 2, 4, 8, 16, 32)
+
+
+def test_packed_default_budgets_fit_every_call():
+    calls = [[64, 256], [100], [1024, 300, 16]]
+    assert default_packed_budgets(calls, 1) == (16, 32, 64, 128, 256, 512, 1024)
+    assert default_packed_budgets(calls, 2)[-1] == 1024 + 300  # two largest items of a call
+    assert default_packed_budgets([[3]], 4) == (3,)  # start never above stop
+
+
+def test_planned_totals_are_counted_like_the_backend():
+    config = BudgetConfig((4, 8), max_batch_size=2)
+    calls = [[EncoderItemSpec(3, 3), EncoderItemSpec(3, 3)], [EncoderItemSpec(20, 20)]]
+    stats = summarize_plans(plan_stream(calls, config), config)
+    # call 0: 3 + 3 = 6 tokens -> budget 8 (2 padding); call 1: 20 > 8 -> eager.
+    assert (stats["calls"], stats["graph_replays"], stats["eager_batches"]) == (2, 1, 1)
+    assert (stats["real_tokens"], stats["padded_tokens"]) == (6, 2)
+    assert stats["replays_per_budget"] == {"8": 1} and stats["hit_rate"] == 2 / 3
+
+
+def test_call_specs():
+    [call] = make_stream("fixed-batch", "image", MODELS["vit-micro"].space, calls=1, seed=0,
+                         max_batch=5)
+    assert call_specs(MODELS["vit-micro"], call) == [EncoderItemSpec(5, 5)]  # one row item
+    from vit_graph_backend.benchmarking.workloads import Call, Item
+
+    qwen = MODELS["qwen2.5-vl-tiny"]  # patch 14, merge 2, temporal patch 2
+    specs = call_specs(qwen, Call((Item(56, 84), Item(56, 56, frames=4))))
+    assert specs == [EncoderItemSpec(4 * 6, 2 * 3), EncoderItemSpec(2 * 16, 2 * 4, 2)]
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 99) == pytest.approx(4.96)  # numpy.percentile(values, 99)
+    assert percentile([7.0], 99) == 7.0
+    assert summarize([1.0, 3.0]) == {"p50": 2.0, "p99": pytest.approx(2.98), "mean": 2.0,
+                                     "min": 1.0, "max": 3.0}
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+# -- JSON schema ---------------------------------------------------------------------------------
+
+#: Schema version 1, frozen here: changing the document's keys must bump SCHEMA_VERSION.
+V1_TOP = {"schema_version", "tool", "package_version", "created_utc", "environment", "config",
+          "routing", "notes", "modes"}
+V1_MODE = {"mode", "status", "error", "traceback", "latency_ms", "per_call_ms", "stream_total_s",
+           "first_pass_s", "peak_memory_bytes", "graphs_captured", "compiles", "hit_rate",
+           "padding_ratio", "max_abs_error", "speedup_vs_eager", "backend_report", "notes"}
+V1_CONFIG = {"model", "workload", "modality", "modes", "calls", "seed", "max_batch", "budgets",
+             "max_budget", "items_per_graph", "max_frames_per_graph", "policy", "device", "dtype",
+             "check_calls", "progress", "layout", "family", "params", "items"}
+V1_ROUTING = {"unit", "budgets", "items_per_graph", "max_frames_per_graph", "policy", "planned",
+              "sample_plans"}
+
+
+def test_schema_v1_is_pinned():
+    assert SCHEMA_VERSION == 1
+    assert set(RESULT_SCHEMA) == V1_TOP
+    assert set(RESULT_SCHEMA["modes"].spec) == V1_MODE
+    assert set(RESULT_SCHEMA["config"]) == V1_CONFIG
+    assert set(RESULT_SCHEMA["routing"]) == V1_ROUTING
+
+
+@pytest.fixture(scope="module")
+def eager_doc():
+    return run_benchmark(BenchConfig(model="vit-micro", modes=("eager",), calls=3, max_batch=3,
+                                     progress=False))
+
+
+def test_a_result_matches_the_schema_and_json_round_trips(eager_doc):
+    import json
+
+    assert validate(eager_doc) == []
+    assert json.loads(json.dumps(eager_doc, allow_nan=False)) == eager_doc
+    assert eager_doc["config"]["budgets"] == eager_doc["routing"]["budgets"]
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda d: d.pop("routing"), "missing keys ['routing']"),
+    (lambda d: d.update(extra=1), "unexpected keys ['extra']"),
+    (lambda d: d["modes"][0].update(status="maybe"), "'maybe' is not one of"),
+    (lambda d: d["modes"][0].update(per_call_ms="fast"), "expected a list"),
+    (lambda d: d["config"].update(calls=True), "got bool"),
+    (lambda d: d["environment"].update(cpu_count="2"), "expected <class 'int'>"),
+])
+def test_validate_names_what_is_wrong(eager_doc, mutate, needle):
+    doc = copy.deepcopy(eager_doc)
+    mutate(doc)
+    assert any(needle in problem for problem in validate(doc)), validate(doc)
+
+
+# -- models and modes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_models_build_and_emit_one_row_per_planned_token(name):
+    import torch
+
+    entry = MODELS[name]
+    if availability(entry) is not None:
+        pytest.skip(availability(entry))
+    workload = "multi-image"
+    modality = "image+video" if entry.packed else "image"
+    [call] = make_stream(workload, modality, entry.space, calls=1, seed=1, max_batch=3)
+    built = build_model(entry, device="cpu", dtype=torch.float32, dynamic_size=True)
+    from vit_graph_backend.benchmarking.models import primary_output
+
+    with torch.no_grad():
+        out = primary_output(built.module(*built.inputs(call, torch.Generator().manual_seed(0))))
+    specs = call_specs(entry, call)
+    if entry.packed:  # merged tokens, packed: one row per output token of every item
+        assert out.shape[0] == sum(s.output_tokens for s in specs)
+    else:
+        assert out.shape[0] == specs[0].output_tokens == len(call.items)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.slow
+def test_compile_default_runs_and_matches_eager():
+    doc = run_benchmark(BenchConfig(model="vit-micro", workload="fixed-batch",
+                                    modes=("eager", "compile-default"), calls=2, max_batch=2,
+                                    progress=False))
+    eager, compiled = doc["modes"]
+    assert compiled["status"] == "ok", compiled["error"]
+    assert compiled["max_abs_error"] < 1e-4
+    assert compiled["speedup_vs_eager"] > 0 and compiled["backend_report"] is None
+
+
+def test_packed_vitgraph_mode_matches_eager_and_the_planned_routing():
+    pytest.importorskip("vit_graph_backend.packed", reason="packed serving module not present yet")
+    if availability(MODELS["qwen2.5-vl-tiny"]) is not None:
+        pytest.skip(availability(MODELS["qwen2.5-vl-tiny"]))
+    doc = run_benchmark(BenchConfig(model="qwen2.5-vl-tiny", workload="multi-image",
+                                    modality="image+video", modes=("eager", "vitgraph"),
+                                    calls=3, progress=False))
+    eager, vit = doc["modes"]
+    assert vit["status"] == "ok", vit["error"]
+    assert vit["max_abs_error"] < 1e-4
+    measured, planned = vit["backend_report"]["stats"], doc["routing"]["planned"]
+    assert measured["replays_per_budget"] == {k: 2 * v for k, v in
+                                              planned["replays_per_budget"].items()}
+    assert measured["padding_ratio"] == pytest.approx(planned["padding_ratio"])
+
+
+def test_harness_modules_import_torch_only_inside_functions():
+    """``vitgraph plan`` must stay torch-free: no module on its path imports torch at top level."""
+    files = [SRC / "cli.py", SRC / "__main__.py", *sorted((SRC / "benchmarking").glob("*.py"))]
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            heavy = [n for n in names if n.split(".")[0] in
+                     {"torch", "timm", "transformers", "matplotlib", "tqdm", "numpy"}]
+            assert not heavy, f"{path.name} imports {heavy} at module level"

@@ -1,0 +1,277 @@
+"""The ``vitgraph`` command end to end on CPU: bench (JSON, plot, failed modes), plan, info, errors.
+
+Everything runs on CPU with ``vit-micro`` and a handful of calls; the file takes well under 90 s on
+two cores. ``plan`` values are checked against numbers computed here, independently of the planner.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from vit_graph_backend import __version__
+from vit_graph_backend.benchmarking import SCHEMA_VERSION, validate
+from vit_graph_backend.cli import main
+
+FAST = ["--model", "vit-micro", "--calls", "4", "--max-batch", "4", "--no-progress"]
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _exit_code(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+# -- bench ---------------------------------------------------------------------------------------
+
+
+def test_bench_eager_writes_valid_json_and_a_png(tmp_path, capsys):
+    json_path, png_path = tmp_path / "r" / "bench.json", tmp_path / "bench.png"
+    code, out, _ = _run(capsys, "bench", *FAST, "--modes", "eager", "--json", str(json_path),
+                        "--plot", str(png_path))
+    assert code == 0
+    assert "CUDA graphs need a CUDA device" in out  # said plainly on CPU
+    assert "budgets (rows): 1 2 4" in out  # routing preview
+    doc = json.loads(json_path.read_text())
+    assert validate(doc) == []
+    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    (eager,) = doc["modes"]
+    assert eager["status"] == "ok" and len(eager["per_call_ms"]) == 4
+    assert eager["max_abs_error"] == 0.0 and eager["speedup_vs_eager"] == pytest.approx(1.0)
+    assert eager["peak_memory_bytes"] is None  # CPU: n/a
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png_path).ndim == 3
+
+
+def test_a_failing_mode_is_reported_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    from vit_graph_backend.benchmarking import modes
+
+    def broken(*args, **kwargs):
+        raise modes.BackendMissingError("backend module vit_graph_backend.backend not present yet")
+
+    monkeypatch.setattr(modes, "_import", broken)
+    path = tmp_path / "r.json"
+    code, out, _ = _run(capsys, "bench", *FAST, "--modes", "vitgraph,eager", "--json", str(path))
+    assert code == 0
+    assert "FAILED" in out and "not present yet" in out
+    doc = json.loads(path.read_text())
+    assert validate(doc) == []
+    failed, eager = doc["modes"]
+    assert (failed["mode"], failed["status"]) == ("vitgraph", "failed")
+    assert "BackendMissingError" in failed["error"] and failed["latency_ms"] is None
+    assert eager["status"] == "ok"  # the run went on after the failure
+    assert main(["bench", *FAST, "--modes", "vitgraph", "--strict"]) == 1
+
+
+def test_vitgraph_mode_runs_and_matches_eager(tmp_path, capsys):
+    pytest.importorskip("vit_graph_backend.backend", reason="backend module not present yet")
+    path = tmp_path / "r.json"
+    code, out, _ = _run(capsys, "bench", *FAST, "--workload", "uniform-batch",
+                        "--modes", "eager,vitgraph", "--json", str(path))
+    assert code == 0
+    doc = json.loads(path.read_text())
+    eager, vit = doc["modes"]
+    assert vit["status"] == "ok", vit["error"]
+    assert vit["max_abs_error"] < 1e-4
+    stats = vit["backend_report"]["stats"]
+    assert stats["calls"] == 2 * doc["config"]["calls"]  # first pass + timed pass
+    assert vit["hit_rate"] == stats["hit_rate"]
+    assert "vitgraph backend reports" in out
+
+
+def test_enable_vit_cuda_graph_picks_the_single_mode(capsys):
+    pytest.importorskip("vit_graph_backend.backend", reason="backend module not present yet")
+    code, out, _ = _run(capsys, "bench", *FAST, "--enable-vit-cuda-graph")
+    assert code == 0
+    table = out[out.index("mode  "):]
+    assert "vitgraph" in table and "\neager" not in table
+
+
+def test_no_enable_vit_cuda_graph_runs_eager_only(capsys):
+    code, out, _ = _run(capsys, "bench", *FAST, "--no-enable-vit-cuda-graph")
+    assert code == 0
+    table = out[out.index("mode  "):].splitlines()
+    assert [line.split()[0] for line in table[1:2]] == ["eager"]
+    assert "vitgraph " not in "\n".join(table[1:3])
+
+
+def test_list(capsys):
+    code, out, _ = _run(capsys, "bench", "--list")
+    assert code == 0
+    for name in ("vit-micro", "vit-b16", "qwen2.5-vl", "uniform-batch", "video", "reduce-overhead"):
+        assert name in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["bench", "--model", "nope"], "invalid choice: 'nope'"),
+        (["bench", "--workload", "bursty"], "invalid choice: 'bursty'"),
+        (["bench", "--modes", "eager,fast"], "invalid mode: 'fast'"),
+        (["bench", "--modes", "eager,eager"], "a mode is repeated"),
+        (["bench", "--calls", "0"], "invalid positive integer: '0'"),
+        (["bench", "--calls", "many"], "invalid positive integer: 'many'"),
+        (["bench", "--budgets", "1,x"], "invalid positive integer: 'x'"),
+        (["bench", "--device", "tpu"], "invalid device: 'tpu'"),
+        (["bench", "--dtype", "float8"], "invalid choice: 'float8'"),
+        (["bench", "--modality", "audio"], "invalid choice: 'audio'"),
+        (["bench", "--modes", "eager", "--enable-vit-cuda-graph"], "not allowed with --modes"),
+        (["bench", "--model", "vit-micro", "--modality", "video"], "needs a packed"),
+        (["bench", "--model", "qwen2-vl-tiny", "--workload", "video", "--modality", "image"],
+         "streams videos"),
+        (["bench", "--model", "vit-micro", "--items-per-graph", "2"], "apply to packed models"),
+        (["bench", "--model", "qwen2-vl-tiny", "--budgets", "2,8", "--items-per-graph", "4"],
+         "max_batch_size=4 is larger than the smallest budget"),
+        (["plan"], "one of the arguments --items --sizes is required"),
+        (["plan", "--items", "100", "--sizes", "28x28"], "not allowed with argument"),
+        (["plan", "--sizes", "450x448"], "450x448 is not a multiple of patch*merge"),
+        (["plan", "--sizes", "448by448"], "invalid size: '448by448'"),
+        (["plan", "--items", "100", "--budgets", "64", "--max-items", "128"],
+         "max_batch_size=128 is larger than the smallest budget"),
+        (["plan", "--items", "-3"], "invalid positive integer: '-3'"),
+        ([], "the following arguments are required"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_value(capsys, argv, needle):
+    code, _, err = _exit_code(capsys, *argv)
+    assert code == 2
+    assert needle in err
+    assert "usage: vitgraph" in err
+
+
+def test_version(capsys):
+    code, out, _ = _exit_code(capsys, "--version")
+    assert code == 0
+    assert out.strip() == f"vitgraph {__version__}"
+
+
+# -- plan ----------------------------------------------------------------------------------------
+
+
+def test_plan_text_matches_a_hand_computed_plan(capsys):
+    # Baseline by hand: items sorted by tokens 50(#4) 60(#1) 100(#0) 300(#2) 2000(#3), 2 per graph,
+    # token sums within the largest budget 1024: [#4, #1] = 110 -> budget 256 (146 padding);
+    # [#0, #2] = 400 -> budget 1024 (624 padding); #3 = 2000 > 1024 -> eager.
+    code, out, _ = _run(capsys, "plan", "--budgets", "1024,64,256", "--max-items", "2",
+                        "--items", "100,60,300,2000,50")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "budget ladder (tokens): 64 256 1024 (3 graphs)"
+    rows = [line.split() for line in lines if line.strip()[:1].isdigit() and "#" not in line]
+    assert rows == [["0", "256", "4,1", "110", "146"], ["1", "1024", "0,2", "400", "624"],
+                    ["2", "eager", "3", "2000", "-"]]
+    waste = 146 + 624
+    assert f"padding waste: {waste} of {110 + 400 + waste} graph tokens" in out
+    assert f"({100 * waste / (510 + waste):.1f} %)" in out and "eager items: 3" in out
+
+
+def test_plan_sizes_use_patch_and_merge(capsys):
+    code, out, _ = _run(capsys, "plan", "--sizes", "448x448,224x336", "--patch", "14",
+                        "--merge", "2", "--max-budget", "1024", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    # 448/14 = 32 -> 1024 patches -> 16*16 = 256 tokens; 224x336 -> 16*24 = 384 patches -> 96.
+    assert [(i["input_size"], i["output_tokens"]) for i in doc["items"]] == [(1024, 256), (384, 96)]
+    assert doc["budgets"] == [64, 128, 256, 512, 1024]  # doubling from 64, ending at 1024
+    assert doc["max_items"] == 16  # neither given: min(1024 // 64, 64)
+    ((batch),) = doc["batches"]  # both fit one graph: 352 tokens -> budget 512
+    assert (batch["budget"], sorted(batch["items"]), batch["padded_tokens"]) == (512, [0, 1], 160)
+
+
+def test_plan_chunked_rows(capsys):
+    code, out, _ = _run(capsys, "plan", "--items", "13", "--budgets", "1,2,4,8", "--chunk",
+                        "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert sorted(b["tokens"] for b in doc["batches"]) == [5, 8]  # one full chunk + remainder
+    assert doc["padded_tokens"] == 3 and doc["eager_items"] == []
+
+
+def _baseline(tokens: list[int], budgets: list[int], max_items: int) -> list[tuple[int, ...]]:
+    """An independent transcription of DESIGN.md §2's baseline policy."""
+    order = sorted(range(len(tokens)), key=lambda i: (tokens[i], i))
+    batches, current, total, eager = [], [], 0, []
+    for i in order:
+        if tokens[i] > max(budgets):
+            eager.append((i,))
+            continue
+        if current and (total + tokens[i] > max(budgets) or len(current) == max_items):
+            batches.append(tuple(current))
+            current, total = [], 0
+        current.append(i)
+        total += tokens[i]
+    if current:
+        batches.append(tuple(current))
+    return batches + eager
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_json_matches_an_independent_baseline(capsys, seed):
+    rng = random.Random(seed)
+    tokens = [rng.randint(1, 1500) for _ in range(rng.randint(1, 12))]
+    budgets = sorted(rng.sample([16, 32, 64, 128, 256, 512, 1024], 4))
+    max_items = rng.randint(1, budgets[0])
+    code, out, _ = _run(capsys, "plan", "--items", ",".join(map(str, tokens)), "--budgets",
+                        ",".join(map(str, budgets)), "--max-items", str(max_items), "--json")
+    assert code == 0
+    doc = json.loads(out)
+    expected = _baseline(tokens, budgets, max_items)
+    assert [tuple(b["items"]) for b in doc["batches"]] == expected
+    for batch in doc["batches"]:
+        total = sum(tokens[i] for i in batch["items"])
+        fitting = [b for b in budgets if b >= total]
+        assert batch["budget"] == (fitting[0] if fitting else None)
+        assert batch["padded_tokens"] == (fitting[0] - total if fitting else 0)
+
+
+def test_plan_never_imports_torch():
+    code = ("import sys, vit_graph_backend; pre = 'torch' in sys.modules; "
+            "from vit_graph_backend.cli import main; main(['plan', '--items', '256,1024']); "
+            "print(pre, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "budget ladder" in result.stdout
+    package_imports_torch, torch_after_plan = result.stdout.split()[-2:]
+    if package_imports_torch == "True":
+        pytest.skip("import vit_graph_backend itself imports torch (its __init__ imports .packed "
+                    "eagerly), so no subcommand can avoid it; the CLI adds no torch import")
+    assert torch_after_plan == "False", "vitgraph plan imported torch"
+
+
+# -- info and python -m ----------------------------------------------------------------------------
+
+
+def test_info_reports_versions_cuda_and_backend(capsys):
+    code, out, _ = _run(capsys, "info", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    env, backend = doc["environment"], doc["backend"]
+    assert env["vit_graph_backend"] == __version__
+    import torch
+
+    assert env["torch"] == torch.__version__
+    assert env["cuda_available"] == torch.cuda.is_available()
+    assert backend["listed"] == ("vitgraph" in torch.compiler.list_backends(exclude_tags=()))
+    assert set(env["packages"]) >= {"timm", "transformers", "matplotlib", "tqdm"}
+    code, out, _ = _run(capsys, "info")
+    assert "backend 'vitgraph'" in out and "CUDA" in out
+
+
+def test_python_dash_m_matches_the_console_script():
+    result = subprocess.run([sys.executable, "-m", "vit_graph_backend", "--version"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"vitgraph {__version__}"

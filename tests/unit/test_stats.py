@@ -1,0 +1,161 @@
+"""GraphStats: counters add up, merge adds, reset zeros, concurrent updates are not lost.
+
+Expected totals are recomputed from the recorded operations, not read back from the counters.
+
+Hypothesis settings come from the conftest profiles: ``dev`` runs 200 examples per property,
+``ci`` (when ``CI`` is set) 300, derandomized.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vit_graph_backend.planner import plan_batches
+from vit_graph_backend.stats import GraphStats
+from vit_graph_backend.testing import budget_configs, item_spec_lists
+
+REASONS = ("oversize", "no graph", "capture failed")
+
+
+@st.composite
+def replays(draw):
+    budget = draw(st.integers(1, 4096))
+    return ("replay", budget, draw(st.integers(1, budget)), draw(st.integers(1, budget)))
+
+
+eagers = st.tuples(st.just("eager"), st.integers(1, 64), st.sampled_from(REASONS))
+calls = st.tuples(st.just("call"))
+operations = st.lists(st.one_of(replays(), eagers, calls), max_size=40)
+
+
+def apply(stats: GraphStats, ops) -> GraphStats:
+    for op in ops:
+        if op[0] == "replay":
+            stats.record_replay(op[1], op[2], op[3])
+        elif op[0] == "eager":
+            stats.record_eager(op[1], op[2])
+        else:
+            stats.record_call()
+    return stats
+
+
+def expected_counts(ops) -> dict:
+    rep = [op for op in ops if op[0] == "replay"]
+    eag = [op for op in ops if op[0] == "eager"]
+    graph_items = sum(op[2] for op in rep)
+    eager_items = sum(op[1] for op in eag)
+    real = sum(op[3] for op in rep)
+    padded = sum(op[1] - op[3] for op in rep)
+    return {
+        "calls": sum(op[0] == "call" for op in ops),
+        "graph_replays": len(rep),
+        "graph_items": graph_items,
+        "eager_batches": len(eag),
+        "eager_items": eager_items,
+        "real_tokens": real,
+        "padded_tokens": padded,
+        "hit_rate": graph_items / (graph_items + eager_items) if graph_items + eager_items else 0.0,
+        "padding_ratio": padded / (real + padded) if real + padded else 0.0,
+        "replays_per_budget": {str(b): n for b, n in sorted(Counter(op[1] for op in rep).items())},
+        "fallback_reasons": dict(Counter(op[2] for op in eag)),
+    }
+
+
+# max_examples: the conftest profile (200 dev / 300 ci).
+@given(operations)
+def test_counters_add_up(ops):
+    stats = apply(GraphStats(), ops)
+    snapshot, expected = stats.as_dict(), expected_counts(ops)
+    for ratio in ("hit_rate", "padding_ratio"):
+        assert snapshot.pop(ratio) == pytest.approx(expected.pop(ratio))
+    assert snapshot == expected
+    snapshot = stats.as_dict()
+    assert stats.hit_rate == snapshot["hit_rate"] and stats.padding_ratio == snapshot["padding_ratio"]
+    assert 0.0 <= stats.hit_rate <= 1.0 and 0.0 <= stats.padding_ratio < 1.0
+    assert sum(stats.replays_per_budget.values()) == stats.graph_replays
+    assert sum(stats.fallback_reasons.values()) == stats.eager_batches
+    json.dumps(snapshot)  # JSON-ready
+
+
+# max_examples: the conftest profile (200 dev / 300 ci).
+@given(operations, operations)
+def test_merge_adds(first, second):
+    merged = apply(GraphStats(), first)
+    other = apply(GraphStats(), second)
+    before = other.as_dict()
+    merged.merge(other)
+    assert merged.as_dict() == apply(GraphStats(), first + second).as_dict()
+    assert other.as_dict() == before, "merge leaves its argument alone"
+
+
+# max_examples: the conftest profile (200 dev / 300 ci).
+@given(operations, operations)
+def test_reset_zeros_every_counter(ops, after):
+    stats = apply(GraphStats(), ops)
+    stats.reset()
+    assert stats.as_dict() == GraphStats().as_dict()
+    assert stats == GraphStats()
+    # and counting starts afresh
+    assert apply(stats, after).as_dict() == apply(GraphStats(), after).as_dict()
+
+
+# max_examples: the conftest profile (200 dev / 300 ci).
+@given(budget_configs(max_value=256), item_spec_lists(max_tokens=512))
+def test_padding_ratio_matches_the_plans_it_recorded(config, specs):
+    """Recording a plan's batches the way the runtime does gives the plan's own padding ratio."""
+    plan = plan_batches(specs, config)
+    stats = GraphStats()
+    stats.record_call()
+    for batch in plan.batches:
+        if batch.eager:
+            stats.record_eager(len(batch.segments), "oversize")
+        else:
+            stats.record_replay(batch.budget, len(batch.segments), batch.tokens)
+    assert stats.padding_ratio == pytest.approx(plan.padding_ratio)
+    assert stats.padded_tokens == plan.padded_tokens
+    assert stats.real_tokens == plan.real_tokens
+    assert stats.graph_items + stats.eager_items == sum(len(b.segments) for b in plan.batches)
+
+
+def test_fresh_stats_are_zero():
+    snapshot = GraphStats().as_dict()
+    assert snapshot["hit_rate"] == snapshot["padding_ratio"] == 0.0
+    assert all(v == 0 for k, v in snapshot.items() if isinstance(v, int))
+
+
+def test_concurrent_updates_are_not_lost():
+    """Smoke test: threads recording at once lose no update (each update holds the lock)."""
+    stats = GraphStats()
+    threads, per_thread = 8, 2000
+    barrier = threading.Barrier(threads)
+
+    def work(k: int) -> None:
+        barrier.wait()
+        for _ in range(per_thread):
+            stats.record_replay(64, 2, 60)
+            stats.record_eager(1, REASONS[k % len(REASONS)])
+            stats.record_call()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, to provoke lost updates
+    try:
+        pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    n = threads * per_thread
+    assert (stats.calls, stats.graph_replays, stats.eager_batches) == (n, n, n)
+    assert (stats.graph_items, stats.eager_items) == (2 * n, n)
+    assert (stats.real_tokens, stats.padded_tokens) == (60 * n, 4 * n)
+    assert stats.replays_per_budget == Counter({64: n})
+    assert sum(stats.fallback_reasons.values()) == n
