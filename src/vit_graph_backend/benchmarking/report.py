@@ -274,6 +274,7 @@ def write_plot(doc: Mapping[str, Any], path: str | Path) -> Path:
     and per-call latency along the stream (right). Needs matplotlib (the ``bench`` extra)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     ok = [m for m in doc["modes"] if m["status"] == "ok"]
     cfg, env = doc["config"], doc["environment"]
@@ -287,6 +288,8 @@ def write_plot(doc: Mapping[str, Any], path: str | Path) -> Path:
         line.legend(fontsize="small")
         for ax in (box, line):
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
     else:
         box.text(0.5, 0.5, "no mode ran", ha="center", va="center", transform=box.transAxes)
     box.set_ylabel("latency per call (ms)")
