@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._version import __version__
+from .benchmarking.modes import MODES as _MODES
 
 __all__ = ["build_parser", "main"]
 
-_MODES = ("eager", "compile-default", "reduce-overhead", "vitgraph", "vitgraph-inductor")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..budgets import ceil_div
 from ..specs import EncoderItemSpec
 from .workloads import Call, SizeSpace
 
@@ -253,7 +254,7 @@ MODELS: dict[str, ModelEntry] = {entry.name: entry for entry in _entries()}
 
 
 def _grid(entry: ModelEntry, height: int, width: int, frames: int) -> tuple[int, int, int]:
-    t = -(-frames // entry.temporal_patch) if frames > 1 else 1
+    t = ceil_div(frames, entry.temporal_patch) if frames > 1 else 1
     return t, height // entry.patch, width // entry.patch
 
 
