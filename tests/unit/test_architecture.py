@@ -233,7 +233,9 @@ def test_the_check_sees_the_package():
 VIOLATIONS = {
     "budgets.py": ("from .planner import plan_batches\n", "budgets imports vit_graph_backend.planner"),
     "specs.py": ("import torch\n", "specs imports torch"),
-    "planner.py": ("def f():\n    from vit_graph_backend import runtime\n", "planner imports vit_graph_backend.runtime"),
+    "planner.py": (
+        "def f():\n    from vit_graph_backend import runtime\n", "planner imports vit_graph_backend.runtime"
+    ),
     "stats.py": ("import hypothesis\n", "stats imports hypothesis"),
     "runtime.py": ("import torch\nx = torch._dynamo.reset\n", "torch._dynamo.reset: private torch API"),
     "inner.py": ("import torch_tensorrt\n", "inner imports torch_tensorrt at module level"),

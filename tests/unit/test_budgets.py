@@ -210,7 +210,11 @@ BAD_BUDGETS = [
         r"a token; lower max_batch_size$",
     ),
     # The constructor checks again, so a hand-built config cannot break the invariant.
-    (lambda: BudgetConfig((128, 64), 1), r"^budgets=\(128, 64\) is invalid: must be sorted, unique and positive; use BudgetConfig\.resolve\(\)"),
+    (
+        lambda: BudgetConfig((128, 64), 1),
+        r"^budgets=\(128, 64\) is invalid: must be sorted, unique and positive; "
+        r"use BudgetConfig\.resolve\(\)",
+    ),
     (lambda: BudgetConfig((64, 64), 1), r"^budgets=\(64, 64\) is invalid: must be sorted, unique"),
     (lambda: BudgetConfig((), 1), r"^budgets=\[\] is invalid: give at least one positive integer$"),
     (lambda: BudgetConfig((0, 64), 1), r"^budgets\[0\]=0 is invalid"),

@@ -160,10 +160,15 @@ def check_plan(specs, config: BudgetConfig, plan: Plan, policy: str, chunk: bool
         assert plan.padding_ratio == pytest.approx(plan.padded_tokens / total)
 
 
+#: Built once: building a strategy costs more than drawing from it.
+CONFIGS = {False: budget_configs(max_value=512, max_frames=6), True: budget_configs(max_value=512)}
+FRAMES, MERGES = st.integers(1, 8), st.integers(1, 2)
+
+
 @st.composite
 def planning_cases(draw, chunk: bool):
     """A config and the specs of one call, sized around the config's budgets."""
-    config = draw(budget_configs(max_value=512, max_frames=None if chunk else 6), label="config")
+    config = draw(CONFIGS[chunk], label="config")
     # Tiny items (so the item cap binds), halves and quarters of budgets (so batches fill a budget
     # exactly), items that fit, and oversize items up to 3x the largest budget.
     tokens = st.one_of(
@@ -175,10 +180,7 @@ def planning_cases(draw, chunk: bool):
     if chunk:  # chunk=True is for row items: one frame, input_size == output_tokens
         item = tokens.map(lambda t: EncoderItemSpec(t, t, 1))
     else:
-        item = st.builds(
-            lambda t, f, m: EncoderItemSpec(t * m * m, t, f), tokens, st.integers(1, 8),
-            st.integers(1, 2),
-        )
+        item = st.builds(lambda t, f, m: EncoderItemSpec(t * m * m, t, f), tokens, FRAMES, MERGES)
     specs = draw(st.lists(item, max_size=32), label="specs")
     return config, specs
 
@@ -188,7 +190,12 @@ def planning_cases(draw, chunk: bool):
 @given(case=planning_cases(chunk=False))
 def test_plan_invariants(policy, case):
     config, specs = case
-    check_plan(specs, config, plan_batches(specs, config, policy=policy), policy, chunk=False)
+    plan = plan_batches(specs, config, policy=policy)
+    check_plan(specs, config, plan, policy, chunk=False)
+    assert plan_batches(specs, config, policy=policy) == plan, "deterministic"
+    if policy == "baseline" and all(s.output_tokens <= config.max_budget for s in specs):
+        # chunk only changes oversize items under the baseline policy; row-ness does not matter.
+        assert plan_batches(specs, config, chunk=True) == plan
 
 
 # max_examples: the conftest profile (200 dev / 300 ci), for each policy.
@@ -200,20 +207,13 @@ def test_plan_invariants_chunked(policy, case):
 
 
 # max_examples: the conftest profile (200 dev / 300 ci).
-@given(budget_configs(max_value=256, max_frames=4), item_spec_lists(max_size=12, max_tokens=300, max_frames=4, merge=2))
+@given(
+    budget_configs(max_value=256, max_frames=4),
+    item_spec_lists(max_size=12, max_tokens=300, max_frames=4, merge=2),
+)
 def test_plan_invariants_from_public_strategies(config, specs):
     for policy in POLICIES:
         check_plan(specs, config, plan_batches(specs, config, policy=policy), policy, chunk=False)
-
-
-# max_examples: the conftest profile (200 dev / 300 ci).
-@given(planning_cases(chunk=False), st.sampled_from(POLICIES))
-def test_plan_is_deterministic_and_independent_of_chunk_when_nothing_splits(case, policy):
-    config, specs = case
-    assert plan_batches(specs, config, policy=policy) == plan_batches(specs, config, policy=policy)
-    if policy == "baseline" and all(s.output_tokens <= config.max_budget for s in specs):
-        # chunk only changes oversize items under the baseline policy; row-ness does not matter.
-        assert plan_batches(specs, config, chunk=True) == plan_batches(specs, config)
 
 
 @st.composite
@@ -299,7 +299,9 @@ BAD_PLANS = [
         r"split, use chunk=False$",
     ),
     (
-        lambda: plan_batches([EncoderItemSpec(8, 8, frames=2)], BudgetConfig.resolve((1, 64)), policy="exact", chunk=True),
+        lambda: plan_batches(
+            [EncoderItemSpec(8, 8, frames=2)], BudgetConfig.resolve((1, 64)), policy="exact", chunk=True
+        ),
         InvalidOptionError,
         r"^chunk=True needs row items .* item 0 has EncoderItemSpec\(input_size=8, output_tokens=8, frames=2\)",
     ),

@@ -96,6 +96,12 @@ def test_budget_configs(limits, max_budgets, max_frames, data):
         assert config.max_frames_per_batch is None or 1 <= config.max_frames_per_batch <= max_frames
 
 
+@given(budget_configs(max_value=8, max_budgets=4))
+def test_budget_configs_with_crowded_budgets(config):
+    """A narrow value range makes user budgets collide and sit close to max_batch_size."""
+    assert 1 <= config.max_batch_size <= config.budgets[0] <= config.budgets[-1] <= 8
+
+
 @pytest.mark.parametrize("path", [1, 2, 3, 4])
 def test_budget_configs_draw_every_resolve_path(path):
     found = find(

@@ -120,17 +120,22 @@ def item_specs(
     check_positive_int("max_frames", max_frames)
     _check_optional_positive_int("merge", merge)
 
-    @st.composite
-    def draw_spec(draw: Any) -> EncoderItemSpec:
-        tokens = draw(st.integers(min_tokens, max_tokens))
-        frames = draw(st.integers(1, max_frames))
-        if merge is None:
-            input_size = draw(st.integers(1, 4 * tokens))
-        else:
-            input_size = tokens * merge * merge
-        return EncoderItemSpec(input_size=input_size, output_tokens=tokens, frames=frames)
+    return _item_specs(min_tokens, max_tokens, max_frames, merge)
 
-    return draw_spec()
+
+# The draw functions live at module level: ``st.composite`` inspects its function, which costs
+# more than a draw when done inside every call of a strategy.
+@st.composite
+def _item_specs(
+    draw: Any, min_tokens: int, max_tokens: int, max_frames: int, merge: int | None
+) -> EncoderItemSpec:
+    tokens = draw(st.integers(min_tokens, max_tokens))
+    frames = draw(st.integers(1, max_frames))
+    if merge is None:
+        input_size = draw(st.integers(1, 4 * tokens))
+    else:
+        input_size = tokens * merge * merge
+    return EncoderItemSpec(input_size=input_size, output_tokens=tokens, frames=frames)
 
 
 def item_spec_lists(
@@ -178,12 +183,13 @@ def budget_ranges(
     check_positive_int("max_value", max_value)
     _order_check("value", min_value, max_value)
 
-    @st.composite
-    def draw_range(draw: Any) -> tuple[int, int]:
-        low = draw(st.integers(min_value, max_value))
-        return low, draw(st.integers(low, max_value))
+    return _budget_ranges(min_value, max_value)
 
-    return draw_range()
+
+@st.composite
+def _budget_ranges(draw: Any, min_value: int, max_value: int) -> tuple[int, int]:
+    low = draw(st.integers(min_value, max_value))
+    return low, draw(st.integers(low, max_value))
 
 
 def budget_ladders(
@@ -215,21 +221,26 @@ def _budget_config_draws(
     _check_optional_positive_int("max_frames", max_frames)
     frame_caps = st.none() if max_frames is None else st.none() | st.integers(1, max_frames)
     user_budgets = st.lists(st.integers(min_value, max_value), min_size=1, max_size=max_budgets)
+    return _budget_configs(_budget_ranges(min_value, max_value), user_budgets, frame_caps)
 
-    @st.composite
-    def draw_config(draw: Any) -> tuple[int, dict[str, Any], BudgetConfig]:
-        budget_range = draw(budget_ranges(min_value, max_value))
-        path = draw(st.sampled_from((1, 2, 3, 4)))
-        kwargs: dict[str, Any] = {"max_frames_per_batch": draw(frame_caps)}
-        if path in (1, 3):
-            kwargs["budgets"] = draw(user_budgets)
-        if path == 1:  # keep the invariant max_batch_size <= min(budgets)
-            kwargs["max_batch_size"] = draw(st.integers(1, min(kwargs["budgets"])))
-        elif path == 2:  # a ladder from max(min_budget, max_batch_size) needs it <= max_budget
-            kwargs["max_batch_size"] = draw(st.integers(1, budget_range[1]))
-        return path, kwargs, BudgetConfig.resolve(budget_range, **kwargs)
 
-    return draw_config()
+@st.composite
+def _budget_configs(
+    draw: Any,
+    ranges: st.SearchStrategy[tuple[int, int]],
+    user_budgets: st.SearchStrategy[list[int]],
+    frame_caps: st.SearchStrategy[int | None],
+) -> tuple[int, dict[str, Any], BudgetConfig]:
+    budget_range = draw(ranges)
+    path = draw(st.sampled_from((1, 2, 3, 4)))
+    kwargs: dict[str, Any] = {"max_frames_per_batch": draw(frame_caps)}
+    if path in (1, 3):
+        kwargs["budgets"] = draw(user_budgets)
+    if path == 1:  # keep the invariant max_batch_size <= min(budgets)
+        kwargs["max_batch_size"] = draw(st.integers(1, min(kwargs["budgets"])))
+    elif path == 2:  # a ladder from max(min_budget, max_batch_size) needs it <= max_budget
+        kwargs["max_batch_size"] = draw(st.integers(1, budget_range[1]))
+    return path, kwargs, BudgetConfig.resolve(budget_range, **kwargs)
 
 
 def budget_configs(
