@@ -80,7 +80,7 @@ def analyze_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Gr
     if len(fakes) != len(example_inputs) or any(f is None for f in fakes):
         layout.unsupported = "graph inputs carry no fake metadata"
         return layout
-    for i, (fake, real) in enumerate(zip(fakes, example_inputs)):
+    for fake, real in zip(fakes, example_inputs):
         if isinstance(fake, torch.Tensor) and fake.dim() > 0 and layout.batch_symbol is None:
             if not isinstance(real, torch.nn.Parameter):
                 layout.batch_symbol = _compat.sym_name(fake.shape[0])

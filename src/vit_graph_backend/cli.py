@@ -24,6 +24,7 @@ from typing import Any
 
 from ._version import __version__
 from .benchmarking.modes import MODES as _MODES
+from .planner import POLICIES
 
 __all__ = ["build_parser", "main"]
 
@@ -132,7 +133,7 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
                    "image+video, as vLLM's examples)")
     p.add_argument("--max-frames-per-graph", type=_positive_int,
                    help="packed models: frame cap per graph (default none)")
-    p.add_argument("--policy", choices=("baseline", "exact"), default="baseline",
+    p.add_argument("--policy", choices=POLICIES, default="baseline",
                    help="planner policy (default baseline)")
     p.add_argument("--check-calls", type=_non_negative_int, default=3,
                    help="calls compared with eager for the max error (default 3)")
@@ -168,7 +169,7 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                    help="items per graph (default: derived, never above the smallest budget)")
     p.add_argument("--patch", type=_positive_int, default=14, help="patch side (default 14)")
     p.add_argument("--merge", type=_positive_int, default=2, help="spatial merge (default 2)")
-    p.add_argument("--policy", choices=("baseline", "exact"), default="baseline")
+    p.add_argument("--policy", choices=POLICIES, default="baseline")
     p.add_argument("--chunk", action="store_true",
                    help="batched layout: cut items above the largest budget into chunks")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
