@@ -2,7 +2,9 @@
 intermediate 3420, out hidden 2048, patch 14, merge 2, window 112, full attention at blocks
 7/15/23/31; random weights, bf16) on (a) 60 single-image calls with sides uniform in 224..896 px in
 steps of 28 (seed 0) and (b) 60 calls of 1-4 such images. Modes side by side in one run: HF eager,
-torch.compile default, vitgraph. Reports p50/p99/total (second pass), first pass, graph memory,
+torch.compile default, vitgraph (defaults: ladder of 2 steps per doubling, padded MLP weights on
+CUDA) and vitgraph-v1 (session 1's configuration: doubling ladder, unpadded MLP), so the effect of
+the two changes is measured in the same process. Reports p50/p99/total (second pass), first pass, graph memory,
 padding ratio. JSON to benchmarks/results/ (and $OUT).
 
 Usage: python benchmarks/qwen_stream.py [--modes hf-eager,compile-default,vitgraph] [--calls 60]
@@ -70,6 +72,11 @@ def run(mode, model, calls):
         elif mode == "vitgraph":
             served = serve(model, max_items_per_graph=4)
             fn = served
+        elif mode == "vitgraph-v1":
+            from vit_graph_backend import adapt
+
+            served = serve(adapt(model, align_mlp=False), max_items_per_graph=4, ladder_steps=1)
+            fn = served
         else:
             raise ValueError(mode)
         with torch.inference_mode():
@@ -91,7 +98,8 @@ def run(mode, model, calls):
         res.update(p50_ms=pct(lat, 50), p99_ms=pct(lat, 99), mean_ms=statistics.fmean(lat),
                    peak_memory_mib=torch.cuda.max_memory_allocated() / 2**20)
         res["firsts"] = firsts
-        if mode == "vitgraph":
+        if mode.startswith("vitgraph"):
+            res["aligned_mlp_mib"] = served.encoder.aligned_mlp_bytes / 2**20
             rep = served.manager.memory_report()
             st = served.manager.stats.as_dict()
             res.update(graphs=rep["graphs"], budgets=rep["budgets"],
@@ -106,7 +114,7 @@ def run(mode, model, calls):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="hf-eager,vitgraph,compile-default")
+    ap.add_argument("--modes", default="hf-eager,vitgraph-v1,vitgraph,compile-default")
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--workloads", default="single,multi")
     args = ap.parse_args()
@@ -140,7 +148,7 @@ def main():
             folder.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text(json.dumps(meta, indent=2))
     print(f"\n{'workload':<8}{'mode':<17}{'p50 ms':>9}{'p99 ms':>9}{'total ms':>10}{'first s':>9}"
-          f"{'graph MiB':>10}{'pad':>6}{'rel err':>9}")
+          f"{'graph MiB':>10}{'graphs':>7}{'pad':>6}{'rel err':>9}")
     for wl, results in all_results.items():
         for r in results:
             if "error" in r:
@@ -148,7 +156,7 @@ def main():
                 continue
             print(f"{wl:<8}{r['mode']:<17}{r['p50_ms']:9.2f}{r['p99_ms']:9.2f}{r['total_ms']:10.0f}"
                   f"{r['first_pass_s']:9.1f}{r.get('graph_memory_mib', 0):10.0f}"
-                  f"{r.get('padding_ratio', 0):6.2f}{r.get('max_rel_err_vs_eager', 0):9.3g}")
+                  f"{r.get('graphs', '-'):>7}{r.get('padding_ratio', 0):6.2f}{r.get('max_rel_err_vs_eager', 0):9.3g}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,13 @@
 token budgets, pads, and replays one CUDA graph per budget. Packed variable-resolution towers
 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are served through :class:`SupportsEncoderCudaGraph` adapters.
 
-Importing this package initializes no CUDA context, registers nothing (the backend is found through
-the ``torch_dynamo_backends`` entry point) and imports no optional dependency.
+Importing this package imports no torch (the torch-facing names, :class:`PackedGraphEncoder` and
+:func:`serve`, load on first use, so ``vitgraph plan`` stays pure Python), initializes no CUDA
+context, registers nothing (the backend is found through the ``torch_dynamo_backends`` entry point)
+and imports no optional dependency.
 """
+
+from typing import Any
 
 from ._version import __version__
 from .budgets import BudgetConfig, CaptureLayout, budget_ladder, capture_layout, ceil_div
@@ -20,7 +24,6 @@ from .errors import (
     VitGraphError,
 )
 from .options import VitGraphOptions
-from .packed import PackedGraphEncoder, serve
 from .planner import Batch, Plan, Segment, plan_batches
 from .protocol import SupportsEncoderCudaGraph, supports_encoder_cudagraph
 from .specs import EncoderItemSpec
@@ -52,3 +55,20 @@ __all__ = [
     "serve",
     "supports_encoder_cudagraph",
 ]
+
+_LAZY = {"PackedGraphEncoder": "packed", "serve": "packed"}
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the torch-importing names load on first access
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

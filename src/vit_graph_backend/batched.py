@@ -14,7 +14,7 @@ symbol (``s77``). This module reads the graph's fake metadata once, at compile t
   auxiliary input that changes per call) is switched to a copied static buffer and the set is
   captured again, so a graph never reads stale memory.
 
-Budgets count **rows** of the batch axis (default ladder 1, 2, 4, ..., 32). A call is one item of
+Budgets count **rows** of the batch axis (default ladder 1, 2, ..., 8, 10, 12, ..., 28, 32). A call is one item of
 ``B`` rows; more rows than the largest budget are cut into chunks through the same graphs.
 
 Graphs that cannot be served are refused at compile time with one logged reason and run eagerly:
@@ -28,6 +28,7 @@ padded (``static_graphs=False`` runs them eagerly instead).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import threading
@@ -39,7 +40,7 @@ import torch
 
 from . import _compat
 from .budgets import BudgetConfig
-from .options import DEFAULT_BATCHED_MAX_BUDGET, VitGraphOptions
+from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_BATCHED_MAX_BUDGET, VitGraphOptions
 from .planner import Segment
 from .runtime import EncoderCudaGraphManager
 from .specs import EncoderItemSpec
@@ -166,6 +167,8 @@ class _GraphSet:
         self.pointers = [template[i].data_ptr() for i in self.referenced]
         # checked at every call (ViT-B: ~150 tensors), so kept to one C-level pass
         self._pick = operator.itemgetter(*self.referenced) if self.referenced else None
+        self._row_buffers: dict[int, torch.Tensor] = {}
+        self.max_rows = 1  # the largest budget: the shared row buffers' size
 
     # row items: one item per call, B rows (or one "row" for an exact static graph)
     def get_encoder_cudagraph_item_specs(self, args: Sequence[Any]) -> list[EncoderItemSpec]:
@@ -179,8 +182,15 @@ class _GraphSet:
                                                  max_frames_per_batch, device, dtype):
         static = {}
         for i in self.layout.batch_tensors:
-            t = self.template[i]
-            static[str(i)] = torch.zeros((budget, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            # Budgets share one row buffer (views of its head): replays are serialized and each
+            # writes all ``budget`` rows it reads, so 16 budgets cost one largest buffer.
+            buffer = self._row_buffers.get(i)
+            if buffer is None or buffer.shape[0] < budget:
+                t = self.template[i]
+                rows = max(budget, self.max_rows)
+                buffer = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                self._row_buffers[i] = buffer
+            static[str(i)] = buffer[:budget]
         for i in self.copied:
             static[str(i)] = self.template[i].detach().clone()
         return static
@@ -302,17 +312,16 @@ class BatchedGraphEncoder:
             self._drop(next(iter(self._sets)))
             self.evictions += 1
         graph_set = _GraphSet(self.fn, self.layout, args, set(self._copied), self.static_shape)
-        config = None
         if self.static_shape:
             config = BudgetConfig((1,), 1)
-        elif self.options.budgets is None and self.options.max_budget is None:
-            config = BudgetConfig.resolve(
-                (self.options.min_budget or 1, max(DEFAULT_BATCHED_MAX_BUDGET,
-                                                   self.options.min_budget or 1)),
-                max_batch_size=1)
         else:
-            config = self.options.budget_config((1, DEFAULT_BATCHED_MAX_BUDGET))
+            # A call is one item of B rows, so a graph has one slot and max_items_per_graph
+            # (a packed-encoder option) must not move the ladder's start.
+            rows = dataclasses.replace(self.options, max_items_per_graph=None)
+            config = rows.budget_config((1, DEFAULT_BATCHED_MAX_BUDGET),
+                                        DEFAULT_BATCHED_LADDER_STEPS)
             config = BudgetConfig(config.budgets, 1)
+        graph_set.max_rows = config.max_budget
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         manager = EncoderCudaGraphManager(graph_set, self.options, device=device,
                                           chunk=not self.static_shape, budget_config=config)

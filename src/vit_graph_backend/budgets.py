@@ -27,6 +27,7 @@ __all__ = [
     "budget_ladder",
     "capture_layout",
     "ceil_div",
+    "check_steps_per_doubling",
     "smallest_fitting",
 ]
 
@@ -36,29 +37,53 @@ def ceil_div(total: int, parts: int) -> int:
     return -(-total // parts)
 
 
-def budget_ladder(start: int, stop: int) -> tuple[int, ...]:
-    """Budgets doubling from ``start`` and ending exactly at ``stop``.
+#: Most budgets one doubling may be split into (``steps_per_doubling``); finer ladders add graphs
+#: (capture time, static buffers) faster than they cut padding.
+MAX_STEPS_PER_DOUBLING = 16
 
-    ``budget_ladder(64, 1000) == (64, 128, 256, 512, 1000)``: the last step may be less than a
-    doubling, so the largest graph is exactly as large as the model allows and no larger.
+
+def budget_ladder(start: int, stop: int, steps_per_doubling: int = 1) -> tuple[int, ...]:
+    """Budgets growing from ``start`` and ending exactly at ``stop``.
+
+    With ``steps_per_doubling=1`` the ladder doubles: ``budget_ladder(64, 1000) == (64, 128, 256,
+    512, 1000)``; the last step may be less than a doubling, so the largest graph is exactly as
+    large as the model allows and no larger. With ``k`` steps, each doubling ``b .. 2b`` is split
+    at ``b * (1 + m / k)`` (rounded up), so a batch pads by less than ``1 / k`` of its budget's
+    predecessor: ``budget_ladder(1, 32, 2) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)``.
+
+    Every step from ``a`` to the next budget is at most ``ceil(a / k)`` (so at most a doubling).
 
     Raises:
-        InvalidOptionError: if either end is not a positive integer or ``start > stop``.
+        InvalidOptionError: if either end is not a positive integer, ``start > stop``, or
+            ``steps_per_doubling`` is not an integer in ``1..MAX_STEPS_PER_DOUBLING``.
     """
     check_positive_int("ladder start", start)
     check_positive_int("ladder stop", stop)
+    check_steps_per_doubling("steps_per_doubling", steps_per_doubling)
     if start > stop:
         raise InvalidOptionError(
             f"ladder start={start} is larger than ladder stop={stop}: a budget ladder must "
             "start at or below its largest budget"
         )
-    ladder = []
-    value = start
-    while value < stop:
-        ladder.append(value)
-        value *= 2
-    ladder.append(stop)
-    return tuple(ladder)
+    k = steps_per_doubling
+    ladder = {start}
+    base = start
+    while base < stop:
+        ladder.update(v for v in (ceil_div(base * (k + m), k) for m in range(k)) if v < stop)
+        base *= 2
+    ladder.add(stop)
+    return tuple(sorted(ladder))
+
+
+def check_steps_per_doubling(name: str, value: object) -> int:
+    """``value`` if it is an integer in ``1..MAX_STEPS_PER_DOUBLING``, else a clear error."""
+    check_positive_int(name, value)
+    if value > MAX_STEPS_PER_DOUBLING:  # type: ignore[operator]
+        raise InvalidOptionError(
+            f"{name}={value} is invalid: must be an integer in 1..{MAX_STEPS_PER_DOUBLING} "
+            "(1 doubles the budget at every step; k splits each doubling into k steps)"
+        )
+    return value  # type: ignore[return-value]
 
 
 def smallest_fitting(budgets: tuple[int, ...], tokens: int) -> int | None:
@@ -131,6 +156,7 @@ class BudgetConfig:
         budgets: Iterable[int] | None = None,
         max_batch_size: int | None = None,
         max_frames_per_batch: int | None = None,
+        ladder_steps: int = 1,
     ) -> BudgetConfig:
         """Resolve user choices against the model's ``(min_budget, max_budget)`` range.
 
@@ -151,6 +177,7 @@ class BudgetConfig:
             budgets: user budgets, or ``None`` for the ladder.
             max_batch_size: items per graph, or ``None`` to derive it.
             max_frames_per_batch: frames per graph, or ``None`` for no frame cap.
+            ladder_steps: ``steps_per_doubling`` of the ladder (paths 2 and 4).
 
         Raises:
             InvalidOptionError: (a ``ValueError``) naming the bad value and the allowed range.
@@ -176,6 +203,7 @@ class BudgetConfig:
             check_positive_int("max_batch_size", max_batch_size)
         if max_frames_per_batch is not None:
             check_positive_int("max_frames_per_batch", max_frames_per_batch)
+        check_steps_per_doubling("ladder_steps", ladder_steps)
 
         if budgets is not None:
             resolved = _normalize_budgets(budgets)
@@ -193,9 +221,9 @@ class BudgetConfig:
                     f"max_batch_size={max_batch_size} is larger than max_budget={max_budget}: no "
                     "budget can give every item slot a token; lower max_batch_size"
                 )
-            resolved = budget_ladder(max(min_budget, max_batch_size), max_budget)
+            resolved = budget_ladder(max(min_budget, max_batch_size), max_budget, ladder_steps)
         else:  # path 4
-            resolved = budget_ladder(min_budget, max_budget)
+            resolved = budget_ladder(min_budget, max_budget, ladder_steps)
             max_batch_size = min(max_budget // min_budget, resolved[0])
         return cls(resolved, max_batch_size, max_frames_per_batch)
 

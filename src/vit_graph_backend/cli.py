@@ -44,6 +44,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _ladder_steps(text: str) -> int:
+    value = _positive_int(text)
+    if value > 16:
+        raise argparse.ArgumentTypeError(f"invalid ladder steps: {text!r} (must be 1..16)")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -125,9 +132,12 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
                    help="most images per call (default 8 on CPU, 32 on CUDA, 4 for packed models)")
     p.add_argument("--budgets", type=_int_list, metavar="LIST",
                    help="budgets: rows for batched models, output tokens for packed ones "
-                   "(default: a doubling ladder covering the stream)")
+                   "(default: a ladder covering the stream)")
     p.add_argument("--max-budget", type=_positive_int,
                    help="largest ladder budget when --budgets is not given")
+    p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
+                   help="ladder without --budgets: split each doubling into K steps, 1..16 "
+                   "(default 4 rows for batched models, 2 for packed: the runtime's defaults)")
     p.add_argument("--items-per-graph", type=_positive_int,
                    help="packed models: items per graph (default 1 for image or video, 2 for "
                    "image+video, as vLLM's examples)")
@@ -140,7 +150,7 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default cuda if present)")
     p.add_argument("--dtype", choices=DTYPES,
                    help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--json", metavar="PATH", help="write the result document (schema v1)")
+    p.add_argument("--json", metavar="PATH", help="write the result document (versioned JSON schema)")
     p.add_argument("--plot", metavar="PATH", help="write the latency distribution as a PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--strict", action="store_true", help="exit 1 if any mode failed")
@@ -165,6 +175,9 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                    help="ladder start without --budgets; the model's smallest budget (default 64)")
     p.add_argument("--max-budget", type=_positive_int, default=4096,
                    help="ladder end without --budgets; the model's largest budget (default 4096)")
+    p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
+                   help="split each doubling of the ladder into K steps, 1..16 (default 2, the "
+                   "packed runtime's; 4 with --chunk, the batched runtime's)")
     p.add_argument("--max-items", type=_positive_int,
                    help="items per graph (default: derived, never above the smallest budget)")
     p.add_argument("--patch", type=_positive_int, default=14, help="patch side (default 14)")
@@ -201,6 +214,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .benchmarking.routing import format_plan, plan_to_dict
     from .budgets import BudgetConfig
     from .errors import InvalidOptionError
+    from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_LADDER_STEPS
     from .planner import plan_batches
     from .specs import EncoderItemSpec
 
@@ -220,8 +234,10 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             specs.append(EncoderItemSpec(gh * gw, (gh // args.merge) * (gw // args.merge)))
             labels.append(f"{h}x{w} px -> {gh * gw} patches -> {specs[-1].output_tokens} tokens")
     try:
+        steps = args.ladder_steps or (DEFAULT_BATCHED_LADDER_STEPS if args.chunk
+                                      else DEFAULT_LADDER_STEPS)
         config = BudgetConfig.resolve((args.min_budget, args.max_budget), budgets=args.budgets,
-                                      max_batch_size=args.max_items)
+                                      max_batch_size=args.max_items, ladder_steps=steps)
         plan = plan_batches(specs, config, policy=args.policy, chunk=args.chunk)
     except InvalidOptionError as exc:
         parser.error(f"invalid --budgets/--min-budget/--max-budget/--max-items: {exc}")
@@ -308,7 +324,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     config = BenchConfig(
         model=args.model, workload=args.workload, modality=args.modality, modes=modes,
         calls=args.calls, seed=args.seed, max_batch=args.max_batch, budgets=args.budgets,
-        max_budget=args.max_budget, items_per_graph=args.items_per_graph,
+        max_budget=args.max_budget, ladder_steps=args.ladder_steps,
+        items_per_graph=args.items_per_graph,
         max_frames_per_graph=args.max_frames_per_graph, policy=args.policy, device=args.device,
         dtype=args.dtype, check_calls=args.check_calls,
         progress=not args.no_progress and sys.stderr.isatty())

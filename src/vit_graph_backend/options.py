@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .budgets import BudgetConfig
+from .budgets import BudgetConfig, check_steps_per_doubling
 from .errors import InvalidOptionError, MissingDependencyError
 from .planner import POLICIES
 from .specs import check_positive_int
 
-__all__ = ["INNER_COMPILERS", "MODES", "VitGraphOptions"]
+__all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_LADDER_STEPS", "INNER_COMPILERS", "MODES",
+           "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
@@ -42,6 +43,15 @@ MODES: dict[str, dict[str, Any]] = {
 #: 1, 2, 4, 8, 16, 32 rows, and larger calls are cut into 32-row chunks.
 DEFAULT_BATCHED_MAX_BUDGET = 32
 
+#: Default ``ladder_steps`` for packed encoders: each doubling split in two (64, 96, 128, 192,
+#: ..., 4096 tokens: 13 graphs). On the Qwen2.5-VL single-image stream this cuts expected padding
+#: from 30 % (doubling) to 16 %; a tower graph captures in about 0.3 s.
+DEFAULT_LADDER_STEPS = 2
+#: Default ``ladder_steps`` for batched encoders: 1, 2, 3, 4, 5, 6, 7, 8, 10, ..., 28, 32 rows
+#: (16 graphs). Rows cost linear compute, so padding is lost time: 5 % expected on uniform batch
+#: sizes 1..32 against 23 % for the doubling ladder. Small graphs capture in well under a second.
+DEFAULT_BATCHED_LADDER_STEPS = 4
+
 
 @dataclass(frozen=True)
 class VitGraphOptions:
@@ -49,9 +59,12 @@ class VitGraphOptions:
 
     Args:
         budgets: token budgets (rows for batched encoders, output tokens for packed ones); ``None``
-            for a ladder doubling from ``min_budget`` to ``max_budget``.
+            for a ladder from ``min_budget`` to ``max_budget``.
         min_budget: smallest ladder budget; ``None`` for the model's own (1 row for batched).
         max_budget: largest ladder budget; ``None`` for the model's own (32 rows for batched).
+        ladder_steps: how finely the ladder splits each doubling (1: 64, 128, 256, ...; 2: 64, 96,
+            128, 192, ...; up to 16); ``None`` for the encoder kind's default (2 packed, 4
+            batched). More steps: less padding, more graphs to capture and hold.
         max_items_per_graph: items one graph holds (packed encoders); ``None`` derives it so that
             it never exceeds the smallest budget.
         max_frames_per_batch: video frames one graph holds; ``None`` for no frame cap.
@@ -80,6 +93,7 @@ class VitGraphOptions:
     budgets: tuple[int, ...] | None = None
     min_budget: int | None = None
     max_budget: int | None = None
+    ladder_steps: int | None = None
     max_items_per_graph: int | None = None
     max_frames_per_batch: int | None = None
     policy: str = "baseline"
@@ -107,6 +121,8 @@ class VitGraphOptions:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_positive_int("max_graph_sets", self.max_graph_sets)
+        if self.ladder_steps is not None:
+            check_steps_per_doubling("ladder_steps", self.ladder_steps)
         if isinstance(self.warmup_iters, bool) or not isinstance(self.warmup_iters, int) or (
             self.warmup_iters < 0
         ):
@@ -196,8 +212,10 @@ class VitGraphOptions:
             data["budgets"] = list(data["budgets"])
         return data
 
-    def budget_config(self, model_range: tuple[int, int]) -> BudgetConfig:
-        """Resolve these options against a model's ``(min_budget, max_budget)`` range."""
+    def budget_config(self, model_range: tuple[int, int],
+                      default_ladder_steps: int = DEFAULT_LADDER_STEPS) -> BudgetConfig:
+        """Resolve these options against a model's ``(min_budget, max_budget)`` range;
+        ``default_ladder_steps`` applies when ``ladder_steps`` is ``None``."""
         lo = self.min_budget if self.min_budget is not None else model_range[0]
         hi = self.max_budget if self.max_budget is not None else model_range[1]
         if self.min_budget is not None and self.max_budget is None and lo > hi:
@@ -209,6 +227,8 @@ class VitGraphOptions:
             budgets=self.budgets,
             max_batch_size=self.max_items_per_graph,
             max_frames_per_batch=self.max_frames_per_batch,
+            ladder_steps=(self.ladder_steps if self.ladder_steps is not None
+                          else default_ladder_steps),
         )
 
 

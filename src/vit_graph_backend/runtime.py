@@ -172,8 +172,10 @@ class EncoderCudaGraphManager:
         ``pool_bytes`` is what the allocator reserved for the shared graph pool (intermediates and
         static outputs); ``static_input_bytes`` the static input buffers outside it.
         """
-        static = sum(t.numel() * t.element_size() for g in self._graphs.values()
-                     for t in g.static.values())
+        # budgets may share one buffer (views of its head): count each storage once
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for g in self._graphs.values() for t in g.static.values()}
+        static = sum(storages.values())
         pool = self._pool_bytes or 0
         return {
             "graphs": self.num_graphs,
@@ -262,7 +264,7 @@ class EncoderCudaGraphManager:
 
     def _run_batch(self, inputs: Any, batch: Batch, reason: str | None) -> list[Any]:
         if batch.budget is None or reason is not None:
-            return self._eager(inputs, batch, reason or "item exceeds the largest budget")
+            return self._eager(inputs, batch, reason or self._unplanned_reason(batch))
         if batch.budget in self._disabled:
             return self._eager(inputs, batch, self._disabled[batch.budget])
         try:
@@ -276,6 +278,16 @@ class EncoderCudaGraphManager:
         if outs is None:  # verification failed, budget now disabled
             return self._eager(inputs, batch, self._disabled[batch.budget])
         return outs
+
+    def _unplanned_reason(self, batch: Batch) -> str:
+        """Why the planner gave ``batch`` no budget (the fallback reason counted in stats)."""
+        config = self._active
+        if batch.tokens > config.max_budget:
+            return "item exceeds the largest budget"
+        if (config.max_frames_per_batch is not None
+                and batch.frames > config.max_frames_per_batch):
+            return "item exceeds the frame cap per graph"
+        return "exact policy: no budget equals the batch's tokens"
 
     def _replay(self, inputs: Any, batch: Batch) -> list[Any] | None:
         budget = batch.budget

@@ -239,3 +239,21 @@ def test_register_is_guarded_after_import_too():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_budgets_share_one_row_buffer_and_memory_counts_it_once():
+    torch.compiler.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU()).eval()
+    compiled = torch.compile(model, backend="vitgraph", options={"capture": "lazy"})
+    with torch.no_grad():
+        for b in (2, 3, 7, 5, 9, 32):  # static first call, then the dynamic graph's budgets
+            x = torch.randn(b, 6)
+            torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=0)
+    dynamic = [e for e in vitgraph._encoders if not e.static_shape]
+    (manager,) = dynamic[0].managers
+    rows = {b: g.static for b, g in manager._graphs.items()}
+    assert len(rows) >= 3, rows.keys()
+    storages = {t.untyped_storage().data_ptr() for s in rows.values() for t in s.values()}
+    assert len(storages) == 1, "every budget's row buffer is a view of one buffer"
+    largest = max(rows)
+    assert manager.memory_report()["static_input_bytes"] == largest * 6 * 4

@@ -108,14 +108,21 @@ def test_items_per_graph_default_follows_the_modality(modality, items):
 
 def test_batched_budgets_count_rows_and_cover_the_stream():
     run = resolve(BenchConfig(model="vit-micro", max_batch=6), cuda_available=False)
-    assert run.budgets.budgets == (1, 2, 4, 6) == default_batched_budgets(6)
-    assert run.vitgraph_options == {"budgets": [1, 2, 4, 6], "policy": "baseline"}
-    assert default_batched_budgets(6, max_budget=32) == (1, 2, 4, 8, 16, 32)
+    # the runtime's batched default splits each doubling into 4 steps
+    assert run.budgets.budgets == (1, 2, 3, 4, 5, 6) == default_batched_budgets(6)
+    assert run.vitgraph_options == {"budgets": [1, 2, 3, 4, 5, 6], "policy": "baseline"}
+    assert default_batched_budgets(6, max_budget=32, steps=1) == (1, 2, 4, 8, 16, 32)
+    run = resolve(BenchConfig(model="vit-micro", max_batch=6, ladder_steps=1),
+                  cuda_available=False)
+    assert run.budgets.budgets == (1, 2, 4, 6)
+    with pytest.raises(ValueError, match=r"ladder_steps=0 is invalid"):
+        resolve(BenchConfig(model="vit-micro", ladder_steps=0), cuda_available=False)
 
 
 def test_packed_default_budgets_fit_every_call():
     calls = [[64, 256], [100], [1024, 300, 16]]
-    assert default_packed_budgets(calls, 1) == (16, 32, 64, 128, 256, 512, 1024)
+    assert default_packed_budgets(calls, 1, steps=1) == (16, 32, 64, 128, 256, 512, 1024)
+    assert default_packed_budgets(calls, 1)[:5] == (16, 24, 32, 48, 64)  # packed default: 2
     assert default_packed_budgets(calls, 2)[-1] == 1024 + 300  # two largest items of a call
     assert default_packed_budgets([[3]], 4) == (3,)  # start never above stop
 
@@ -157,21 +164,22 @@ def test_percentile_interpolates_like_numpy():
 
 # -- JSON schema ---------------------------------------------------------------------------------
 
-#: Schema version 1, frozen here: changing the document's keys must bump SCHEMA_VERSION.
+#: Schema version 2, frozen here: changing the document's keys must bump SCHEMA_VERSION.
+#: (v2 = v1 plus config.ladder_steps.)
 V1_TOP = {"schema_version", "tool", "package_version", "created_utc", "environment", "config",
           "routing", "notes", "modes"}
 V1_MODE = {"mode", "status", "error", "traceback", "latency_ms", "per_call_ms", "stream_total_s",
            "first_pass_s", "peak_memory_bytes", "graphs_captured", "compiles", "hit_rate",
            "padding_ratio", "max_abs_error", "speedup_vs_eager", "backend_report", "notes"}
 V1_CONFIG = {"model", "workload", "modality", "modes", "calls", "seed", "max_batch", "budgets",
-             "max_budget", "items_per_graph", "max_frames_per_graph", "policy", "device", "dtype",
+             "max_budget", "ladder_steps", "items_per_graph", "max_frames_per_graph", "policy", "device", "dtype",
              "check_calls", "progress", "layout", "family", "params", "items"}
 V1_ROUTING = {"unit", "budgets", "items_per_graph", "max_frames_per_graph", "policy", "planned",
               "sample_plans"}
 
 
-def test_schema_v1_is_pinned():
-    assert SCHEMA_VERSION == 1
+def test_schema_v2_is_pinned():
+    assert SCHEMA_VERSION == 2
     assert set(RESULT_SCHEMA) == V1_TOP
     assert set(RESULT_SCHEMA["modes"].spec) == V1_MODE
     assert set(RESULT_SCHEMA["config"]) == V1_CONFIG

@@ -67,6 +67,34 @@ def test_budget_ladder_shape(a, b):
 
 
 # max_examples: the conftest profile (200 dev / 300 ci).
+@given(values, values, st.integers(1, 16))
+def test_finer_ladders_bound_each_step_and_refine_the_doubling_ladder(a, b, k):
+    start, stop = min(a, b), max(a, b)
+    ladder = budget_ladder(start, stop, k)
+    assert ladder[0] == start and ladder[-1] == stop
+    assert all(x < y for x, y in zip(ladder, ladder[1:])), "strictly increasing"
+    # padding bound: a batch of x + 1 tokens pads to at most x + ceil(x / k)
+    assert all(y - x <= ceil_div(x, k) for x, y in zip(ladder, ladder[1:]))
+    assert set(budget_ladder(start, stop)) <= set(ladder), "keeps every doubling"
+    assert set(ladder) <= set(budget_ladder(start, stop, 2 * k)) if 2 * k <= 16 else True
+    doublings = len(budget_ladder(start, stop)) - 1
+    assert len(ladder) <= k * doublings + 1
+
+
+def test_finer_ladder_examples():
+    assert budget_ladder(1, 32, 2) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    assert budget_ladder(1, 32, 4) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
+    assert budget_ladder(64, 1000, 2) == (64, 96, 128, 192, 256, 384, 512, 768, 1000)
+    with pytest.raises(InvalidOptionError, match=r"^steps_per_doubling=17 is invalid: must be an "
+                                                 r"integer in 1\.\.16"):
+        budget_ladder(1, 8, 17)
+    with pytest.raises(InvalidOptionError, match=r"^ladder_steps=0 is invalid"):
+        BudgetConfig.resolve((1, 8), ladder_steps=0)
+    assert BudgetConfig.resolve((64, 512), ladder_steps=2).budgets == (64, 96, 128, 192, 256,
+                                                                        384, 512)
+
+
+# max_examples: the conftest profile (200 dev / 300 ci).
 @given(values, values)
 def test_budget_ladder_rejects_start_above_stop(a, b):
     start, stop = max(a, b) + 1, min(a, b)

@@ -196,3 +196,29 @@ def test_import_is_lean_and_does_not_initialize_cuda():
     assert loaded == [], f"import {PACKAGE} imported {loaded}"
     assert lazy_init_calls == 0, f"import {PACKAGE} asked torch to initialize CUDA"
     assert cuda_initialized is False, f"import {PACKAGE} initialized CUDA"
+
+
+def test_package_import_leaves_torch_for_the_names_that_need_it():
+    """``import vit_graph_backend`` imports no torch; ``serve`` and ``PackedGraphEncoder`` load
+    it on first access (PEP 562), and an unknown name still raises ``AttributeError``."""
+    code = textwrap.dedent(f"""
+        import sys
+        import {PACKAGE} as pkg
+        before = "torch" in sys.modules
+        serve = pkg.serve
+        from {PACKAGE}.packed import serve as real
+        try:
+            pkg.no_such_name
+            missing = "no error"
+        except AttributeError as exc:
+            missing = str(exc)
+        print(repr((before, serve is real, "torch" in sys.modules, "PackedGraphEncoder" in dir(pkg),
+                    missing)))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    before, same, after, listed, missing = eval(result.stdout.strip().splitlines()[-1])
+    assert before is False, "import vit_graph_backend imported torch"
+    assert same and after and listed
+    assert missing == f"module {PACKAGE!r} has no attribute 'no_such_name'"

@@ -18,6 +18,9 @@ BAD = [
     ({"max_items_per_graph": True}, r"max_items_per_graph=True is invalid"),
     ({"max_frames_per_batch": 0}, r"max_frames_per_batch=0 is invalid"),
     ({"max_graph_sets": 0}, r"max_graph_sets=0 is invalid"),
+    ({"ladder_steps": 0}, r"ladder_steps=0 is invalid"),
+    ({"ladder_steps": 17}, r"ladder_steps=17 is invalid: must be an integer in 1\.\.16"),
+    ({"ladder_steps": 2.0}, r"ladder_steps=2.0 is invalid"),
     ({"warmup_iters": -1}, r"warmup_iters=-1 is invalid"),
     ({"policy": "ffd"}, r"policy='ffd' is invalid: must be one of \('baseline', 'exact'\)"),
     ({"inner_compiler": "tvm"}, r"inner_compiler='tvm' is invalid"),
@@ -84,7 +87,14 @@ def test_round_trip_through_dict(budgets, verify, policy, inner, sets):
 
 
 def test_budget_config_uses_model_range_unless_overridden():
-    assert VitGraphOptions().budget_config((64, 1024)).budgets == (64, 128, 256, 512, 1024)
-    assert VitGraphOptions(max_budget=256).budget_config((64, 1024)).budgets == (64, 128, 256)
+    # default: each doubling split in two
+    assert VitGraphOptions().budget_config((64, 1024)).budgets == (
+        64, 96, 128, 192, 256, 384, 512, 768, 1024)
+    assert VitGraphOptions(ladder_steps=1).budget_config((64, 1024)).budgets == (
+        64, 128, 256, 512, 1024)
+    assert VitGraphOptions().budget_config((64, 1024), default_ladder_steps=1).budgets == (
+        64, 128, 256, 512, 1024)
+    assert VitGraphOptions(ladder_steps=1, max_budget=256).budget_config(
+        (64, 1024)).budgets == (64, 128, 256)
     cfg = VitGraphOptions(max_items_per_graph=8).budget_config((64, 1024))
     assert cfg.max_batch_size == 8 and cfg.budgets[0] == 64

@@ -69,6 +69,19 @@ def test_oversize_item_is_eager_and_counted_with_reason():
 
 
 @torch.no_grad()
+def test_exact_policy_fallback_names_its_own_reason():
+    model, mgr = _setup(policy="exact")
+    assert 9 not in mgr.config.budgets and 8 in mgr.config.budgets and mgr.config.max_budget == 64
+    mgr.run(_call([9]))      # fits a budget, but none equals 9: eager under the exact policy
+    mgr.run(_call([8]))      # equals budget 8: replayed
+    mgr.run(_call([100]))    # larger than every budget
+    stats = mgr.stats.as_dict()
+    assert stats["fallback_reasons"] == {"exact policy: no budget equals the batch's tokens": 1,
+                                         "item exceeds the largest budget": 1}
+    assert stats["replays_per_budget"] == {"8": 1}
+
+
+@torch.no_grad()
 def test_nan_poisoned_static_buffers_leave_outputs_equal():
     model, mgr = _setup()
     inputs = _call([5, 11, 3])

@@ -17,7 +17,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from vit_graph_backend import testing
-from vit_graph_backend.budgets import BudgetConfig
+from vit_graph_backend.budgets import BudgetConfig, budget_ladder
 from vit_graph_backend.errors import InvalidOptionError
 from vit_graph_backend.specs import EncoderItemSpec
 from vit_graph_backend.testing import strategies
@@ -80,6 +80,14 @@ def test_budget_ladders(limits, data):
     assert limits[0] <= ladder[0] and ladder[-1] <= limits[1]
     assert all(a < b <= 2 * a for a, b in zip(ladder, ladder[1:]))
     assert all(b == 2 * a for a, b in zip(ladder[:-1], ladder[1:-1])), "doubles but the last step"
+
+
+@given(bounds(), st.integers(1, 16), st.data())
+def test_finer_budget_ladders(limits, max_steps, data):
+    ladder = data.draw(budget_ladders(*limits, max_steps=max_steps))
+    assert limits[0] <= ladder[0] and ladder[-1] <= limits[1]
+    assert all(a < b <= 2 * a for a, b in zip(ladder, ladder[1:]))
+    assert any(budget_ladder(ladder[0], ladder[-1], k) == ladder for k in range(1, max_steps + 1))
 
 
 @given(bounds(high=4096), st.integers(1, 8), st.none() | st.integers(1, 16), st.data())
@@ -159,6 +167,7 @@ BAD_ARGUMENTS = [
     (budget_ranges, dict(min_value=None), r"^min_value=None is invalid"),
     (budget_ranges, dict(min_value=10, max_value=9), r"^min_value=10 is larger than max_value=9$"),
     (budget_ladders, dict(max_value=0), r"^max_value=0 is invalid"),
+    (budget_ladders, dict(max_steps=17), r"^max_steps=17 is invalid"),
     (budget_ladders, dict(min_value=10, max_value=9), r"^min_value=10 is larger than max_value=9$"),
     (budget_configs, dict(min_value=0), r"^min_value=0 is invalid"),
     (budget_configs, dict(min_value=64, max_value=32), r"^min_value=64 is larger than max_value=32$"),

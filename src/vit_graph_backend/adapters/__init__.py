@@ -87,12 +87,13 @@ def adapt(model: Any, **kwargs: Any) -> Any:
     """Return ``model`` as a ``SupportsEncoderCudaGraph``.
 
     A model that already implements the protocol is returned as is. Otherwise the adapter
-    registered for its class wraps it, reusing its weights (no copies).
+    registered for its class wraps it, reusing its weights.
 
     Args:
         model: a packed vision encoder, e.g. ``Qwen2_5_VisionTransformerPretrainedModel``.
         **kwargs: adapter options; the Qwen adapters take ``min_budget`` and ``max_budget``
-            (output tokens of the smallest and largest graph).
+            (output tokens of the smallest and largest graph) and ``align_mlp`` (padded MLP
+            weight copies; see ``Qwen2_5_VLVisionAdapter``).
 
     Raises:
         UnsupportedModelError: (a ``TypeError``) if no adapter serves the model's class; the

@@ -3,7 +3,7 @@
 The JSON document is the one source: the table and the plot are rendered from it, so what is
 printed and what is saved cannot disagree. :data:`RESULT_SCHEMA` spells out every key and type of
 schema version :data:`SCHEMA_VERSION`; any change to the keys or types bumps the version (a test
-pins version 1). :func:`validate` checks a document against it.
+pins the version; v2 added ``config.ladder_steps``). :func:`validate` checks a document against it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "validate", "write_json",
            "write_plot"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class Nullable:
@@ -86,6 +86,7 @@ RESULT_SCHEMA: dict[str, Any] = {
     "config": {
         "model": str, "workload": str, "modality": str, "modes": ListOf(str), "calls": int,
         "seed": int, "max_batch": int, "budgets": ListOf(int), "max_budget": Nullable(int),
+        "ladder_steps": Nullable(int),
         "items_per_graph": Nullable(int), "max_frames_per_graph": Nullable(int),
         "policy": str, "device": str, "dtype": str, "check_calls": int, "progress": bool,
         "layout": OneOf("batched", "packed"), "family": str, "params": int, "items": int,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..budgets import BudgetConfig, budget_ladder
+from ..options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_LADDER_STEPS
 from ..planner import Plan, plan_batches
 from ..specs import EncoderItemSpec
 from ..stats import GraphStats
@@ -39,13 +40,16 @@ OVERSIZE = "larger than the largest budget or frame cap"
 NOT_EXACT = "exact policy: tokens match no budget"
 
 
-def default_batched_budgets(max_rows: int, max_budget: int | None = None) -> tuple[int, ...]:
-    """Row budgets ``1, 2, 4, ...`` ending exactly at ``max_budget`` (default: ``max_rows``)."""
-    return budget_ladder(1, max_budget or max_rows)
+def default_batched_budgets(max_rows: int, max_budget: int | None = None,
+                            steps: int = DEFAULT_BATCHED_LADDER_STEPS) -> tuple[int, ...]:
+    """Row budgets from 1 ending exactly at ``max_budget`` (default: ``max_rows``), each
+    doubling split into ``steps`` (the runtime's default for batched encoders)."""
+    return budget_ladder(1, max_budget or max_rows, steps)
 
 
 def default_packed_budgets(
-    calls: Sequence[Sequence[int]], items_per_graph: int, max_budget: int | None = None
+    calls: Sequence[Sequence[int]], items_per_graph: int, max_budget: int | None = None,
+    steps: int = DEFAULT_LADDER_STEPS,
 ) -> tuple[int, ...]:
     """A token ladder that covers a stream of packed calls.
 
@@ -57,6 +61,7 @@ def default_packed_budgets(
         calls: per call, the output tokens of its items.
         items_per_graph: items one graph holds.
         max_budget: the largest budget, or ``None`` to derive it from the stream.
+        steps: steps per doubling (the runtime's default for packed encoders).
     """
     tokens = [t for call in calls for t in call]
     if not tokens:
@@ -64,7 +69,7 @@ def default_packed_budgets(
     stop = max_budget or max(sum(sorted(call)[-items_per_graph:]) for call in calls if call)
     start = 1 << (min(tokens).bit_length() - 1)
     start = min(max(start, items_per_graph), stop)
-    return budget_ladder(start, stop)
+    return budget_ladder(start, stop, steps)
 
 
 def batched_budget_config(budgets: Sequence[int]) -> BudgetConfig:

@@ -29,7 +29,8 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..budgets import BudgetConfig
+from ..budgets import BudgetConfig, check_steps_per_doubling
+from ..options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_LADDER_STEPS
 from . import routing
 from .models import MODELS, ModelEntry, availability, call_specs, primary_output
 from .modes import MODES, backend_report, prepare_mode, reset
@@ -60,6 +61,7 @@ class BenchConfig:
     max_batch: int | None = None
     budgets: tuple[int, ...] | None = None
     max_budget: int | None = None
+    ladder_steps: int | None = None
     items_per_graph: int | None = None
     max_frames_per_graph: int | None = None
     policy: str = "baseline"
@@ -105,6 +107,8 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
     if model not in MODELS:
         raise ValueError(f"model={model!r} is invalid: choose from {', '.join(MODELS)}")
     entry = MODELS[model]
+    if config.ladder_steps is not None:
+        check_steps_per_doubling("ladder_steps", config.ladder_steps)
     if config.workload not in WORKLOADS:
         raise ValueError(
             f"workload={config.workload!r} is invalid: choose from {', '.join(WORKLOADS)}")
@@ -128,7 +132,8 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
     if entry.packed:
         items = config.items_per_graph or (2 if modality == "image+video" else 1)
         budgets = config.budgets or routing.default_packed_budgets(
-            [[s.output_tokens for s in call] for call in specs], items, config.max_budget)
+            [[s.output_tokens for s in call] for call in specs], items, config.max_budget,
+            config.ladder_steps or DEFAULT_LADDER_STEPS)
         frames = config.max_frames_per_graph
         if frames is None and modality != "image":
             # Capture sizes frame-dependent buffers (e.g. Qwen2.5-VL windows) for a frame cap;
@@ -139,7 +144,8 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
             max_frames_per_batch=frames)
     else:
         rows = max(s.output_tokens for call in specs for s in call)
-        budgets = config.budgets or routing.default_batched_budgets(rows, config.max_budget)
+        budgets = config.budgets or routing.default_batched_budgets(
+            rows, config.max_budget, config.ladder_steps or DEFAULT_BATCHED_LADDER_STEPS)
         budget_config = routing.batched_budget_config(budgets)
     resolved = replace(config, model=model, modality=modality, modes=tuple(modes), calls=calls,
                        max_batch=max_batch, device=device, dtype=dtype,

@@ -31,7 +31,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from ..budgets import BudgetConfig, budget_ladder, ceil_div
+from ..budgets import BudgetConfig, budget_ladder, ceil_div, check_steps_per_doubling
 from ..errors import InvalidOptionError
 from ..specs import EncoderItemSpec, check_positive_int
 
@@ -193,21 +193,25 @@ def _budget_ranges(draw: Any, min_value: int, max_value: int) -> tuple[int, int]
 
 
 def budget_ladders(
-    min_value: int = 1, max_value: int = DEFAULT_MAX_TOKENS
+    min_value: int = 1, max_value: int = DEFAULT_MAX_TOKENS, max_steps: int = 1
 ) -> st.SearchStrategy[tuple[int, ...]]:
     """Budget ladders as :func:`~vit_graph_backend.budgets.budget_ladder` builds them.
 
-    Each ladder doubles from its start and ends exactly at its stop, with
-    ``min_value <= start <= stop <= max_value``.
+    Each ladder starts at ``start`` and ends exactly at ``stop``, with
+    ``min_value <= start <= stop <= max_value``; it doubles (``max_steps=1``) or splits each
+    doubling into a drawn ``1..max_steps`` steps.
 
     Args:
         min_value: the smallest start drawn; a positive integer.
         max_value: the largest stop drawn; ``>= min_value``.
+        max_steps: the most ``steps_per_doubling`` drawn, ``1..16``.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
     """
-    return budget_ranges(min_value, max_value).map(lambda r: budget_ladder(*r))
+    check_steps_per_doubling("max_steps", max_steps)
+    return st.tuples(budget_ranges(min_value, max_value), st.integers(1, max_steps)).map(
+        lambda r: budget_ladder(*r[0], r[1]))
 
 
 def _budget_config_draws(

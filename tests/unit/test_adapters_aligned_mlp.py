@@ -1,0 +1,137 @@
+"""Zero-padded MLP weight copies (``align_mlp``) on CPU, float32: same numbers as the HF tower,
+kept in step when the tower's weights change, padded storage never moved (a captured graph reads
+it), and a clear error for a bad value.
+
+The tiny Qwen2.5-VL tower here has ``intermediate_size=42`` (not a multiple of 8, like the real
+3420), so ``align_mlp=True`` pads it to 48. Tolerance: padding adds exact zeros, but a wider GEMM
+may sum in another order: float32 outputs of magnitude ~10 agree to 1e-5 (measured ~2e-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (  # noqa: E402
+    Qwen2_5_VLVisionConfig,
+)
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (  # noqa: E402
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
+from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionMlp  # noqa: E402
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig  # noqa: E402
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionMLP  # noqa: E402
+
+from vit_graph_backend.adapters import adapt  # noqa: E402
+from vit_graph_backend.adapters._aligned_mlp import AlignedMLPs  # noqa: E402
+from vit_graph_backend.errors import InvalidOptionError  # noqa: E402
+from vit_graph_backend.packed import PackedGraphEncoder  # noqa: E402
+
+PATCH, MERGE, HIDDEN, WIDTH, DEPTH = 2, 2, 32, 42, 2
+ATOL = 1e-5
+
+
+def _tower(seed: int = 0) -> torch.nn.Module:
+    model = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
+        depth=DEPTH, hidden_size=HIDDEN, intermediate_size=WIDTH, num_heads=2, out_hidden_size=24,
+        patch_size=PATCH, window_size=2 * MERGE * PATCH, fullatt_block_indexes=[1]))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model.eval()
+
+
+def _call(grids, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(t * h * w for t, h, w in grids)
+    return torch.randn(rows, 3 * 2 * PATCH * PATCH, generator=gen), torch.tensor(grids)
+
+
+GRIDS = [(1, 4, 4), (1, 8, 4), (2, 4, 8)]
+
+
+@torch.no_grad()
+def test_padded_mlp_matches_the_hf_tower_and_holds_the_expected_bytes():
+    hf = _tower()
+    adapter = adapt(hf, align_mlp=True)
+    pv, grid = _call(GRIDS)
+    torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    # per block: gate and up (48 x 32 weight + 48 bias each), down (32 x 48 weight + 32 bias)
+    per_block = 2 * (48 * HIDDEN + 48) + (HIDDEN * 48 + HIDDEN)
+    assert adapter.aligned_mlp_bytes == DEPTH * per_block * 4
+    for weights in adapter._aligned.weights:  # the padding itself is zero
+        for weight, bias in weights.ins:
+            assert not weight[WIDTH:].any() and not bias[WIDTH:].any()
+        assert not weights.out_weight[:, WIDTH:].any()
+    # the adapter really reads the copies: nudge one (the tower is unchanged, so no refresh)
+    adapter._aligned.weights[0].out_bias.add_(1.0)
+    assert not torch.allclose(adapter(pv, grid), hf(pv, grid).pooler_output, atol=1e-2)
+
+
+@torch.no_grad()
+def test_auto_mode_pads_only_on_cuda_and_false_never():
+    hf = _tower()
+    pv, grid = _call(GRIDS[:1])
+    auto, off = adapt(hf), adapt(hf, align_mlp=False)
+    for adapter in (auto, off):
+        torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL,
+                                   rtol=0)
+        assert adapter.aligned_mlp_bytes == 0  # CPU: auto does not pad
+
+
+@torch.no_grad()
+def test_copies_follow_in_place_writes_and_replaced_parameters_without_moving():
+    hf = _tower()
+    adapter = adapt(hf, align_mlp=True)
+    pv, grid = _call(GRIDS)
+    adapter(pv, grid)
+    pointers = [w.out_weight.data_ptr() for w in adapter._aligned.weights]
+    hf.blocks[0].mlp.gate_proj.weight.mul_(-2.0)                          # written in place
+    hf.blocks[1].mlp.down_proj.weight = torch.nn.Parameter(                # replaced
+        torch.randn(HIDDEN, WIDTH) * 0.2)
+    hf.blocks[1].mlp.up_proj.bias.add_(0.5)
+    torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    assert [w.out_weight.data_ptr() for w in adapter._aligned.weights] == pointers
+
+
+@torch.no_grad()
+def test_served_graph_path_uses_the_padded_weights_and_follows_new_weights():
+    hf = _tower()
+    served = PackedGraphEncoder(adapt(hf, align_mlp=True), max_items_per_graph=2, budgets=[16, 64])
+    pv, grid = _call(GRIDS)
+    torch.testing.assert_close(served(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    assert served.manager.stats.graph_items == len(GRIDS)
+    hf.blocks[0].mlp.down_proj.bias.mul_(3.0)
+    torch.testing.assert_close(served(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    served.encoder._aligned.weights[1].ins[0][1].add_(1.0)  # the graph path reads the copies
+    assert not torch.allclose(served(pv, grid), hf(pv, grid).pooler_output, atol=1e-2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["fc1/fc2 (Qwen2-VL)", "linear_fc1/fc2 (Qwen3-VL)"])
+def test_plain_mlp_shapes_pad_to_the_same_numbers(kind):
+    torch.manual_seed(0)
+    if kind.startswith("fc1"):
+        mlps = [VisionMlp(HIDDEN, WIDTH, "quick_gelu") for _ in range(2)]
+    else:
+        cfg = Qwen3VLVisionConfig(hidden_size=HIDDEN, intermediate_size=WIDTH)
+        mlps = [Qwen3VLVisionMLP(cfg) for _ in range(2)]
+    assert AlignedMLPs.needed(mlps)
+    aligned = AlignedMLPs(mlps)
+    assert aligned.refresh() and not aligned.refresh()  # second refresh: nothing changed
+    assert aligned.padded_width == 48
+    x = torch.randn(7, HIDDEN)
+    for layer, mlp in enumerate(mlps):
+        torch.testing.assert_close(aligned.forward(layer, x), mlp(x), atol=ATOL, rtol=0)
+
+
+def test_aligned_widths_need_no_copy_and_bad_values_are_refused():
+    assert not AlignedMLPs.needed([VisionMlp(HIDDEN, 48, "quick_gelu")])
+    with pytest.raises(InvalidOptionError, match=r"align_mlp='yes' is invalid: must be True, "
+                                                 r"False or None"):
+        adapt(_tower(), align_mlp="yes")
+    with pytest.raises(ValueError, match="one known shape"):
+        AlignedMLPs([torch.nn.Linear(2, 2)])
