@@ -456,3 +456,20 @@ def test_runtime_serves_the_adapters(towers, family):
         _assert_close(_as_tuple(a), e, GRAPH_ATOL)
     stats = manager.stats.as_dict()
     assert stats["graph_replays"] >= 2 and stats["eager_items"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_of_q_and_k_together_equals_hf(dtype):
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    from vit_graph_backend.adapters.qwen_vl import _apply_rotary, _signed_sin
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(11, 3, 16, generator=gen).to(dtype) for _ in range(2))
+    cos, sin = (torch.randn(11, 16, generator=gen) for _ in range(2))
+    ref_q, ref_k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    cos4, sin4 = cos[:, None, None, :], _signed_sin(sin[:, None, None, :])
+    got_q, got_k = _apply_rotary(torch.stack([q, k], 1), cos4, sin4).unbind(1)
+    assert got_q.dtype == dtype
+    torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-6)

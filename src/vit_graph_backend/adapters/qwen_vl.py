@@ -57,15 +57,18 @@ DEFAULT_MAX_BUDGET = 4096
 MIN_BUDGET_IMAGE_SIDE = 224
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, so that ``rotate_half(x) * sin`` (HF) equals
+    ``roll(x, half) * signed_sin``: ``cat(-x2, x1) * cat(s1, s2) == cat(x2, x1) * cat(-s1, s2)``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # HF's apply_rotary_pos_emb_vision: float32 math, cast back.
-    xf = x.float()
-    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # HF's apply_rotary_pos_emb_vision (float32 math, cast back) in four kernels instead of
+    # seven: bf16 -> fp32 is exact, so mixed-dtype products equal HF's fp32 ones.
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos, rolled, signed_sin).to(x.dtype)
 
 
 def _is_rms_norm(norm: nn.Module) -> bool:
@@ -340,7 +343,7 @@ class _QwenVisionAdapter(nn.Module):
     def _run(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None) -> Any:
         hidden = self._embed(values)
         cos, sin = self.tower.rotary_pos_emb(hidden, values["position_ids"])
-        cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+        cos, sin = cos.unsqueeze(-2).float(), _signed_sin(sin.unsqueeze(-2).float())
         full, window = self._segments(values, meta)
         features: list[torch.Tensor] = []
         for layer, block in enumerate(self.tower.blocks):
