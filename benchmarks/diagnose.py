@@ -41,6 +41,13 @@ def timed(fn, reps=50, warm=5):
     return times[len(times) // 2]
 
 
+def table(title, columns, rows):
+    print(f"\n{title}")
+    print("".join(f"{c:>10}" for c in columns))
+    for row in rows:
+        print("".join(f"{v:10.3f}" if isinstance(v, float) else f"{v:>10}" for v in row))
+
+
 def graphed(fn):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -131,11 +138,9 @@ def vit_section():
             out[b] = {"eager_ms": eager, "graph_floor_ms": floor, "vitgraph_call_ms": call,
                       "vitgraph_host_ms_per_call_unsynced": host}
     print(vitgraph.report()["stats"])
-    print("\nViT-B/16 bf16 (ms, p50 of 50)")
-    print(f"{'batch':>6}{'eager':>9}{'floor':>9}{'vitgraph':>10}{'overhead':>10}")
-    for b, r in out.items():
-        print(f"{b:>6}{r['eager_ms']:9.2f}{r['graph_floor_ms']:9.2f}{r['vitgraph_call_ms']:10.2f}"
-              f"{r['vitgraph_call_ms'] - r['graph_floor_ms']:10.3f}")
+    table("ViT-B/16 bf16 (ms, p50 of 50)", ["batch", "eager", "floor", "vitgraph", "overhead"],
+          [[b, r["eager_ms"], r["graph_floor_ms"], r["vitgraph_call_ms"],
+            r["vitgraph_call_ms"] - r["graph_floor_ms"]] for b, r in out.items()])
     return out
 
 
@@ -162,11 +167,10 @@ def qwen_section():
             floor = timed(entry.graph.replay, reps=30)
             out[side] = {"tokens": tokens, "budget": budget, "hf_eager_ms": eager,
                          "served_ms": call, "budget_graph_replay_ms": floor}
-    print("\nQwen2.5-VL-3B tower, one image (ms, p50)")
-    print(f"{'side':>6}{'tokens':>8}{'budget':>8}{'eager':>9}{'served':>9}{'replay':>9}")
-    for side, r in out.items():
-        print(f"{side:>6}{r['tokens']:>8}{r['budget']:>8}{r['hf_eager_ms']:9.2f}"
-              f"{r['served_ms']:9.2f}{r['budget_graph_replay_ms']:9.2f}")
+    table("Qwen2.5-VL-3B tower, one image (ms, p50)",
+          ["side", "tokens", "budget", "eager", "served", "replay"],
+          [[side, r["tokens"], r["budget"], r["hf_eager_ms"], r["served_ms"],
+            r["budget_graph_replay_ms"]] for side, r in out.items()])
     return out
 
 
