@@ -224,3 +224,32 @@ def test_public_surface():
     for name in testing.__all__:
         assert getattr(testing, name) is getattr(strategies, name)
         assert isinstance(getattr(strategies, name)(), st.SearchStrategy), "defaults build a strategy"
+
+
+@given(st.integers(1, 4096), st.data())
+def test_vitgraph_options_are_valid_and_round_trip(max_value, data):
+    from vit_graph_backend.options import VitGraphOptions
+    from vit_graph_backend.testing import vitgraph_options
+
+    opts = data.draw(vitgraph_options(max_value))
+    assert isinstance(opts, VitGraphOptions)
+    again = VitGraphOptions.from_dict(opts.to_dict())  # re-validates every field
+    assert again == opts and hash(again) == hash(opts)
+    assert opts.inner_compiler != "tensorrt"
+    if opts.budgets is not None:
+        assert max(opts.budgets) <= max_value
+        if opts.max_items_per_graph is not None:
+            assert opts.max_items_per_graph <= min(opts.budgets)
+
+
+def test_vitgraph_options_strategy_draws_every_choice():
+    from hypothesis import find
+
+    from vit_graph_backend.testing import vitgraph_options
+
+    for pred in (lambda o: o.budgets is None, lambda o: o.budgets is not None,
+                 lambda o: o.policy == "exact", lambda o: o.inner_compiler == "inductor",
+                 lambda o: o.ladder_steps == 16, lambda o: o.capture == "lazy"):
+        find(vitgraph_options(64), pred)
+    with pytest.raises(InvalidOptionError, match=r"^max_value=0 is invalid"):
+        vitgraph_options(0)

@@ -18,6 +18,7 @@ from .strategies import (
     item_spec_lists,
     item_specs,
     token_counts,
+    vitgraph_options,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "item_spec_lists",
     "item_specs",
     "token_counts",
+    "vitgraph_options",
 ]

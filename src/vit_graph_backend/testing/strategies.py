@@ -33,6 +33,8 @@ from hypothesis import strategies as st
 
 from ..budgets import BudgetConfig, budget_ladder, ceil_div, check_steps_per_doubling
 from ..errors import InvalidOptionError
+from ..options import CAPTURE_MODES, INNER_COMPILERS, VitGraphOptions
+from ..planner import POLICIES
 from ..specs import EncoderItemSpec, check_positive_int
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "item_spec_lists",
     "item_specs",
     "token_counts",
+    "vitgraph_options",
 ]
 
 #: Default upper bound for token counts and budgets: large enough for a 896x896 image at patch 14
@@ -331,3 +334,42 @@ def image_grids(
         )
     sides = st.integers(low, high).map(lambda k: k * merge)
     return st.tuples(st.integers(1, max_frames), sides, sides)
+
+
+@st.composite
+def _options(draw: Any, max_value: int) -> VitGraphOptions:
+    budgets = draw(st.none() | st.lists(st.integers(1, max_value), min_size=1, max_size=6))
+    lo = draw(st.none() | st.integers(1, max_value))
+    hi = draw(st.none() | st.integers(lo or 1, max_value))
+    items_cap = min(budgets) if budgets else max_value
+    compilers = [c for c in INNER_COMPILERS if c != "tensorrt"]  # needs torch-tensorrt
+    return VitGraphOptions(
+        budgets=budgets, min_budget=lo, max_budget=hi,
+        ladder_steps=draw(st.none() | st.integers(1, 16)),
+        max_items_per_graph=draw(st.none() | st.integers(1, items_cap)),
+        max_frames_per_batch=draw(st.none() | st.integers(1, 64)),
+        policy=draw(st.sampled_from(POLICIES)),
+        inner_compiler=draw(st.sampled_from(compilers)),
+        capture=draw(st.sampled_from(CAPTURE_MODES)),
+        warmup_iters=draw(st.integers(0, 3)),
+        max_graph_sets=draw(st.integers(1, 8)),
+        static_graphs=draw(st.booleans()),
+        verify=draw(st.booleans()),
+        verify_tolerance=draw(st.none() | st.floats(1e-6, 1.0)),
+    )
+
+
+def vitgraph_options(max_value: int = DEFAULT_MAX_TOKENS) -> st.SearchStrategy[VitGraphOptions]:
+    """Valid :class:`~vit_graph_backend.options.VitGraphOptions`: every field drawn (``None``
+    where it may be), budgets and bounds in ``1..max_value``, ``min_budget <= max_budget`` and
+    ``max_items_per_graph <= min(budgets)`` when both are given. ``inner_compiler`` is never
+    ``"tensorrt"``, which needs torch-tensorrt installed.
+
+    Args:
+        max_value: the largest budget or bound drawn; a positive integer.
+
+    Raises:
+        InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
+    """
+    check_positive_int("max_value", max_value)
+    return _options(max_value)
