@@ -159,7 +159,7 @@ class _GraphSet:
     """One graph set's view of the graph as an encoder for the runtime (row items)."""
 
     def __init__(self, fn: Callable[..., Any], layout: GraphLayout, template: Sequence[Any],
-                 copied: set[int], static_shape: bool) -> None:
+                 copied: set[int], static_shape: bool, max_rows: int) -> None:
         self.fn, self.layout, self.copied = fn, layout, copied
         self.static_shape = static_shape
         self.template = list(template)
@@ -168,7 +168,7 @@ class _GraphSet:
         # checked at every call (ViT-B: ~150 tensors), so kept to one C-level pass
         self._pick = operator.itemgetter(*self.referenced) if self.referenced else None
         self._row_buffers: dict[int, torch.Tensor] = {}
-        self.max_rows = 1  # the largest budget: the shared row buffers' size
+        self.max_rows = max_rows  # the largest budget: the shared row buffers' size
 
     # row items: one item per call, B rows (or one "row" for an exact static graph)
     def get_encoder_cudagraph_item_specs(self, args: Sequence[Any]) -> list[EncoderItemSpec]:
@@ -311,7 +311,6 @@ class BatchedGraphEncoder:
         while len(self._sets) >= self.options.max_graph_sets:
             self._drop(next(iter(self._sets)))
             self.evictions += 1
-        graph_set = _GraphSet(self.fn, self.layout, args, set(self._copied), self.static_shape)
         if self.static_shape:
             config = BudgetConfig((1,), 1)
         else:
@@ -321,7 +320,8 @@ class BatchedGraphEncoder:
             config = rows.budget_config((1, DEFAULT_BATCHED_MAX_BUDGET),
                                         DEFAULT_BATCHED_LADDER_STEPS)
             config = BudgetConfig(config.budgets, 1)
-        graph_set.max_rows = config.max_budget
+        graph_set = _GraphSet(self.fn, self.layout, args, set(self._copied), self.static_shape,
+                              config.max_budget)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         manager = EncoderCudaGraphManager(graph_set, self.options, device=device,
                                           chunk=not self.static_shape, budget_config=config)

@@ -24,6 +24,7 @@ from typing import Any
 
 from ._version import __version__
 from .benchmarking.modes import MODES as _MODES
+from .budgets import MAX_STEPS_PER_DOUBLING
 from .planner import POLICIES
 
 __all__ = ["build_parser", "main"]
@@ -46,8 +47,9 @@ def _positive_int(text: str) -> int:
 
 def _ladder_steps(text: str) -> int:
     value = _positive_int(text)
-    if value > 16:
-        raise argparse.ArgumentTypeError(f"invalid ladder steps: {text!r} (must be 1..16)")
+    if value > MAX_STEPS_PER_DOUBLING:
+        raise argparse.ArgumentTypeError(
+            f"invalid ladder steps: {text!r} (must be 1..{MAX_STEPS_PER_DOUBLING})")
     return value
 
 

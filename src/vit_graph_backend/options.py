@@ -39,17 +39,19 @@ MODES: dict[str, dict[str, Any]] = {
     "max-autotune-no-cudagraphs": {"inner_compiler": "inductor"},
 }
 
-#: Default largest budget, in rows, for batched ``[B, C, H, W]`` encoders: the ladder is then
-#: 1, 2, 4, 8, 16, 32 rows, and larger calls are cut into 32-row chunks.
+#: Default largest budget, in rows, for batched ``[B, C, H, W]`` encoders: the ladder
+#: ends at 32 rows (see DEFAULT_BATCHED_LADDER_STEPS), and larger calls are cut into 32-row chunks.
 DEFAULT_BATCHED_MAX_BUDGET = 32
 
 #: Default ``ladder_steps`` for packed encoders: each doubling split in two (64, 96, 128, 192,
 #: ..., 4096 tokens: 13 graphs). On the Qwen2.5-VL single-image stream this cuts expected padding
-#: from 30 % (doubling) to 16 %; a tower graph captures in about 0.3 s.
+#: from 30 % (doubling) to 16 % (planner figures); on an H100 the Qwen2.5-VL-3B tower's 13 graphs
+#: captured in 1.4 s (benchmarks/results/qwen_stream_*_session2b.json).
 DEFAULT_LADDER_STEPS = 2
 #: Default ``ladder_steps`` for batched encoders: 1, 2, 3, 4, 5, 6, 7, 8, 10, ..., 28, 32 rows
 #: (16 graphs). Rows cost linear compute, so padding is lost time: 5 % expected on uniform batch
-#: sizes 1..32 against 23 % for the doubling ladder. Small graphs capture in well under a second.
+#: sizes 1..32 against 23 % for the doubling ladder (planner figures; 4.9 % measured over the
+#: ViT-B/16 stream, whose 18 graphs captured in 0.27 s on an H100).
 DEFAULT_BATCHED_LADDER_STEPS = 4
 
 

@@ -33,7 +33,7 @@ from .budgets import BudgetConfig, smallest_fitting
 from .errors import InvalidOptionError
 from .specs import EncoderItemSpec
 
-__all__ = ["POLICIES", "Batch", "Plan", "Policy", "Segment", "plan_batches"]
+__all__ = ["POLICIES", "Batch", "Plan", "Policy", "Segment", "eager_reason", "plan_batches"]
 
 Policy = Literal["baseline", "exact"]
 POLICIES: tuple[str, ...] = ("baseline", "exact")
@@ -172,6 +172,16 @@ def _split_for_chunking(
     if remaining:
         pieces.append(Segment(item, start, start + remaining))
     return pieces
+
+
+def eager_reason(batch: Batch, config: BudgetConfig) -> str:
+    """Why :func:`plan_batches` gave ``batch`` no budget under ``config`` (a fallback reason,
+    the same for the runtime's measured counts and a planned preview)."""
+    if batch.tokens > config.max_budget:
+        return "item exceeds the largest budget"
+    if config.max_frames_per_batch is not None and batch.frames > config.max_frames_per_batch:
+        return "item exceeds the frame cap per graph"
+    return "exact policy: no budget equals the batch's tokens"
 
 
 def plan_batches(

@@ -39,7 +39,7 @@ from . import _compat
 from .budgets import BudgetConfig
 from .errors import InvalidOptionError, UnsupportedGraphError
 from .options import VitGraphOptions
-from .planner import Batch, Plan, Segment, plan_batches
+from .planner import Batch, Plan, Segment, eager_reason, plan_batches
 from .protocol import SupportsEncoderCudaGraph
 from .specs import EncoderItemSpec
 from .stats import GraphStats
@@ -264,7 +264,7 @@ class EncoderCudaGraphManager:
 
     def _run_batch(self, inputs: Any, batch: Batch, reason: str | None) -> list[Any]:
         if batch.budget is None or reason is not None:
-            return self._eager(inputs, batch, reason or self._unplanned_reason(batch))
+            return self._eager(inputs, batch, reason or eager_reason(batch, self._active))
         if batch.budget in self._disabled:
             return self._eager(inputs, batch, self._disabled[batch.budget])
         try:
@@ -278,16 +278,6 @@ class EncoderCudaGraphManager:
         if outs is None:  # verification failed, budget now disabled
             return self._eager(inputs, batch, self._disabled[batch.budget])
         return outs
-
-    def _unplanned_reason(self, batch: Batch) -> str:
-        """Why the planner gave ``batch`` no budget (the fallback reason counted in stats)."""
-        config = self._active
-        if batch.tokens > config.max_budget:
-            return "item exceeds the largest budget"
-        if (config.max_frames_per_batch is not None
-                and batch.frames > config.max_frames_per_batch):
-            return "item exceeds the frame cap per graph"
-        return "exact policy: no budget equals the batch's tokens"
 
     def _replay(self, inputs: Any, batch: Batch) -> list[Any] | None:
         budget = batch.budget

@@ -55,6 +55,11 @@ class MLPWeights:
     out_weight: torch.Tensor
     out_bias: torch.Tensor | None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every padded tensor of the block."""
+        pairs = [*self.ins, (self.out_weight, self.out_bias)]
+        return [t for pair in pairs for t in pair if t is not None]
+
 
 class AlignedMLPs:
     """Padded MLP weights for every block of a tower, refreshed from the originals.
@@ -84,9 +89,7 @@ class AlignedMLPs:
     @property
     def nbytes(self) -> int:
         """Bytes the padded copies hold."""
-        return sum(t.numel() * t.element_size() for w in self.weights
-                   for t in (*[x for pair in w.ins for x in pair if x is not None],
-                             w.out_weight, *([w.out_bias] if w.out_bias is not None else [])))
+        return sum(t.numel() * t.element_size() for w in self.weights for t in w.tensors())
 
     def _params(self) -> list[torch.Tensor]:
         params = []
@@ -102,7 +105,8 @@ class AlignedMLPs:
         """Bring the padded copies in step with the MLPs' parameters; True if anything was
         copied. Cheap when nothing changed (one pass over addresses and version counters)."""
         params = self._params()
-        fingerprint = tuple((p.data_ptr(), p._version, p.device, p.dtype) for p in params)
+        # a move to another device or dtype gives new storage, so addresses and versions suffice
+        fingerprint = tuple((p.data_ptr(), p._version) for p in params)
         if fingerprint == self._fingerprint:
             return False
         with torch.no_grad():

@@ -93,7 +93,7 @@ class _QwenVisionAdapter(nn.Module):
         align_mlp: run the MLPs from weight copies zero-padded to a multiple of 8 in width
             (same numbers, 2-3x faster GEMMs when the width is misaligned); ``None`` (default)
             does so on CUDA when the width needs it; ``True`` also on CPU; ``False`` never.
-            ``aligned_mlp_bytes`` reports the copies' size (about 850 MB for the 3B tower).
+            ``aligned_mlp_bytes`` reports the copies' size (803 MiB for the 3B tower on an H100).
     """
 
     #: fully qualified name of the wrapped class (checked at construction).

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..budgets import BudgetConfig, budget_ladder
 from ..options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_LADDER_STEPS
-from ..planner import Plan, plan_batches
+from ..planner import Plan, eager_reason, plan_batches
 from ..specs import EncoderItemSpec
 from ..stats import GraphStats
 
@@ -34,10 +34,6 @@ __all__ = [
     "plan_to_dict",
     "summarize_plans",
 ]
-
-#: Eager-fallback reasons, as the planner decides them.
-OVERSIZE = "larger than the largest budget or frame cap"
-NOT_EXACT = "exact policy: tokens match no budget"
 
 
 def default_batched_budgets(max_rows: int, max_budget: int | None = None,
@@ -77,13 +73,6 @@ def batched_budget_config(budgets: Sequence[int]) -> BudgetConfig:
     return BudgetConfig.resolve((min(budgets), max(budgets)), budgets=budgets, max_batch_size=1)
 
 
-def _eager_reason(batch_tokens: int, batch_frames: int, config: BudgetConfig) -> str:
-    cap = config.max_frames_per_batch
-    if batch_tokens > config.max_budget or (cap is not None and batch_frames > cap):
-        return OVERSIZE
-    return NOT_EXACT
-
-
 def summarize_plans(plans: Sequence[Plan], config: BudgetConfig) -> dict[str, Any]:
     """Totals over a stream's plans, keyed as :meth:`GraphStats.as_dict` (planned, not measured)."""
     stats = GraphStats()
@@ -92,7 +81,7 @@ def summarize_plans(plans: Sequence[Plan], config: BudgetConfig) -> dict[str, An
         for batch in plan.batches:
             if batch.eager:
                 stats.record_eager(len(batch.segments),
-                                   _eager_reason(batch.tokens, batch.frames, config))
+                                   eager_reason(batch, config))
             else:
                 stats.record_replay(batch.budget, len(batch.segments), batch.tokens)
     return stats.as_dict()

@@ -10,24 +10,5 @@ Example::
     from vit_graph_backend.testing import budget_configs, item_spec_lists
 """
 
-from .strategies import (
-    budget_configs,
-    budget_ladders,
-    budget_ranges,
-    image_grids,
-    item_spec_lists,
-    item_specs,
-    token_counts,
-    vitgraph_options,
-)
-
-__all__ = [
-    "budget_configs",
-    "budget_ladders",
-    "budget_ranges",
-    "image_grids",
-    "item_spec_lists",
-    "item_specs",
-    "token_counts",
-    "vitgraph_options",
-]
+from .strategies import *  # noqa: F403  (the names listed in strategies.__all__)
+from .strategies import __all__ as __all__
