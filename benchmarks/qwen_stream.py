@@ -2,9 +2,11 @@
 intermediate 3420, out hidden 2048, patch 14, merge 2, window 112, full attention at blocks
 7/15/23/31; random weights, bf16) on (a) 60 single-image calls with sides uniform in 224..896 px in
 steps of 28 (seed 0) and (b) 60 calls of 1-4 such images. Modes side by side in one run: HF eager,
-torch.compile default, vitgraph (defaults: ladder of 2 steps per doubling, padded MLP weights on
-CUDA) and vitgraph-v1 (session 1's configuration: doubling ladder, unpadded MLP), so the effect of
-the two changes is measured in the same process. Reports p50/p99/total (second pass), first pass, graph memory,
+torch.compile default, vitgraph (defaults: ladder of 2 steps per doubling, padded MLP weights,
+Inductor-fused block ops inside the graphs on CUDA; its first pass includes those compiles),
+vitgraph-unfused (the same without the fused ops, ``adapt(tower, fuse=False)``) and vitgraph-v1
+(session 1's configuration: doubling ladder, unpadded MLP, unfused), so the effect of each change
+is measured in the same process. Reports p50/p99/total (second pass), first pass, graph memory,
 padding ratio. JSON to benchmarks/results/ (and $OUT).
 
 Usage: python benchmarks/qwen_stream.py [--modes hf-eager,compile-default,vitgraph] [--calls 60]
@@ -75,7 +77,13 @@ def run(mode, model, calls):
         elif mode == "vitgraph-v1":
             from vit_graph_backend import adapt
 
-            served = serve(adapt(model, align_mlp=False), max_items_per_graph=4, ladder_steps=1)
+            served = serve(adapt(model, align_mlp=False, fuse=False), max_items_per_graph=4,
+                           ladder_steps=1)
+            fn = served
+        elif mode == "vitgraph-unfused":
+            from vit_graph_backend import adapt
+
+            served = serve(adapt(model, fuse=False), max_items_per_graph=4)
             fn = served
         else:
             raise ValueError(mode)
@@ -100,6 +108,7 @@ def run(mode, model, calls):
         res["firsts"] = firsts
         if mode.startswith("vitgraph"):
             res["aligned_mlp_mib"] = served.encoder.aligned_mlp_bytes / 2**20
+            res["fusion"] = served.encoder.fusion_state
             rep = served.manager.memory_report()
             st = served.manager.stats.as_dict()
             res.update(graphs=rep["graphs"], budgets=rep["budgets"],
@@ -114,7 +123,8 @@ def run(mode, model, calls):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="hf-eager,vitgraph-v1,vitgraph,compile-default")
+    ap.add_argument("--modes",
+                    default="hf-eager,vitgraph-v1,vitgraph-unfused,vitgraph,compile-default")
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--workloads", default="single,multi")
     args = ap.parse_args()

@@ -23,6 +23,7 @@ __all__ = [
     "example_value",
     "get_varlen_attn",
     "graph_pool_bytes",
+    "maybe_mark_dynamic",
     "register_dynamo_backend",
     "sym_name",
     "torch_version_at_least",
@@ -70,6 +71,18 @@ def compile_fx_without_cudagraphs(gm: torch.fx.GraphModule, example_inputs: Sequ
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": False})
+
+
+def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Ask Dynamo to compile ``tensor``'s dimension ``dim`` as symbolic from the first compile
+    (``torch._dynamo.maybe_mark_dynamic``, public since 2.1 in the private namespace; unlike
+    ``mark_dynamic`` it never raises when the dimension specializes). Without it, a function
+    compiles once static and again dynamic; with ``dynamic=True`` every dimension is symbolic
+    and equal sizes are merged into one symbol, which recompiles whenever they part. A torch
+    without it: no-op (one extra compile)."""
+    mark = getattr(torch._dynamo, "maybe_mark_dynamic", None)
+    if mark is not None:
+        mark(tensor, dim)
 
 
 def varlen_attention_available() -> bool:

@@ -1,5 +1,6 @@
 """Packed Qwen-VL towers served from CUDA graphs. Every test here needs CUDA (marked ``gpu``):
-bf16 equivalence with the HF module (measured error printed), one graph per budget, stats,
+bf16 equivalence with the HF module (measured error printed), Inductor-fused block ops inside
+the graphs equal to the unfused ones, one graph per budget, stats,
 no NaN across many mixed calls sharing one pool, and ``torch.compile(served, backend="vitgraph")``
 compiling nothing around the routing frame."""
 
@@ -81,6 +82,8 @@ def test_served_tower_matches_hf_in_bf16(kind):
           f"memory {mgr.memory_report()}")
     assert worst < 5e-2
     assert (served.encoder.aligned_mlp_bytes > 0) == (kind == "qwen2_5")
+    fusion = served.encoder.fusion_state  # Inductor-fused block ops are on by default on CUDA
+    assert fusion["unavailable"].get("cuda") is None and fusion["compile_failures"] == {}, fusion
     assert mgr.num_graphs == len(mgr.token_budgets) == mgr.get_num_graphs_to_capture()
     assert mgr.stats.graph_replays > 0 and mgr.stats.eager_items == 0
 
@@ -132,3 +135,35 @@ def test_weights_changed_after_capture_reach_the_replayed_graph():
     print(f"after an in-place weight update: max relative error vs HF {err:.3g}")
     assert err < 5e-2 and not torch.allclose(before, after)
     assert served.manager.num_graphs == graphs  # no recapture needed
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_5", "qwen3"])
+@torch.no_grad()
+def test_fused_graphs_equal_unfused_graphs(kind, monkeypatch):
+    """The Inductor-fused rotary / residual-add + norm / SiLU gate inside the captured graphs
+    (default on CUDA) against the same graphs with the ops unfused (``fuse=False``)."""
+    from vit_graph_backend import adapt
+    from vit_graph_backend.adapters import _fused
+
+    monkeypatch.setattr(_fused, "_COMPILED", None)  # a fresh set: what compiles is this test's
+    tower = _tower(kind)
+    patch = 16 if kind == "qwen3" else PATCH
+    fused = serve(tower, max_items_per_graph=4, max_budget=512)
+    plain = serve(adapt(tower, fuse=False), max_items_per_graph=4, max_budget=512)
+    rng = random.Random(7)
+    worst = 0.0
+    for k in range(8):
+        pv, grid = _call(rng, 1 + k % 3, patch)
+        got, ref = fused(pv, grid), plain(pv, grid)
+        for g, r in zip(got if isinstance(got, tuple) else (got,),
+                        ref if isinstance(ref, tuple) else (ref,), strict=True):
+            assert torch.isfinite(g).all()
+            scale = max(r.float().abs().max().item(), 1.0)
+            worst = max(worst, (g.float() - r.float()).abs().max().item() / scale)
+    compiled = [n for n in ("rotate_qk", "add_rms_norm", "add_layer_norm", "silu_mul")
+                if getattr(_fused.ops(True), n).compiled is not None]
+    print(f"{kind}: fused vs unfused graphs, max relative error (bf16) {worst:.3g}; "
+          f"compiled: {compiled}")
+    assert "rotate_qk" in compiled
+    assert worst < 3e-2
+    assert fused.manager.stats.eager_items == 0 and plain.manager.stats.eager_items == 0

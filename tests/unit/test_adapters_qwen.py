@@ -462,14 +462,68 @@ def test_runtime_serves_the_adapters(towers, family):
 def test_rotary_of_q_and_k_together_equals_hf(dtype):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
 
-    from vit_graph_backend.adapters.qwen_vl import _apply_rotary, _signed_sin
+    from vit_graph_backend.adapters._fused import rotate_qk
+    from vit_graph_backend.adapters.qwen_vl import _signed_sin
 
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(11, 3, 16, generator=gen).to(dtype) for _ in range(2))
     cos, sin = (torch.randn(11, 16, generator=gen) for _ in range(2))
     ref_q, ref_k = apply_rotary_pos_emb_vision(q, k, cos, sin)
     cos4, sin4 = cos[:, None, None, :], _signed_sin(sin[:, None, None, :])
-    got_q, got_k = _apply_rotary(torch.stack([q, k], 1), cos4, sin4).unbind(1)
+    got_q, got_k = rotate_qk(torch.stack([q, k, torch.zeros_like(q)], 1), cos4, sin4)
     assert got_q.dtype == dtype
     torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_graph_path_matches_hf_and_compiles_each_function_once(towers, family,
+                                                                       monkeypatch):
+    """``fuse=True``: the graph path calls the compiled block functions (a counting backend
+    stands in for Inductor), once compiled for every budget; the eager path never calls them;
+    outputs equal HF's."""
+    from vit_graph_backend.adapters import _fused, qwen_vl
+    from vit_graph_backend.options import VitGraphOptions
+    from vit_graph_backend.runtime import EncoderCudaGraphManager
+
+    compiles: list[str] = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm.code)
+        return gm
+
+    torch.compiler.reset()
+    compiled = _fused.Ops(compiled=True, backend=backend)
+    monkeypatch.setattr(qwen_vl, "ops", lambda on: compiled if on else _fused.ops(False))
+    hf, _ = towers[family]
+    adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, fuse=True)
+    manager = EncoderCudaGraphManager(adapter, VitGraphOptions(
+        max_items_per_graph=2, max_frames_per_batch=4))
+    inputs = _inputs([(1, 4, 4), (1, 20, 14), (2, 4, 6), (1, 2, 2), (1, 6, 6)], seed=5)
+    with torch.no_grad():
+        actual = manager.run(inputs)
+        expected = _hf_per_item(hf, inputs)
+    for a, e in zip(actual, expected, strict=True):
+        _assert_close(_as_tuple(a), e, GRAPH_ATOL)
+    assert manager.stats.as_dict()["graph_replays"] >= 2
+    used = {"rotate_qk"} | ({"add_rms_norm"} if family != "qwen2" else {"add_layer_norm"})
+    assert len(compiles) >= len(used), compiles
+    assert len(compiles) <= len(used) + 1, "a function recompiled for another budget"
+    n = len(compiles)
+    with torch.no_grad():
+        adapter(inputs["pixel_values"], inputs["grid_thw"])  # eager: no compiled calls
+    assert len(compiles) == n
+    assert adapter.fusion_state["fuse"] is True and compiled.failures() == {}
+
+
+def test_fuse_option_is_validated_and_reported(towers):
+    hf, _ = towers["qwen2_5"]
+    with pytest.raises(InvalidOptionError, match="fuse='yes'"):
+        adapt(hf, fuse="yes")
+    adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET)
+    values = adapter.prepare_encoder_cudagraph_capture_inputs(16, 2, 2, torch.device("cpu"),
+                                                              torch.float32)
+    with torch.no_grad():
+        adapter.encoder_cudagraph_forward(values)
+    state = adapter.fusion_state
+    assert state["fuse"] is None and "CUDA" in state["unavailable"]["cpu"]

@@ -65,3 +65,23 @@ def test_register_dynamo_backend_registers_a_name():
 def test_graph_pool_bytes_signature():
     # CUDA is covered in tests/gpu; here only that the function exists with its contract
     assert callable(_compat.graph_pool_bytes)
+
+
+def test_maybe_mark_dynamic_makes_the_first_compile_symbolic():
+    assert hasattr(torch._dynamo, "maybe_mark_dynamic"), "torch moved maybe_mark_dynamic"
+    seen = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                value = _compat.example_value(node)
+                if isinstance(value, torch.Tensor):
+                    seen.append([_compat.sym_name(s) for s in value.shape])
+        return gm
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2, backend=backend)
+    x = torch.randn(6, 4)
+    _compat.maybe_mark_dynamic(x, 0)
+    f(x)
+    assert seen[0][0] is not None and seen[0][1] is None, seen

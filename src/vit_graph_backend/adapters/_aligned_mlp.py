@@ -16,7 +16,7 @@ captured graph keeps reading valid weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,11 @@ ALIGNMENT = 8
 _SHAPES = ((("gate_proj", "up_proj"), "down_proj"),   # Qwen2.5-VL: down(act(gate x) * up x)
            (("fc1",), "fc2"),                        # Qwen2-VL: fc2(act(fc1 x))
            (("linear_fc1",), "linear_fc2"))          # Qwen3-VL: linear_fc2(act(linear_fc1 x))
+
+
+def _is_silu(act: object) -> bool:
+    # transformers 5 wraps F.silu in its own SiLUActivation; older releases used nn.SiLU
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 def _shape(mlp: nn.Module) -> tuple[tuple[str, ...], str] | None:
@@ -143,13 +148,18 @@ class AlignedMLPs:
         out_bias = None if out.bias is None else torch.zeros_like(out.bias)
         return MLPWeights(ins, zeros_like_padded(out.weight, 1), out_bias)
 
-    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Block ``layer``'s MLP on ``x`` with the padded weights (same math as the module)."""
+    def forward(self, layer: int, x: torch.Tensor,
+                silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """Block ``layer``'s MLP on ``x`` with the padded weights (same math as the module).
+        ``silu_mul(gate, up)``, if given, replaces ``act(gate) * up`` when ``act`` is SiLU."""
         mlp, w = self.mlps[layer], self.weights[layer]
         act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.act
         if len(w.ins) == 2:
             (gw, gb), (uw, ub) = w.ins
-            hidden = act(F.linear(x, gw, gb)) * F.linear(x, uw, ub)
+            gate, up = F.linear(x, gw, gb), F.linear(x, uw, ub)
+            hidden = silu_mul(gate, up) if silu_mul is not None and _is_silu(act) else (
+                act(gate) * up)
         else:
             ((fw, fb),) = w.ins
             hidden = act(F.linear(x, fw, fb))

@@ -38,6 +38,7 @@ from ..budgets import capture_layout
 from ..errors import InvalidOptionError, UnsupportedGraphError
 from ..specs import EncoderItemSpec, check_positive_int
 from ._aligned_mlp import AlignedMLPs
+from ._fused import Ops, fusion_available, ops
 from ._packed_attention import Segments, packed_attention, varlen_supported
 from ._qwen_metadata import (
     Grid,
@@ -64,23 +65,48 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # HF's apply_rotary_pos_emb_vision (float32 math, cast back) in four kernels instead of
-    # seven: bf16 -> fp32 is exact, so mixed-dtype products equal HF's fp32 ones.
-    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
-    return torch.addcmul(x * cos, rolled, signed_sin).to(x.dtype)
-
-
 def _is_rms_norm(norm: nn.Module) -> bool:
     return (type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
             and isinstance(getattr(norm, "weight", None), torch.Tensor))
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # HF's Qwen2RMSNorm (float32 statistics, weight applied in the input dtype) with the
-    # normalization in one fused op instead of five elementwise kernels.
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
-    return norm.weight * normed.to(x.dtype)
+def _add_norm(fns: Ops, norm: nn.Module | None, hidden: torch.Tensor, update: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``hidden + update`` and ``norm`` of it (``None`` when there is no next norm), as one
+    fused kernel where ``fns`` is compiled and the norm is an RMSNorm or affine LayerNorm."""
+    if norm is None:
+        return hidden + update, None
+    if _is_rms_norm(norm):
+        return fns.add_rms_norm(hidden, update, norm.weight, norm.variance_epsilon)
+    if isinstance(norm, nn.LayerNorm) and norm.elementwise_affine:
+        return fns.add_layer_norm(hidden, update, norm.weight, norm.bias, norm.eps)
+    hidden = hidden + update
+    return hidden, norm(hidden)
+
+
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # HF's Qwen2RMSNorm as one fused kernel: F.rms_norm keeps float32 statistics for bf16/fp16
+    # input, as HF does, and applies the weight before its one rounding to the input dtype
+    # (HF rounds the normalized value, then multiplies by the weight in the input dtype: at most
+    # one unit in the last place apart). HF's version costs five kernels and two float32 copies.
+    if _is_rms_norm(norm):
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
+def _patch_embed(embed: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """HF's patch embedding (a Conv3d whose stride equals its kernel, over rows that each hold
+    one whole kernel window) as the GEMM it is: ``pixels @ weight.flatten(1).T``. The same
+    products and sums as the convolution; cuDNN's Conv3d for this shape is a slow path on
+    CUDA, and the GEMM is one cuBLAS call. Other patch embeddings run as they are."""
+    proj = getattr(embed, "proj", None)
+    if (isinstance(proj, nn.Conv3d) and tuple(proj.kernel_size) == tuple(proj.stride)
+            and tuple(proj.padding) == (0, 0, 0) and tuple(proj.dilation) == (1, 1, 1)
+            and proj.groups == 1 and pixels.dim() == 2
+            and pixels.shape[1] == proj.weight[0].numel()):
+        weight = proj.weight.flatten(1)
+        return F.linear(pixels.to(weight.dtype), weight, proj.bias)
+    return embed(pixels)
 
 
 class _QwenVisionAdapter(nn.Module):
@@ -94,13 +120,19 @@ class _QwenVisionAdapter(nn.Module):
             (same numbers, 2-3x faster GEMMs when the width is misaligned); ``None`` (default)
             does so on CUDA when the width needs it; ``True`` also on CPU; ``False`` never.
             ``aligned_mlp_bytes`` reports the copies' size (803 MiB for the 3B tower on an H100).
+        fuse: inside captured graphs, run each block's elementwise work (rotary embedding,
+            residual add + norm, gated activation) as Inductor-fused kernels compiled once per
+            process (see ``_fused``; 1/4 less GPU time per graph on an H100); ``None``
+            (default) does so on CUDA with Triton installed; ``True`` also on CPU (Inductor's
+            C++ code); ``False`` never. Eager calls always run the ops unfused.
     """
 
     #: fully qualified name of the wrapped class (checked at construction).
     wrapped_class: str = ""
 
     def __init__(self, model: nn.Module, *, min_budget: int | None = None,
-                 max_budget: int | None = None, align_mlp: bool | None = None) -> None:
+                 max_budget: int | None = None, align_mlp: bool | None = None,
+                 fuse: bool | None = None) -> None:
         super().__init__()
         names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
         if self.wrapped_class not in names:
@@ -130,11 +162,15 @@ class _QwenVisionAdapter(nn.Module):
                 f"align_mlp={align_mlp!r} is invalid: must be True, False or None (auto: pad on "
                 "CUDA when the MLP width is not a multiple of 8)")
         self.align_mlp = align_mlp
+        if fuse is not None and not isinstance(fuse, bool):
+            raise InvalidOptionError(
+                f"fuse={fuse!r} is invalid: must be True, False or None (auto: fuse on CUDA "
+                "when Triton is installed)")
+        self.fuse = fuse
+        self._fusion_reason: dict[str, str | None] = {}
         mlps = [block.mlp for block in model.blocks]
         self._aligned = AlignedMLPs(mlps) if AlignedMLPs.needed(mlps) else None
         self._use_aligned = False
-        self._rms_norms = all(_is_rms_norm(b.norm1) and _is_rms_norm(b.norm2)
-                              for b in model.blocks)
 
     # ------------------------------------------------------------------ family hooks
     def _window_tokens(self) -> int:
@@ -144,7 +180,7 @@ class _QwenVisionAdapter(nn.Module):
         return {}
 
     def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return self.tower.patch_embed(values["pixel_values"])
+        return _patch_embed(self.tower.patch_embed, values["pixel_values"])
 
     def _is_full_attention(self, layer: int) -> bool:
         return True
@@ -263,13 +299,29 @@ class _QwenVisionAdapter(nn.Module):
         if use:
             self._aligned.refresh()
 
-    def _mlp(self, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._use_aligned and self._aligned is not None:
-            return self._aligned.forward(layer, x)
+            return self._aligned.forward(layer, x, fns.silu_mul)
         return block.mlp(x)
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(norm, x) if self._rms_norms else norm(x)
+    def _fns(self, device: torch.device, graph: bool) -> Ops:
+        """The compiled fused ops for the graph path where ``fuse`` allows, else plain ops."""
+        if not graph or self.fuse is False:
+            return ops(False)
+        if self.fuse is None:
+            kind = torch.device(device).type
+            if kind not in self._fusion_reason:
+                self._fusion_reason[kind] = fusion_available(device)
+            if self._fusion_reason[kind] is not None:
+                return ops(False)
+        return ops(True)
+
+    @property
+    def fusion_state(self) -> dict[str, Any]:
+        """Whether graphs use fused kernels: ``fuse`` as given, the reason fusion is off per
+        device type seen (``None``: on), and compile failures (functions then run unfused)."""
+        return {"fuse": self.fuse, "unavailable": dict(self._fusion_reason),
+                "compile_failures": ops(True).failures() if self.fuse is not False else {}}
 
     def _grids(self, inputs: Mapping[str, torch.Tensor]) -> list[Grid]:
         grids = [(int(t), int(h), int(w)) for t, h, w in inputs["grid_thw"].tolist()]
@@ -330,27 +382,33 @@ class _QwenVisionAdapter(nn.Module):
         pad_offsets = torch.clamp(wins[-1:] + chunk * steps, max=rows)
         return full, Segments(torch.cat([wins, pad_offsets]), min(chunk, rows))
 
-    def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   segments: Segments) -> torch.Tensor:
+    def _attention(self, fns: Ops, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         rows = x.shape[0]
         qkv = attn.qkv(x).reshape(rows, 3, attn.num_heads, -1)
-        # q and k rotated together: half the elementwise launches of rotating them one by one
-        q, k = _apply_rotary(qkv[:, :2], cos.unsqueeze(1), sin.unsqueeze(1)).unbind(1)
+        # q and k rotated together: half the launches of rotating them one by one
+        q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
         v = qkv[:, 2]
         out = packed_attention(q, k, v, segments, attn.scaling, self._varlen)
         return attn.proj(out.reshape(rows, -1))
 
     def _run(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None) -> Any:
         hidden = self._embed(values)
+        fns = self._fns(hidden.device, graph=meta is None)
         cos, sin = self.tower.rotary_pos_emb(hidden, values["position_ids"])
         cos, sin = cos.unsqueeze(-2).float(), _signed_sin(sin.unsqueeze(-2).float())
         full, window = self._segments(values, meta)
         features: list[torch.Tensor] = []
-        for layer, block in enumerate(self.tower.blocks):
+        blocks = list(self.tower.blocks)
+        # each residual add is fused with the norm that reads its result (the next block's norm1
+        # after an MLP), so hidden and its normed copy come out of one kernel
+        normed = _norm(blocks[0].norm1, hidden) if blocks else hidden
+        for layer, block in enumerate(blocks):
             segments = full if window is None or self._is_full_attention(layer) else window
-            hidden = hidden + self._attention(block.attn, self._norm(block.norm1, hidden), cos,
-                                              sin, segments)
-            hidden = hidden + self._mlp(layer, block, self._norm(block.norm2, hidden))
+            update = self._attention(fns, block.attn, normed, cos, sin, segments)
+            hidden, normed = _add_norm(fns, block.norm2, hidden, update)
+            after = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else None
+            hidden, normed = _add_norm(fns, after, hidden, self._mlp(fns, layer, block, normed))
             self._collect(layer, hidden, features)
         return self._head(hidden, values, features)
 
@@ -422,7 +480,7 @@ class Qwen3VLVisionAdapter(_QwenVisionAdapter):
         return {"interp_indices": indices, "interp_weights": weights}
 
     def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.tower.patch_embed(values["pixel_values"])
+        hidden = _patch_embed(self.tower.patch_embed, values["pixel_values"])
         taps = self.tower.pos_embed(values["interp_indices"])
         pos = (taps * values["interp_weights"].unsqueeze(-1)).sum(1)
         return hidden + pos.to(hidden.dtype)

@@ -1,0 +1,216 @@
+"""Where the GPU time of one Qwen2.5-VL-3B tower graph goes, and what each adapter change buys.
+
+Three sections, one process, one device (CUDA only):
+
+1. ``kernels``: ``torch.profiler`` over one served call per image size with the default adapter
+   (copies in, graph replay, output clone): device time by kernel family and the top kernels.
+2. ``variants``: raw replay time of each budget's graph (no routing, no copies) for the adapter
+   with each change undone and applied, captured and timed in this one process: ``session2``
+   (HF's Conv3d patch embedding, HF-order RMSNorm in five kernels, unfused elementwise ops),
+   ``+gemm-embed`` (patch embedding as one GEMM), ``+rms-norm`` (and RMSNorm as one kernel),
+   ``+fused`` (and Inductor-fused rotary, residual-add + norm and SiLU gate: the current default,
+   compile time included in its capture seconds). The served call time of the default is
+   measured beside its replay (the difference is routing and copies).
+3. ``inductor``: the current adapter with ``inner_compiler="inductor"`` on the largest budget:
+   compile + capture seconds and replay time.
+
+Usage: python benchmarks/qwen_floor.py [variants,kernels,inductor]. JSON to benchmarks/results/
+(and $OUT when set); a table per section on stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from diagnose import timed  # noqa: E402
+from qwen_stream import tower  # noqa: E402
+
+from vit_graph_backend import adapt, serve  # noqa: E402
+from vit_graph_backend.adapters import _fused, qwen_vl  # noqa: E402
+
+SIDES = (16, 32, 64)  # patches per side: 256 / 1024 / 4096 patches = 64 / 256 / 1024 tokens
+BUDGETS = [s * s // 4 for s in SIDES]
+
+
+def _session2_rms_norm(norm, x):
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
+
+
+def _session2_add_rms_norm(hidden, update, weight, eps):
+    class Norm:
+        variance_epsilon = eps
+    Norm.weight = weight
+    hidden = hidden + update
+    return hidden, _session2_rms_norm(Norm, hidden)
+
+
+def _module_patch_embed(embed, pixels):
+    return embed(pixels)
+
+
+def _session2_norm(norm, x):
+    return _session2_rms_norm(norm, x) if qwen_vl._is_rms_norm(norm) else norm(x)
+
+
+_OLD_NORMS = [(qwen_vl, "_norm", _session2_norm),
+              (_fused.ops(False), "add_rms_norm", _session2_add_rms_norm)]
+# name -> (adapter fuse option, [(object, attribute, replacement)])
+VARIANTS = {
+    "session2": (False, [(qwen_vl, "_patch_embed", _module_patch_embed), *_OLD_NORMS]),
+    "+gemm-embed": (False, _OLD_NORMS),
+    "+rms-norm": (False, []),
+    "+fused": (None, []),
+}
+
+
+@contextlib.contextmanager
+def patched(overrides):
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in overrides]
+    for obj, name, fn in overrides:
+        setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+def image(side):
+    grid = torch.tensor([[1, side, side]], device="cuda")
+    return torch.randn(side * side, 1176, device="cuda", dtype=torch.bfloat16), grid
+
+
+def family(name):
+    n = name.lower()
+    for key, words in (("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+                       ("attention", ("flash", "fmha", "attention")),
+                       ("conv", ("conv", "cudnn", "implicit")),
+                       ("norm", ("norm",)),
+                       ("copy/cast", ("copy", "memcpy", "memset", "cat")),
+                       ("reduce", ("reduce",)),
+                       ("index", ("index", "gather", "scatter"))):
+        if any(w in n for w in words):
+            return key
+    return "elementwise/other"
+
+
+def kernels_section(model):
+    out = {}
+    with torch.inference_mode():
+        served = serve(model, budgets=BUDGETS, max_items_per_graph=4)
+        for side in SIDES:
+            pv, grid = image(side)
+            for _ in range(3):
+                served(pv, grid)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                served(pv, grid)
+                torch.cuda.synchronize()
+            by_kernel, by_family, count = defaultdict(float), defaultdict(float), 0
+            for e in prof.events():
+                if e.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                us = e.time_range.elapsed_us()
+                by_kernel[e.name] += us
+                by_family[family(e.name)] += us
+                count += 1
+            total = sum(by_family.values())
+            top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+            out[side * side] = {"kernels": count, "device_ms": total / 1e3,
+                                "by_family_ms": {k: v / 1e3 for k, v in by_family.items()},
+                                "top_ms": [[k[:90], v / 1e3] for k, v in top]}
+            print(f"\n[kernels] {side * side} patches: {count} kernels, {total / 1e3:.2f} ms device")
+            for k, v in sorted(by_family.items(), key=lambda kv: -kv[1]):
+                print(f"  {k:<20}{v / 1e3:8.2f} ms")
+            for k, v in top:
+                print(f"    {v / 1e3:7.2f} ms  {k[:100]}")
+    return out
+
+
+def replay_times(served):
+    return {b: timed(served.manager._graphs[b].graph.replay, reps=30) for b in BUDGETS}
+
+
+def variants_section(model):
+    out = {}
+    for name, (fuse, overrides) in VARIANTS.items():
+        with patched(overrides), torch.inference_mode():
+            served = serve(adapt(model, fuse=fuse), budgets=BUDGETS, max_items_per_graph=4)
+            t = time.perf_counter()
+            served.manager.capture()
+            capture_s = time.perf_counter() - t
+            row = {"capture_s": capture_s, "replay_ms": replay_times(served)}
+            if name == "+fused":
+                row["fusion"] = served.encoder.fusion_state
+                row["served_ms"] = {}
+                for side, budget in zip(SIDES, BUDGETS):
+                    pv, grid = image(side)
+                    row["served_ms"][budget] = timed(lambda: served(pv, grid), reps=30)
+            out[name] = row
+            served.manager.clear()
+            del served
+            torch.cuda.empty_cache()
+    print("\n[variants] graph replay ms (p50 of 30) by budget (tokens)")
+    print(f"{'variant':<14}" + "".join(f"{b:>9}" for b in BUDGETS) + f"{'capture s':>11}")
+    for name, row in out.items():
+        print(f"{name:<14}" + "".join(f"{row['replay_ms'][b]:9.2f}" for b in BUDGETS)
+              + f"{row['capture_s']:11.2f}")
+        if "served_ms" in row:
+            print(f"{'  served call':<14}" + "".join(f"{row['served_ms'][b]:9.2f}" for b in BUDGETS))
+    return out
+
+
+def inductor_section(model):
+    budget = BUDGETS[-1]
+    with torch.inference_mode():
+        served = serve(model, budgets=[budget], max_items_per_graph=4, inner_compiler="inductor")
+        t = time.perf_counter()
+        served.manager.capture()
+        compile_s = time.perf_counter() - t
+        replay = timed(served.manager._graphs[budget].graph.replay, reps=30)
+        pv, grid = image(SIDES[-1])
+        eager_ref = serve(model, budgets=[budget], max_items_per_graph=4)
+        err = ((served(pv, grid).float() - eager_ref(pv, grid).float()).abs().max()).item()
+    print(f"\n[inductor] budget {budget}: compile+capture {compile_s:.1f} s, replay {replay:.2f} ms,"
+          f" max abs diff vs eager-inner graph {err:.3g}")
+    return {"budget": budget, "compile_capture_s": compile_s, "replay_ms": replay,
+            "max_abs_diff_vs_eager_inner": err}
+
+
+def main():
+    sections = (sys.argv[1] if len(sys.argv) > 1 else "variants,kernels,inductor").split(",")
+    funcs = {"kernels": kernels_section, "variants": variants_section,
+             "inductor": inductor_section}
+    model = tower()
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "model": "Qwen2.5-VL-3B-shaped vision tower, random weights, bf16"}
+    tag = torch.cuda.get_device_name(0).replace(" ", "_")
+    fname = f"qwen_floor_{tag}_torch{torch.__version__.split('+')[0]}.json"
+    for name in sections:
+        try:
+            result[name] = funcs[name](model)
+        except Exception as exc:  # keep the other sections' figures
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"[{name}] FAILED: {result[name]['error']}")
+        torch.compiler.reset()
+        torch.cuda.empty_cache()
+        for folder in [Path("benchmarks/results"),
+                       Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
+            if folder is not None:
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / fname).write_text(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
