@@ -527,3 +527,40 @@ def test_fuse_option_is_validated_and_reported(towers):
         adapter.encoder_cudagraph_forward(values)
     state = adapter.fusion_state
     assert state["fuse"] is None and "CUDA" in state["unavailable"]["cpu"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
+def test_compiled_served_tower_traces_the_compute_once_and_never_the_routing(towers, family,
+                                                                            monkeypatch):
+    """``torch.compile(serve(tower, inner_compiler=...), backend="vitgraph")``: the routing frame
+    runs outside Dynamo (the vitgraph backend compiles nothing), and ``encoder_cudagraph_forward``
+    is traced once for every budget (its row dimensions symbolic), not once per budget shape. A
+    counting backend stands in for Inductor; outputs equal HF's per item."""
+    from vit_graph_backend import packed
+    from vit_graph_backend.backend import vitgraph
+
+    traced: list[list[tuple[int, ...]]] = []
+
+    def counting(gm, example_inputs):
+        traced.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm
+
+    monkeypatch.setattr(packed, "inner_backend", lambda options: counting)
+    torch.compiler.reset()
+    hf, _ = towers[family]
+    served = packed.PackedGraphEncoder(adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET),
+                                       inner_compiler="inductor", max_items_per_graph=2,
+                                       max_frames_per_batch=4)
+    compiled = torch.compile(served, backend="vitgraph")
+    grid_sets = [[(1, 4, 4)], [(1, 8, 6), (1, 2, 2)], [(1, 10, 10)], [(2, 4, 4), (1, 6, 6)],
+                 [(1, 4, 4)], [(1, 12, 8)], [(1, 2, 2), (1, 2, 4)]]
+    with torch.no_grad():
+        for k, grids in enumerate(grid_sets):
+            inputs = _inputs(grids, seed=20 + k)
+            got = compiled(inputs["pixel_values"], inputs["grid_thw"])
+            expected = _hf(hf, inputs["pixel_values"], inputs["grid_thw"])
+            _assert_close(_as_tuple(got), expected, GRAPH_ATOL)
+    used = served.manager.stats.as_dict()["replays_per_budget"]
+    assert len(used) >= 4, used  # the stream really spans several budget shapes
+    assert len(traced) == 1, [shapes[0] for shapes in traced]
+    assert vitgraph.report()["compiles"] == 0

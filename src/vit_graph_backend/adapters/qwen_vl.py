@@ -306,7 +306,9 @@ class _QwenVisionAdapter(nn.Module):
 
     def _fns(self, device: torch.device, graph: bool) -> Ops:
         """The compiled fused ops for the graph path where ``fuse`` allows, else plain ops."""
-        if not graph or self.fuse is False:
+        # inside an inner compiler's trace, the compiler fuses the plain ops itself (and state
+        # read here would become guards)
+        if not graph or self.fuse is False or torch.compiler.is_compiling():
             return ops(False)
         if self.fuse is None:
             kind = torch.device(device).type
@@ -367,7 +369,10 @@ class _QwenVisionAdapter(nn.Module):
         window ``max_seqlen`` stays one window), computed from the static row count."""
         rows = values["pixel_values"].shape[0]
         lengths = values["frame_seqlens"].cumsum(0, dtype=torch.int32)
-        full_offsets = F.pad(F.pad(lengths, (1, 0)), (0, 1), value=rows)
+        # the padding segment ends at the static row count; built with a tensor op, not
+        # F.pad(value=rows), which would specialize a symbolic row count (one trace per budget)
+        end = torch.full((1,), rows, dtype=lengths.dtype, device=lengths.device)
+        full_offsets = torch.cat([F.pad(lengths, (1, 0)), end])
         if meta is not None:
             full = Segments(full_offsets, max(meta.max_frame_rows, 1), meta.frame_offsets)
         else:
@@ -378,9 +383,15 @@ class _QwenVisionAdapter(nn.Module):
         if meta is not None:
             return full, Segments(wins, max(meta.max_window_rows, 1), meta.window_offsets)
         chunk = self.layout.window_rows
-        steps = torch.arange(1, -(-rows // chunk) + 1, device=wins.device, dtype=torch.int32)
-        pad_offsets = torch.clamp(wins[-1:] + chunk * steps, max=rows)
-        return full, Segments(torch.cat([wins, pad_offsets]), min(chunk, rows))
+        # ceil(rows / chunk) + 1 chunk ends (the surplus ones clamp to rows: zero-length
+        # segments). The +1 keeps the count >= 2 for every budget: with a symbolic row count,
+        # Dynamo guards elementwise ops on whether such a size is 1, and a count that is 1 for
+        # the smallest budget only would cost a second trace.
+        steps = torch.arange(1, -(-rows // chunk) + 2, device=wins.device, dtype=torch.int32)
+        pad_offsets = torch.clamp(wins[-1] + chunk * steps, max=rows)
+        # max_seqlen: one window's rows (an upper bound even when the buffer is shorter; a
+        # Python min() with the row count would make Dynamo specialize on the comparison)
+        return full, Segments(torch.cat([wins, pad_offsets]), chunk)
 
     def _attention(self, fns: Ops, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, segments: Segments) -> torch.Tensor:
