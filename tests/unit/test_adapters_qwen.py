@@ -442,20 +442,30 @@ def test_captured_function_traces_without_graph_breaks(towers, family):
 def test_runtime_serves_the_adapters(towers, family):
     """The package's own runtime (CPU: plan, pad, run the captured function, slice) with the
     adapter gives each item HF's output for it alone."""
+    hf, adapter = towers[family]
+    manager = _serve_mixed_call(hf, adapter)
+    stats = manager.stats.as_dict()
+    assert stats["graph_replays"] >= 2 and stats["eager_items"] == 1
+
+
+MIXED_CALL = [(1, 4, 4), (1, 20, 14), (2, 4, 6), (1, 2, 2), (1, 6, 6)]
+
+
+def _serve_mixed_call(hf, adapter):
+    """Run ``MIXED_CALL`` (images, a video, an item over the largest budget) through the
+    package's runtime on CPU and check each item against HF's output for it alone."""
     from vit_graph_backend.options import VitGraphOptions
     from vit_graph_backend.runtime import EncoderCudaGraphManager
 
-    hf, adapter = towers[family]
     manager = EncoderCudaGraphManager(adapter, VitGraphOptions(
         max_items_per_graph=2, max_frames_per_batch=4))
-    inputs = _inputs([(1, 4, 4), (1, 20, 14), (2, 4, 6), (1, 2, 2), (1, 6, 6)], seed=5)
+    inputs = _inputs(MIXED_CALL, seed=5)
     with torch.no_grad():
         actual = manager.run(inputs)
         expected = _hf_per_item(hf, inputs)
     for a, e in zip(actual, expected, strict=True):
         _assert_close(_as_tuple(a), e, GRAPH_ATOL)
-    stats = manager.stats.as_dict()
-    assert stats["graph_replays"] >= 2 and stats["eager_items"] == 1
+    return manager
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -483,8 +493,6 @@ def test_fused_graph_path_matches_hf_and_compiles_each_function_once(towers, fam
     stands in for Inductor), once compiled for every budget; the eager path never calls them;
     outputs equal HF's."""
     from vit_graph_backend.adapters import _fused, qwen_vl
-    from vit_graph_backend.options import VitGraphOptions
-    from vit_graph_backend.runtime import EncoderCudaGraphManager
 
     compiles: list[str] = []
 
@@ -497,15 +505,9 @@ def test_fused_graph_path_matches_hf_and_compiles_each_function_once(towers, fam
     monkeypatch.setattr(qwen_vl, "ops", lambda on: compiled if on else _fused.ops(False))
     hf, _ = towers[family]
     adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, fuse=True)
-    manager = EncoderCudaGraphManager(adapter, VitGraphOptions(
-        max_items_per_graph=2, max_frames_per_batch=4))
-    inputs = _inputs([(1, 4, 4), (1, 20, 14), (2, 4, 6), (1, 2, 2), (1, 6, 6)], seed=5)
-    with torch.no_grad():
-        actual = manager.run(inputs)
-        expected = _hf_per_item(hf, inputs)
-    for a, e in zip(actual, expected, strict=True):
-        _assert_close(_as_tuple(a), e, GRAPH_ATOL)
+    manager = _serve_mixed_call(hf, adapter)
     assert manager.stats.as_dict()["graph_replays"] >= 2
+    inputs = _inputs(MIXED_CALL, seed=5)
     used = {"rotate_qk"} | ({"add_rms_norm"} if family != "qwen2" else {"add_layer_norm"})
     assert len(compiles) >= len(used), compiles
     assert len(compiles) <= len(used) + 1, "a function recompiled for another budget"
