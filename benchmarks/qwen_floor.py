@@ -27,6 +27,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +49,8 @@ def _session2_rms_norm(norm, x):
 
 
 def _session2_add_rms_norm(hidden, update, weight, eps):
-    class Norm:
-        variance_epsilon = eps
-    Norm.weight = weight
     hidden = hidden + update
-    return hidden, _session2_rms_norm(Norm, hidden)
+    return hidden, _session2_rms_norm(SimpleNamespace(weight=weight, variance_epsilon=eps), hidden)
 
 
 def _module_patch_embed(embed, pixels):

@@ -119,7 +119,6 @@ class Ops:
     test passes another) or as written."""
 
     def __init__(self, compiled: bool, backend: Any = "inductor") -> None:
-        self.compiled = compiled
         for name, (fn, row_args) in _ROW_ARGS.items():
             setattr(self, name, _Compiled(name, fn, row_args, backend) if compiled else fn)
 

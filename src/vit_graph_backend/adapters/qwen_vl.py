@@ -81,7 +81,7 @@ def _add_norm(fns: Ops, norm: nn.Module | None, hidden: torch.Tensor, update: to
     if isinstance(norm, nn.LayerNorm) and norm.elementwise_affine:
         return fns.add_layer_norm(hidden, update, norm.weight, norm.bias, norm.eps)
     hidden = hidden + update
-    return hidden, norm(hidden)
+    return hidden, _norm(norm, hidden)
 
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
