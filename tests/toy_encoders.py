@@ -21,6 +21,7 @@ class ToyPackedEncoder(nn.Module):
         self.dim = dim
         self.budget_range = budget_range
         self.sync_in_forward = False  # set True to make capture fail (host sync)
+        self.sync_above_rows: int | None = None  # host sync only for more rows than this
 
     # inputs: {"x": [total_rows, dim], "lengths": [n_0, n_1, ...]}
     def get_encoder_cudagraph_item_specs(self, inputs):
@@ -60,7 +61,8 @@ class ToyPackedEncoder(nn.Module):
 
     def _forward(self, x, seg, num_segments):
         h = self.lin1(x)
-        if self.sync_in_forward:
+        if self.sync_in_forward or (self.sync_above_rows is not None
+                                    and x.shape[0] > self.sync_above_rows):
             h = h + float(h.sum().item()) * 0  # a host sync: illegal while capturing
         sums = h.new_zeros(num_segments, self.dim).index_add_(0, seg, h)
         counts = h.new_zeros(num_segments).index_add_(0, seg, torch.ones_like(h[:, 0]))

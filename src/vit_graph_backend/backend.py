@@ -73,6 +73,12 @@ class VitGraphBackend:
         for encoder in encoders:
             encoder.clear()
 
+    @property
+    def encoders(self) -> list[BatchedGraphEncoder]:
+        """The live compiled graphs (each with its graph sets' ``managers``)."""
+        with self._lock:
+            return list(self._encoders)
+
     def report(self) -> dict[str, Any]:
         """Totals over the live compiled graphs: compiles, graphs, memory, capture time, stats."""
         with self._lock:

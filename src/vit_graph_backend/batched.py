@@ -28,7 +28,6 @@ padded (``static_graphs=False`` runs them eagerly instead).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 import threading
@@ -44,9 +43,10 @@ from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_BATCHED_MAX_BUDGET, V
 from .planner import Segment
 from .runtime import EncoderCudaGraphManager
 from .specs import EncoderItemSpec
+from .errors import InvalidOptionError
 from .stats import GraphStats
 
-__all__ = ["BatchedGraphEncoder", "analyze_graph"]
+__all__ = ["PACKED_ONLY_OPTIONS", "BatchedGraphEncoder", "analyze_graph", "check_batched_options"]
 
 log = logging.getLogger(__name__)
 
@@ -257,11 +257,32 @@ class _GraphSet:
         return [i for i, p, q in zip(self.referenced, pointers, self.pointers) if p != q]
 
 
+#: Options of packed encoders only: a batched graph holds one call's rows, not items or frames.
+PACKED_ONLY_OPTIONS = ("max_items_per_graph", "max_frames_per_batch")
+
+
+def check_batched_options(options: VitGraphOptions) -> None:
+    """Reject options that a ``torch.compile`` graph (batched rows) cannot apply.
+
+    Raises:
+        InvalidOptionError: naming the option, its value and what to use instead.
+    """
+    for name in PACKED_ONLY_OPTIONS:
+        value = getattr(options, name)
+        if value is not None:
+            raise InvalidOptionError(
+                f"{name}={value!r} does not apply to torch.compile(backend='vitgraph'): a "
+                "batched encoder's graph holds the rows of one call, and budgets count rows "
+                "(bound them with max_budget). It is an option of packed encoders: "
+                f"serve(model, {name}={value!r})")
+
+
 class BatchedGraphEncoder:
     """The callable the ``vitgraph`` backend returns to Dynamo for a batched encoder graph."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                  options: VitGraphOptions, fn: Callable[..., Any]) -> None:
+        check_batched_options(options)
         self.options, self.fn = options, fn
         self.layout = analyze_graph(gm, example_inputs)
         self.static_shape = self.layout.batch_symbol is None
@@ -314,11 +335,10 @@ class BatchedGraphEncoder:
         if self.static_shape:
             config = BudgetConfig((1,), 1)
         else:
-            # A call is one item of B rows, so a graph has one slot and max_items_per_graph
-            # (a packed-encoder option) must not move the ladder's start.
-            rows = dataclasses.replace(self.options, max_items_per_graph=None)
-            config = rows.budget_config((1, DEFAULT_BATCHED_MAX_BUDGET),
-                                        DEFAULT_BATCHED_LADDER_STEPS)
+            # A call is one item of B rows, so a graph has one slot (the backend rejects the
+            # packed-only max_items_per_graph and max_frames_per_batch, see backend.py)
+            config = self.options.budget_config((1, DEFAULT_BATCHED_MAX_BUDGET),
+                                                 DEFAULT_BATCHED_LADDER_STEPS)
             config = BudgetConfig(config.budgets, 1)
         graph_set = _GraphSet(self.fn, self.layout, args, set(self._copied), self.static_shape,
                               config.max_budget)

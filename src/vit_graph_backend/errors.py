@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "CaptureError",
+    "InvalidInputError",
     "InvalidOptionError",
     "MissingDependencyError",
     "UnsupportedGraphError",
@@ -24,6 +25,11 @@ class VitGraphError(RuntimeError):
 
 class InvalidOptionError(VitGraphError, ValueError):
     """An option, budget or spec value is out of range; raised when options are built."""
+
+
+class InvalidInputError(VitGraphError, ValueError):
+    """A call's input is malformed (a tensor's shape or dtype, a grid); raised before any budget
+    is touched, so a bad call never costs the graphs anything."""
 
 
 class UnsupportedModelError(VitGraphError, TypeError):

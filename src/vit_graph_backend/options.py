@@ -85,6 +85,12 @@ class VitGraphOptions:
             mismatch beyond ``verify_tolerance`` disables that budget's graph with a warning.
         verify_tolerance: max abs error allowed relative to the eager output's max abs value;
             ``None`` picks by dtype (fp32 1e-3, fp16 1e-2, bf16 3e-2).
+        max_graph_memory: bound on the memory one encoder's graphs hold (pools and static
+            inputs): an ``int`` in bytes, or a ``float`` in (0, 1], the fraction of the device's
+            free memory when the first graph is captured. Budgets that would cross it, or whose
+            warm-up runs out of memory, are skipped, largest first, each with a logged reason
+            (``memory_report()["skipped_budgets"]``); their calls use the next larger captured
+            budget or run eagerly. ``None``: no bound beyond what the device has.
 
     Example::
 
@@ -106,6 +112,7 @@ class VitGraphOptions:
     static_graphs: bool = True
     verify: bool = False
     verify_tolerance: float | None = None
+    max_graph_memory: int | float | None = None
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -145,6 +152,7 @@ class VitGraphOptions:
             raise InvalidOptionError(
                 f"verify_tolerance={tol!r} is invalid: must be a positive number or None"
             )
+        _check_memory_bound(self.max_graph_memory)
         if (self.min_budget is not None and self.max_budget is not None
                 and self.min_budget > self.max_budget):
             raise InvalidOptionError(
@@ -237,3 +245,19 @@ class VitGraphOptions:
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise InvalidOptionError(f"{name}={value!r} is invalid: must be one of {allowed}")
+
+
+def _check_memory_bound(value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(
+            f"max_graph_memory={value!r} is invalid: must be an int (bytes), a float in (0, 1] "
+            "(fraction of free device memory) or None")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise InvalidOptionError(
+            f"max_graph_memory={value!r} is invalid: a float is a fraction of free device "
+            "memory and must be in (0, 1]; give bytes as an int")
+    if isinstance(value, int) and value < 1:
+        raise InvalidOptionError(
+            f"max_graph_memory={value!r} is invalid: bytes must be a positive int")

@@ -10,9 +10,16 @@ call it asks the encoder for item specs, plans batches (``planner``), and runs e
   required) runs ``encoder_eager_forward`` and is counted in ``stats`` with its reason.
 
 Budgets are captured **largest first into one graph pool** so smaller graphs reuse the largest
-one's memory. Graph outputs stay alive (they are the static outputs), so later captures never hand
-out their memory; intermediates of different graphs share pool memory, which is safe because
-replays are serialized under this manager's lock on one stream.
+one's memory; each capture is measured and bounded first, and a capture that fails does not take
+the smaller budgets with it (``graph_capture.py``). Graph outputs stay alive (they are the static
+outputs), so later captures never hand out their memory; intermediates of different graphs share
+pool memory.
+
+**Threads and streams.** Host state is guarded by this manager's lock. The GPU work of each call
+(copies into the static buffers, replays, output copies, eager batches) is ordered after the
+previous call's on the device through :class:`~vit_graph_backend.stream_order.StreamOrder`, so
+any number of threads on any streams get the outputs eager PyTorch would give them; outputs are
+made on the caller's current stream.
 
 Without CUDA the same plan, pad, run and slice path runs with the static buffers but no graph, so
 CPU tests exercise routing and padding for real.
@@ -28,21 +35,22 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _compat
 from .budgets import BudgetConfig
-from .errors import InvalidOptionError, UnsupportedGraphError
+from .errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError
+from .graph_capture import BudgetGraphs, mib
 from .options import VitGraphOptions
 from .planner import Batch, Plan, Segment, eager_reason, plan_batches
+from .replay_io import (assemble, copy_padded, infer_device_dtype, map_output, max_rel_error,
+                        needs_grad, split_rows)
 from .protocol import SupportsEncoderCudaGraph
 from .specs import EncoderItemSpec
 from .stats import GraphStats
+from .stream_order import order_for
 
 __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
 
@@ -50,40 +58,6 @@ log = logging.getLogger(__name__)
 
 _DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 _PLAN_CACHE_SIZE = 1024
-
-
-def map_output(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to a tensor output, or to each tensor of a tuple/list output."""
-    if isinstance(out, torch.Tensor):
-        return fn(out)
-    return type(out)(fn(t) for t in out)
-
-
-def _max_rel_error(actual: Any, expected: Any) -> float:
-    worst = 0.0
-    for a, e in zip(_tensors(actual), _tensors(expected)):
-        scale = max(float(e.abs().max()) if e.numel() else 0.0, 1.0)
-        diff = (a.float() - e.float()).abs()
-        err = float(diff.max()) if diff.numel() else 0.0
-        if not (err == err):  # NaN
-            return float("inf")
-        worst = max(worst, err / scale)
-    return worst
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    return [out] if isinstance(out, torch.Tensor) else list(out)
-
-
-@dataclass
-class _BudgetGraph:
-    """One budget's static buffers, its graph (``None`` without CUDA) and its static output."""
-
-    budget: int
-    static: dict[str, torch.Tensor]
-    graph: Any = None
-    output: Any = None
-    verified: bool = False
 
 
 class EncoderCudaGraphManager:
@@ -129,16 +103,18 @@ class EncoderCudaGraphManager:
             )
         self.chunk = chunk
         self.stats = GraphStats()
-        self.graph_pool: Any = None
-        self.capture_seconds = 0.0
-        self._graphs: dict[int, _BudgetGraph] = {}
+        self.graphs = BudgetGraphs(model, self.options.warmup_iters, self.options.max_graph_memory,
+                                   self.config.max_batch_size, self.config.max_frames_per_batch,
+                                   self.device, self.dtype)
+        self._graphs = self.graphs.entries
         self._disabled: dict[int, str] = {}
         self._off_reason: str | None = None
         self._logged: set[str] = set()
         self._lock = threading.RLock()
         self._plans: dict[tuple[EncoderItemSpec, ...], Plan] = {}
         self._active = self.config
-        self._pool_bytes: int | None = None
+        #: orders this call's GPU work after the previous call's, on any stream (one per device)
+        self.order = order_for(self.device)
         if self.device.type != "cuda":
             _log_cpu_once()
         reason_fn = getattr(model, "graph_unsupported_reason", None)
@@ -164,30 +140,37 @@ class EncoderCudaGraphManager:
     @property
     def num_graphs(self) -> int:
         """Graphs captured now."""
-        return sum(1 for g in self._graphs.values() if g.graph is not None)
+        return self.graphs.num_graphs
+
+    @property
+    def graph_pool(self) -> Any:
+        """The pool the next capture goes into (``None`` until the first capture)."""
+        return self.graphs.graph_pool
+
+    @graph_pool.setter
+    def graph_pool(self, pool: Any) -> None:
+        self.graphs.graph_pool = pool
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing (warm-ups included)."""
+        return self.graphs.capture_seconds
 
     def memory_report(self) -> dict[str, Any]:
         """Memory the captured set holds, measured from the CUDA caching allocator.
 
-        ``pool_bytes`` is what the allocator reserved for the shared graph pool (intermediates and
-        static outputs); ``static_input_bytes`` the static input buffers outside it.
+        ``pool_bytes`` is what the allocator reserved for the graph pools (intermediates and
+        static outputs); ``static_input_bytes`` the static input buffers outside them;
+        ``skipped_budgets`` the budgets not captured, each with its reason (over
+        ``max_graph_memory``, out of memory, a failed capture); ``estimated_bytes`` each
+        measured budget's warm-up estimate; ``disabled_budgets`` every budget not served, with
+        its reason (skips, failed replays, failed verification).
         """
-        # budgets may share one buffer (views of its head): count each storage once
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for g in self._graphs.values() for t in g.static.values()}
-        static = sum(storages.values())
-        pool = self._pool_bytes or 0
-        return {
-            "graphs": self.num_graphs,
-            "budgets": list(self.token_budgets),
-            "largest_budget": max(self._graphs) if self._graphs else None,
-            "pool_bytes": pool,
-            "static_input_bytes": static,
-            "total_bytes": pool + static,
-            "capture_seconds": round(self.capture_seconds, 4),
-            "disabled_budgets": dict(self._disabled),
-            "graphs_off_reason": self._off_reason,
-        }
+        report = self.graphs.report()
+        report["budgets"] = list(self.token_budgets)
+        report["disabled_budgets"] = dict(self._disabled)
+        report["graphs_off_reason"] = self._off_reason
+        return report
 
     # ------------------------------------------------------------------------------- life cycle
     def disable_graphs(self, reason: str) -> None:
@@ -213,20 +196,35 @@ class EncoderCudaGraphManager:
             for budget in sorted(self.token_budgets, reverse=True):
                 if budget not in self._graphs:
                     self._capture_budget(budget)
-            log.info("vitgraph: captured %d graphs (budgets %s, largest %s) in %.2f s, "
-                     "pool %s bytes", self.num_graphs, list(self.token_budgets),
-                     max(self._graphs, default=None), self.capture_seconds, self._pool_bytes)
+            report = self.memory_report()
+            log.info("vitgraph: captured %d graphs (budgets %s) in %.2f s, %s; skipped %s",
+                     self.num_graphs, report["captured_budgets"], self.capture_seconds,
+                     mib(report["total_bytes"]), report["skipped_budgets"] or "none")
 
     def clear(self) -> None:
         """Drop graphs, static buffers and the pool; a later call captures again."""
         with self._lock:
-            self._graphs.clear()
-            self.graph_pool = None
-            self._pool_bytes = None
-            self._plans.clear()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
+            with self.order:  # no replay of these graphs may still run on any stream
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self._reenable_skipped()
+                self.graphs.clear()
+                self._plans.clear()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def _reenable_skipped(self) -> None:
+        # memory may have been freed since: budgets skipped at capture get another try
+        if not self.graphs.skipped:
+            return
+        for budget in self.graphs.skipped:
+            self._disabled.pop(budget, None)
+        remaining = tuple(b for b in self.config.budgets if b not in self._disabled)
+        if remaining:
+            if self._off_reason is not None and self._off_reason.startswith("every budget"):
+                self._off_reason = None
+            self._active = BudgetConfig(remaining, self.config.max_batch_size,
+                                        self.config.max_frames_per_batch)
 
     # ------------------------------------------------------------------------------------ calls
     def run(self, inputs: Any) -> list[Any]:
@@ -242,15 +240,20 @@ class EncoderCudaGraphManager:
                             tuple(range(len(specs))))
             else:
                 plan = self._plan(specs)
-                if (self.options.capture == "all" and self.uses_cuda_graphs
+            pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
+            stream = self.order.enter()
+            try:
+                if (reason is None and self.options.capture == "all" and self.uses_cuda_graphs
                         and any(b not in self._graphs for b in self.token_budgets)):
                     self.capture()
-            pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
-            for batch in plan.batches:
-                outs = self._run_batch(inputs, batch, reason)
-                for seg, out in zip(batch.segments, outs):
-                    pieces[seg.item].append((seg.start, out))
-            return [_assemble(p) for p in pieces]
+                    plan = self._plan(specs)  # a budget skipped at capture changes the plan
+                for batch in plan.batches:
+                    outs = self._run_batch(inputs, batch, reason)
+                    for seg, out in zip(batch.segments, outs):
+                        pieces[seg.item].append((seg.start, out))
+                return [assemble(p) for p in pieces]
+            finally:
+                self.order.exit(stream)
 
     def _plan(self, specs: tuple[EncoderItemSpec, ...]) -> Plan:
         plan = self._plans.get(specs)
@@ -264,11 +267,13 @@ class EncoderCudaGraphManager:
 
     def _run_batch(self, inputs: Any, batch: Batch, reason: str | None) -> list[Any]:
         if batch.budget is None or reason is not None:
-            return self._eager(inputs, batch, reason or eager_reason(batch, self._active))
+            return self._eager(inputs, batch, reason or self._eager_reason(batch))
         if batch.budget in self._disabled:
             return self._eager(inputs, batch, self._disabled[batch.budget])
         try:
             outs = self._replay(inputs, batch)
+        except InvalidInputError:  # the caller's input is wrong, not the graph: nothing disabled
+            raise
         except UnsupportedGraphError as exc:  # this batch only (e.g. more frames than captured)
             return self._eager(inputs, batch, f"batch not servable by graph: {exc}")
         except Exception as exc:  # a graph path must never crash a user's call
@@ -290,10 +295,11 @@ class EncoderCudaGraphManager:
                     return self._eager(inputs, batch, self._disabled[budget])
                 entry = self._graphs[budget]
             else:
-                entry = self._graphs[budget] = _BudgetGraph(budget, self._capture_inputs(budget))
+                entry = self.graphs.entry_without_graph(budget)
         values = self._replay_buffers(inputs, batch, budget)
         for key, value in values.items():
-            _copy_padded(entry.static, key, value)
+            copy_padded(entry.static, key, value)
+        entry.written.update(values)
         if entry.graph is not None:
             entry.graph.replay()
             out = entry.output
@@ -304,7 +310,7 @@ class EncoderCudaGraphManager:
         real = map_output(out, lambda t: t[:n].clone())
         if self.options.verify and not entry.verified:
             expected = self._eager_packed(inputs, batch)
-            err = _max_rel_error(real, map_output(expected, lambda t: t[:n]))
+            err = max_rel_error(real, map_output(expected, lambda t: t[:n]))
             tol = self.options.verify_tolerance or _DEFAULT_TOLERANCE.get(self.dtype, 1e-3)
             if err > tol:
                 self._disable_budget(
@@ -315,12 +321,28 @@ class EncoderCudaGraphManager:
             log.info("vitgraph: budget %d verified against eager (max relative error %.3g)",
                      budget, err)
         self.stats.record_replay(budget, len(batch.segments), n)
-        return _split(real, batch.segments)
+        return split_rows(real, batch.segments)
+
+    def _eager_reason(self, batch: Batch) -> str:
+        reason = eager_reason(batch, self._active)
+        if batch.tokens > self._active.max_budget:
+            skipped = [b for b in self._disabled if b >= batch.tokens]
+            if skipped:
+                return (f"item exceeds the largest captured budget ({self._active.max_budget}); "
+                        f"budget {min(skipped)} is not served: {self._disabled[min(skipped)]}")
+        return reason
 
     def _eager(self, inputs: Any, batch: Batch, reason: str) -> list[Any]:
         self.stats.record_eager(len(batch.segments), reason)
-        log.debug("vitgraph: eager batch of %d segments: %s", len(batch.segments), reason)
-        return _split(self._eager_packed(inputs, batch), batch.segments)
+        # once per kind of reason (the text before its first colon), then at DEBUG
+        kind = reason.split(":")[0]
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("vitgraph: running a batch eagerly: %s (logged once per reason; counts "
+                        "in stats)", reason)
+        else:
+            log.debug("vitgraph: eager batch of %d segments: %s", len(batch.segments), reason)
+        return split_rows(self._eager_packed(inputs, batch), batch.segments)
 
     def _eager_packed(self, inputs: Any, batch: Batch) -> Any:
         if self._segment_api:
@@ -333,34 +355,11 @@ class EncoderCudaGraphManager:
                 inputs, batch.segments, budget)
         return self.model.prepare_encoder_cudagraph_replay_buffers(inputs, list(batch.items), budget)
 
-    def _capture_inputs(self, budget: int) -> dict[str, torch.Tensor]:
-        return dict(self.model.prepare_encoder_cudagraph_capture_inputs(
-            budget, self.config.max_batch_size, self.config.max_frames_per_batch,
-            self.device, self.dtype))
-
     def _capture_budget(self, budget: int) -> None:
-        start = time.perf_counter()
-        if self.graph_pool is None:
-            self.graph_pool = torch.cuda.graph_pool_handle()
-        try:
-            static = self._capture_inputs(budget)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(self.options.warmup_iters):
-                    self.model.encoder_cudagraph_forward(static)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self.graph_pool,
-                                                   capture_error_mode="thread_local"):
-                output = self.model.encoder_cudagraph_forward(static)
-        except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
-            self._disable_budget(budget, f"capture failed: {type(exc).__name__}: {exc}", warn=True)
-            return
-        finally:
-            self.capture_seconds += time.perf_counter() - start
-        self._graphs[budget] = _BudgetGraph(budget, static, graph, output)
-        self._pool_bytes = _compat.graph_pool_bytes(self.graph_pool, self.device)
+        outcome = self.graphs.capture(budget)
+        if outcome.skipped is not None:
+            # a failed capture also warns: it is a bug or a host sync, not memory pressure
+            self._disable_budget(budget, outcome.skipped, warn=outcome.failed)
 
     def _disable_budget(self, budget: int, reason: str, warn: bool = False) -> None:
         self._disabled[budget] = reason
@@ -371,6 +370,8 @@ class EncoderCudaGraphManager:
             self._active = BudgetConfig(remaining, self.config.max_batch_size,
                                         self.config.max_frames_per_batch)
         else:
+            self._active = BudgetConfig(self.config.budgets, self.config.max_batch_size,
+                                        self.config.max_frames_per_batch)
             self.disable_graphs("every budget failed: " + reason)
         message = f"vitgraph: budget {budget} falls back to eager: {reason}"
         if warn:
@@ -380,20 +381,11 @@ class EncoderCudaGraphManager:
         self._log_once(message)
 
     def _grad_reason(self, inputs: Any) -> str | None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not needs_grad(self.model, inputs):
             return None
-        grad_fn = getattr(self.model, "requires_grad", None)
-        if callable(grad_fn):
-            needs_grad = grad_fn(inputs)
-        else:
-            needs_grad = any(t.requires_grad for t in _input_tensors(inputs)) or (
-                isinstance(self.model, torch.nn.Module)
-                and any(p.requires_grad for p in self.model.parameters()))
-        if needs_grad:
-            reason = "grad required (graphs serve inference; use torch.no_grad())"
-            self._log_once("vitgraph: " + reason + "; running eagerly")
-            return reason
-        return None
+        reason = "grad required (graphs serve inference; use torch.no_grad())"
+        self._log_once("vitgraph: " + reason + "; running eagerly")
+        return reason
 
     def _log_once(self, message: str) -> None:
         if message not in self._logged:
@@ -412,57 +404,3 @@ def _log_cpu_once() -> None:
                     "slice path runs without graphs", "this device")
 
 
-def _input_tensors(inputs: Any) -> list[torch.Tensor]:
-    values = inputs.values() if isinstance(inputs, Mapping) else inputs
-    if isinstance(values, torch.Tensor):
-        return [values]
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _copy_padded(static: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    try:
-        target = static[key]
-    except KeyError:
-        raise KeyError(f"replay buffer {key!r} has no capture buffer (have {sorted(static)})"
-                       ) from None
-    if value.shape == target.shape:
-        target.copy_(value)
-        return
-    n = value.shape[0]
-    if value.dim() != target.dim() or value.shape[1:] != target.shape[1:] or n > target.shape[0]:
-        raise ValueError(f"replay buffer {key!r} of shape {tuple(value.shape)} does not fit its "
-                         f"capture buffer of shape {tuple(target.shape)}")
-    target[:n].copy_(value)
-    target[n:].zero_()
-
-
-def _split(out: Any, segments: Sequence[Segment]) -> list[Any]:
-    """Per-segment views of a packed output whose rows hold the segments back to back."""
-    result, offset = [], 0
-    for seg in segments:
-        lo, hi = offset, offset + seg.tokens
-        result.append(map_output(out, lambda t, lo=lo, hi=hi: t[lo:hi]))
-        offset = hi
-    return result
-
-
-def _assemble(pieces: list[tuple[int, Any]]) -> Any:
-    if len(pieces) == 1:
-        return pieces[0][1]
-    pieces.sort(key=lambda p: p[0])
-    first = pieces[0][1]
-    if isinstance(first, torch.Tensor):
-        return torch.cat([p[1] for p in pieces])
-    return type(first)(torch.cat([p[1][i] for p in pieces]) for i in range(len(first)))
-
-
-def infer_device_dtype(model: Any, device: Any = None, dtype: Any = None) -> tuple[torch.device, torch.dtype]:
-    """``(device, dtype)`` given, or else those of ``model``'s first parameter (CPU/fp32 if none)."""
-    param = None
-    if isinstance(model, torch.nn.Module):
-        param = next(iter(model.parameters()), None)
-    if device is None:
-        device = param.device if param is not None else torch.device("cpu")
-    if dtype is None:
-        dtype = param.dtype if param is not None else torch.float32
-    return torch.device(device), dtype

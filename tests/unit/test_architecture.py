@@ -29,9 +29,14 @@ SRC = Path(vit_graph_backend.__file__).resolve().parent
 PACKAGE = "vit_graph_backend"
 
 _CORE = {"errors", "specs", "budgets", "stats", "planner", "options", "protocol"}
-_RUNTIME_DEPS = {"planner", "budgets", "specs", "options", "protocol", "errors", "stats", "_compat"}
+#: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
+#: its memory book, and the tensor helpers of a replay.
+_GRAPH_PARTS = {"stream_order", "graph_capture", "replay_io"}
+_RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
+                  "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
-_BELOW_BACKEND = _CORE | {"_compat", "_version", "adapters", "runtime", "batched", "packed", "inner"}
+_BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
+                                         "packed", "inner"}
 
 #: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
@@ -46,6 +51,9 @@ LAYERS: dict[str, set[str]] = {
     "protocol": {"specs", "budgets"},
     "_compat": set(),
     "adapters": {"protocol", "budgets", "specs", "errors", "_compat"},
+    "stream_order": set(),
+    "graph_capture": {"_compat"},
+    "replay_io": {"planner"},
     "runtime": _RUNTIME_DEPS,
     # The batched [B, C, H, W] layout: pads the batch axis and drives the runtime's graphs.
     "batched": _RUNTIME_DEPS | {"runtime"},

@@ -191,6 +191,15 @@ def test_bad_options_raise_at_compile_time(options, match):
     assert pytest.importorskip("re").search(match, str(err)), str(err)
 
 
+@pytest.mark.parametrize("name", ["max_items_per_graph", "max_frames_per_batch"])
+def test_packed_only_options_are_refused_for_batched_graphs(name):
+    # they used to be validated and then silently dropped on the batched path
+    gm = torch.fx.symbolic_trace(_Scaled())
+    with pytest.raises(InvalidOptionError, match=rf"{name}=2 does not apply to torch.compile"
+                       r".*serve\(model, " + name):
+        VitGraphBackend()(gm, [torch.randn(2, 4)], options={name: 2})
+
+
 def test_backend_rejects_unknown_keyword():
     with pytest.raises(InvalidOptionError, match="unexpected arguments"):
         VitGraphBackend()(torch.fx.symbolic_trace(_Scaled()), [torch.randn(2, 4)], foo=1)

@@ -31,6 +31,11 @@ BAD = [
     ({"budgets": [8, 16], "max_items_per_graph": 9},
      r"max_items_per_graph=9 is larger than the smallest budget min\(budgets\)=8"),
     ({"max_budgte": 8}, r"unknown vitgraph option 'max_budgte' \(did you mean 'max_budget'\?\)"),
+    ({"max_graph_memory": 0}, r"max_graph_memory=0 is invalid: bytes must be a positive int"),
+    ({"max_graph_memory": 1.5}, r"max_graph_memory=1.5 is invalid: .* must be in \(0, 1\]"),
+    ({"max_graph_memory": 0.0}, r"max_graph_memory=0.0 is invalid"),
+    ({"max_graph_memory": True}, r"max_graph_memory=True is invalid: must be an int \(bytes\)"),
+    ({"max_graph_memory": "2GB"}, r"max_graph_memory='2GB' is invalid"),
 ]
 
 
@@ -98,3 +103,8 @@ def test_budget_config_uses_model_range_unless_overridden():
         (64, 1024)).budgets == (64, 128, 256)
     cfg = VitGraphOptions(max_items_per_graph=8).budget_config((64, 1024))
     assert cfg.max_batch_size == 8 and cfg.budgets[0] == 64
+
+
+@pytest.mark.parametrize("value", [1, 2**30, 0.5, 1.0, None])
+def test_max_graph_memory_takes_bytes_or_a_fraction(value):
+    assert VitGraphOptions(max_graph_memory=value).max_graph_memory == value

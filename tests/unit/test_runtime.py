@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from toy_encoders import PaddedSegToyEncoder, ToyPackedEncoder
-from vit_graph_backend.errors import InvalidOptionError
+import logging
+
+from vit_graph_backend.errors import InvalidInputError, InvalidOptionError
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.runtime import EncoderCudaGraphManager
 
@@ -151,3 +153,38 @@ def test_cpu_manager_captures_no_graphs_and_reports_it():
     assert mgr.num_graphs == 0
     report = mgr.memory_report()
     assert report["graphs"] == 0 and report["pool_bytes"] == 0
+
+
+class _PickyToy(PaddedSegToyEncoder):
+    """Rejects calls flagged bad, as an adapter rejects a malformed grid, inside the replay."""
+
+    def prepare_encoder_cudagraph_replay_buffers(self, inputs, item_indices, budget):
+        if inputs.get("bad"):
+            raise InvalidInputError("x has 20 rows, grid has 16: they must agree")
+        return super().prepare_encoder_cudagraph_replay_buffers(inputs, item_indices, budget)
+
+
+@torch.no_grad()
+def test_a_bad_call_raises_and_costs_the_graphs_nothing():
+    model = _PickyToy(dim=8, budget_range=(8, 64), max_batch_size=MBS).eval()
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    with pytest.raises(InvalidInputError, match="20 rows"):
+        mgr.run({**_call([16]), "bad": True})
+    assert mgr.memory_report()["disabled_budgets"] == {}
+    assert 16 in mgr.token_budgets and mgr.stats.eager_batches == 0
+    inputs = _call([16])
+    (got,) = mgr.run(inputs)
+    torch.testing.assert_close(got, _alone(model, inputs)[0], atol=1e-5, rtol=1e-5)
+    assert mgr.stats.as_dict()["replays_per_budget"] == {"16": 1}
+
+
+@torch.no_grad()
+def test_each_fallback_reason_is_logged_once_at_warning(caplog):
+    _, mgr = _setup()
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend.runtime"):
+        for _ in range(3):
+            mgr.run(_call([100]))   # over the largest budget (64)
+    hits = [r for r in caplog.records if "running a batch eagerly" in r.getMessage()]
+    assert len(hits) == 1 and hits[0].levelno == logging.WARNING
+    assert "item exceeds the largest budget" in hits[0].getMessage()
+    assert mgr.stats.eager_batches == 3

@@ -1,0 +1,294 @@
+"""Capturing one budget's CUDA graph within a memory bound, and surviving a capture that fails.
+
+:class:`GraphMemory` is the manager's memory book: which pools its graphs live in, what their
+static inputs hold, the bound ``max_graph_memory`` resolves to, and each budget's estimate.
+:func:`capture_budget_graph` does one budget:
+
+1. **Warm-up, measured.** The encoder runs ``warmup_iters`` times on a side stream (cuBLAS and
+   cuDNN set-up, lazy compiles) after the allocator's cache was emptied; what the allocator had to
+   reserve for it is the budget's estimate: the warm-up's peak, rounded up to the allocator's
+   segments. A warm-up that runs out of memory skips the budget. The peak counter
+   (``torch.cuda.max_memory_allocated``) is not used, because resetting it would change what the
+   application measures.
+2. **The bound.** The graphs held so far, plus the part of the estimate the current pool cannot
+   already supply (smaller graphs reuse the largest one's memory), plus the new static inputs,
+   must fit ``max_graph_memory``; a budget that does not is skipped.
+3. **Capture** into the shared pool on a capture stream of its own. If it fails (out of memory, a
+   host sync in the forward), the pool it was capturing into may be unusable for later captures:
+   PyTorch's allocator was seen to fail an internal assert (``use_count > 0``) on every later
+   capture into it, leaving 0 graphs. So the caller continues in a fresh pool, and the thread's
+   current stream, which ``torch.cuda.graph`` leaves on the capture stream when ending the
+   capture raises, is put back.
+
+Budgets are captured largest first (see ``runtime.py``), so under pressure the small budgets that
+fit are captured and a call for a skipped budget replays the next larger captured graph or runs
+eagerly with the skip's reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _compat
+
+__all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
+           "mib", "storage_bytes"]
+
+
+def mib(n: int | None) -> str:
+    """``n`` bytes as a short MiB string for messages."""
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass
+class GraphMemory:
+    """Memory held by one manager's graphs: pools, static inputs, the bound, estimates."""
+
+    limit_option: int | float | None = None
+    limit: int | None = None
+    pools: list[Any] = field(default_factory=list)
+    estimates: dict[int, int] = field(default_factory=dict)
+
+    def resolve_limit(self, device: torch.device, held: int) -> int | None:
+        """The byte bound, resolved once at the first capture: an int is bytes; a float is a
+        fraction of the device's free memory then, plus what these graphs already hold."""
+        if self.limit is None and self.limit_option is not None:
+            if isinstance(self.limit_option, float):
+                free, _ = torch.cuda.mem_get_info(device)
+                self.limit = int(self.limit_option * (free + held))
+            else:
+                self.limit = int(self.limit_option)
+        return self.limit
+
+    def pool_bytes(self, device: torch.device) -> int:
+        """Bytes the allocator reserved for every pool these graphs were captured into."""
+        total = 0
+        for pool in self.pools:
+            total += _compat.graph_pool_bytes(pool, device) or 0
+        return total
+
+    def clear(self) -> None:
+        """Forget pools and estimates (the bound stays resolved)."""
+        self.pools.clear()
+        self.estimates.clear()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (budgets may share one
+    row buffer through views); storages already in ``seen`` are not counted again."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+@dataclass
+class CaptureOutcome:
+    """A captured graph and its static output, or the reason the budget was skipped."""
+
+    graph: Any = None
+    output: Any = None
+    skipped: str | None = None
+    failed: bool = False          # the capture itself failed: continue in a fresh pool
+    estimate: int | None = None
+
+
+def _warmup_bytes(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
+                  iters: int, device: torch.device) -> int | None:
+    if iters == 0:
+        return None
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(iters):
+            forward(static)
+    current.wait_stream(stream)
+    return max(0, torch.cuda.memory_reserved(device) - before)
+
+
+def capture_budget_graph(
+    budget: int, forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor], *,
+    pool: Any, device: torch.device, warmup_iters: int, memory: GraphMemory,
+    held: int, new_static: int,
+) -> CaptureOutcome:
+    """Warm up, check the bound, capture; never raises for a budget that cannot be captured.
+
+    Args:
+        held: bytes the manager's graphs hold now (pools and static inputs).
+        new_static: bytes of this budget's static inputs not yet counted in ``held``.
+    """
+    try:
+        estimate = _warmup_bytes(forward, static, warmup_iters, device)
+    except torch.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        return CaptureOutcome(skipped=f"warm-up ran out of memory ({mib(free)} free): "
+                                      f"{_first_line(exc)}")
+    if estimate is not None:
+        memory.estimates[budget] = estimate
+    limit = memory.resolve_limit(device, held)
+    if limit is not None and estimate is not None:
+        reusable = _compat.graph_pool_bytes(pool, device) or 0
+        projected = held + new_static + max(0, estimate - reusable)
+        if projected > limit:
+            return CaptureOutcome(estimate=estimate, skipped=(
+                f"needs about {mib(projected)} with the graphs already held, over "
+                f"max_graph_memory={memory.limit_option!r} ({mib(limit)})"))
+    stream_before = torch.cuda.current_stream(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device),
+                                               capture_error_mode="thread_local"):
+            output = forward(static)
+    except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
+        torch.cuda.set_stream(stream_before)
+        del graph
+        torch.cuda.empty_cache()
+        return CaptureOutcome(estimate=estimate, failed=True,
+                              skipped=f"capture failed: {type(exc).__name__}: {_first_line(exc)}")
+    return CaptureOutcome(graph=graph, output=output, estimate=estimate)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@dataclass
+class BudgetGraph:
+    """One budget's static buffers, its graph (``None`` without CUDA) and its static output."""
+
+    budget: int
+    static: dict[str, torch.Tensor]
+    graph: Any = None
+    output: Any = None
+    verified: bool = False
+    #: static buffers a replay rewrites (the rest are capture-time constants)
+    written: set[str] = field(default_factory=set)
+
+
+class BudgetGraphs:
+    """The captured graphs of one manager: static buffers, pools, memory book, skips.
+
+    The manager decides what to serve; this class only builds, holds and frees graphs.
+    """
+
+    def __init__(self, model: Any, warmup_iters: int, max_graph_memory: int | float | None,
+                 max_batch_size: int, max_frames_per_batch: int | None,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.warmup_iters = warmup_iters
+        self.slots = (max_batch_size, max_frames_per_batch)
+        self.device, self.dtype = device, dtype
+        self.entries: dict[int, BudgetGraph] = {}
+        self.graph_pool: Any = None
+        self.memory = GraphMemory(max_graph_memory)
+        self.skipped: dict[int, str] = {}
+        self.capture_seconds = 0.0
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured now."""
+        return sum(1 for g in self.entries.values() if g.graph is not None)
+
+    def _static_tensors(self) -> Iterable[torch.Tensor]:
+        return (t for g in self.entries.values() for t in g.static.values())
+
+    def pool_bytes(self) -> int:
+        """Bytes reserved for the pools these graphs live in (0 off CUDA)."""
+        if self.device.type != "cuda" or not self.memory.pools:
+            return 0
+        return self.memory.pool_bytes(self.device)
+
+    def report(self) -> dict[str, Any]:
+        """The memory part of the manager's ``memory_report()``."""
+        static = storage_bytes(self._static_tensors())
+        pool = self.pool_bytes()
+        return {
+            "graphs": self.num_graphs,
+            "captured_budgets": sorted(b for b, g in self.entries.items() if g.graph is not None),
+            "largest_budget": max(self.entries) if self.entries else None,
+            "pool_bytes": pool,
+            "static_input_bytes": static,
+            "total_bytes": pool + static,
+            "max_graph_memory_bytes": self.memory.limit,
+            "estimated_bytes": dict(sorted(self.memory.estimates.items())),
+            "capture_seconds": round(self.capture_seconds, 4),
+            "skipped_budgets": dict(sorted(self.skipped.items())),
+        }
+
+    def capture_inputs(self, budget: int) -> dict[str, torch.Tensor]:
+        """The model's static buffers for ``budget``, sized for every graph slot."""
+        return dict(self.model.prepare_encoder_cudagraph_capture_inputs(
+            budget, *self.slots, self.device, self.dtype))
+
+    def entry_without_graph(self, budget: int) -> BudgetGraph:
+        """Static buffers only: the path a device without CUDA runs."""
+        entry = self.entries.get(budget)
+        if entry is None:
+            entry = self.entries[budget] = BudgetGraph(budget, self.capture_inputs(budget))
+        return entry
+
+    def capture(self, budget: int) -> CaptureOutcome:
+        """Capture ``budget`` into the shared pool, measured and bounded (module docstring);
+        a skipped budget is recorded in :attr:`skipped` with its reason."""
+        start = time.perf_counter()
+        try:
+            outcome = self._capture(budget)
+        finally:
+            self.capture_seconds += time.perf_counter() - start
+        if outcome.failed:
+            # the pool may be unusable for later captures: smaller budgets go into a fresh one
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        if outcome.skipped is not None:
+            self.skipped[budget] = outcome.skipped
+        return outcome
+
+    def _capture(self, budget: int) -> CaptureOutcome:
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        if self.graph_pool not in self.memory.pools:
+            self.memory.pools.append(self.graph_pool)
+        held_storages: set[int] = set()
+        held = self.pool_bytes() + storage_bytes(self._static_tensors(), held_storages)
+        try:
+            static = self.capture_inputs(budget)
+        except torch.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            return CaptureOutcome(skipped=f"static inputs ran out of memory: {_first_line(exc)}")
+        outcome = capture_budget_graph(
+            budget, self.model.encoder_cudagraph_forward, static, pool=self.graph_pool,
+            device=self.device, warmup_iters=self.warmup_iters, memory=self.memory, held=held,
+            new_static=storage_bytes(static.values(), held_storages))
+        if outcome.skipped is None:
+            self.entries[budget] = BudgetGraph(budget, static, outcome.graph, outcome.output)
+            limit = self.memory.limit
+            total = self.pool_bytes() + storage_bytes(self._static_tensors())
+            if limit is not None and total > limit:
+                # the estimate was short: the bound is a promise, so this graph goes again
+                del self.entries[budget]
+                del outcome, static
+                torch.cuda.empty_cache()
+                return CaptureOutcome(skipped=(
+                    f"captured at {mib(total)} with the graphs already held, over "
+                    f"max_graph_memory={self.memory.limit_option!r} ({mib(limit)})"))
+        return outcome
+
+    def clear(self) -> None:
+        """Drop graphs, buffers, pools and skips (the caller has ordered the GPU first)."""
+        self.entries.clear()
+        self.graph_pool = None
+        self.memory.clear()
+        self.skipped.clear()

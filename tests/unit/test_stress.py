@@ -1,0 +1,45 @@
+"""The stress suite's CPU part (CI): threads, NaN-poisoned static buffers, clear/recapture, every
+output checked against eager; and a check that the suite does count a wrong output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vit_graph_backend.benchmarking.stress import (PartResult, StressConfig, _hammer,
+                                                   format_stress, run_stress)
+
+pytest.importorskip("timm")
+pytest.importorskip("transformers")
+
+
+@pytest.mark.slow
+def test_cpu_stress_has_no_wrong_outputs():
+    rows = run_stress(StressConfig.small(calls=120))
+    assert [r["part"] for r in rows] == ["batched", "packed", "clear"]
+    for r in rows:
+        assert r["calls"] == 120, r
+        assert (r["wrong"], r["nan"], r["exceptions"]) == (0, 0, 0), r
+    assert rows[0]["replays"] > 0                     # the batched plan/pad path ran
+    assert rows[1]["eager_batches"] > 0               # items past the largest budget
+    assert rows[2]["recaptures"] >= 1
+    assert "packed" in format_stress(rows)
+
+
+def test_hammer_counts_wrong_and_nan_outputs_and_exceptions():
+    refs = [torch.ones(3) for _ in range(4)]
+
+    def call(i):
+        if i == 0:
+            return torch.ones(3) * 2          # wrong
+        if i == 1:
+            return torch.full((3,), float("nan"))
+        if i == 2:
+            raise RuntimeError("boom")
+        return torch.ones(3)
+
+    result = PartResult("x")
+    _hammer(result, StressConfig(calls=200, threads=3, device="cpu"), call, refs, None)
+    assert result.calls == 200
+    assert result.wrong > 0 and result.nan > 0 and len(result.exceptions) > 0
+    assert result.wrong + result.nan + len(result.exceptions) < 200
