@@ -20,6 +20,7 @@ __all__ = [
     "MIN_TORCH",
     "TORCH_VERSION",
     "compile_fx_without_cudagraphs",
+    "end_failed_capture",
     "example_value",
     "get_varlen_attn",
     "graph_pool_bytes",
@@ -125,6 +126,35 @@ def graph_pool_bytes(pool: Any, device: torch.device | None = None) -> int | Non
         if tuple(seg.get("segment_pool_id", ())) == wanted:
             total += int(seg["total_size"])
     return total
+
+
+def end_failed_capture(pool: Any, device: torch.device) -> bool:
+    """Close the allocator's side of a graph capture that raised; True if it was still open.
+
+    ``CUDAGraph.capture_end`` ends the CUDA stream capture *before* it tells the caching
+    allocator to stop routing allocations into the capture's pool; when ending the capture raises
+    (an invalidated capture: out of memory, a host sync), the allocator is left "recording" into
+    that pool. Every later capture into it then fails ("already recording to mempool_id"), and
+    while a capture is underway the allocator never frees its cache on an out-of-memory, so the
+    whole process is starved. ``torch._C._cuda_endAllocateToPool`` and ``_cuda_releasePool``
+    are what ``torch.cuda.use_mem_pool`` calls to close such a scope (torch/cuda/memory.py); no
+    public function does it. Missing in a torch build: returns False (the caller still moves
+    on to a fresh pool).
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        end(index, tuple(pool))
+    except RuntimeError:  # not recording: capture_end got that far
+        return False
+    try:
+        release(index, tuple(pool))
+    except RuntimeError:
+        pass
+    return True
 
 
 def register_dynamo_backend(name: str, backend: Callable[..., Any]) -> None:

@@ -99,6 +99,7 @@ class CaptureOutcome:
     output: Any = None
     skipped: str | None = None
     failed: bool = False          # the capture itself failed: continue in a fresh pool
+    oom: bool = False             # ... because it ran out of memory (pressure, not a bug)
     estimate: int | None = None
 
 
@@ -154,9 +155,11 @@ def capture_budget_graph(
             output = forward(static)
     except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
         torch.cuda.set_stream(stream_before)
+        _compat.end_failed_capture(pool, device)
         del graph
         torch.cuda.empty_cache()
-        return CaptureOutcome(estimate=estimate, failed=True,
+        oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
+        return CaptureOutcome(estimate=estimate, failed=True, oom=oom,
                               skipped=f"capture failed: {type(exc).__name__}: {_first_line(exc)}")
     return CaptureOutcome(graph=graph, output=output, estimate=estimate)
 

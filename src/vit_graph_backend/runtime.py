@@ -358,8 +358,9 @@ class EncoderCudaGraphManager:
     def _capture_budget(self, budget: int) -> None:
         outcome = self.graphs.capture(budget)
         if outcome.skipped is not None:
-            # a failed capture also warns: it is a bug or a host sync, not memory pressure
-            self._disable_budget(budget, outcome.skipped, warn=outcome.failed)
+            # a capture that failed for another reason than memory also warns: a host sync in
+            # the forward, an op graphs cannot hold
+            self._disable_budget(budget, outcome.skipped, warn=outcome.failed and not outcome.oom)
 
     def _disable_budget(self, budget: int, reason: str, warn: bool = False) -> None:
         self._disabled[budget] = reason

@@ -85,3 +85,10 @@ def test_maybe_mark_dynamic_makes_the_first_compile_symbolic():
     _compat.maybe_mark_dynamic(x, 0)
     f(x)
     assert seen[0][0] is not None and seen[0][1] is None, seen
+
+
+def test_end_failed_capture_names_exist_and_cpu_is_a_no_op():
+    # the allocator hooks torch.cuda.use_mem_pool uses; a release that moves them fails here
+    assert hasattr(torch._C, "_cuda_endAllocateToPool")
+    assert hasattr(torch._C, "_cuda_releasePool")
+    assert _compat.end_failed_capture((0, 1), torch.device("cpu")) is False

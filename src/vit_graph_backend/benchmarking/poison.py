@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 __all__ = ["PoolPoisoner", "poison_static_buffers"]
 
 
-def _fill_nan(t: torch.Tensor) -> None:
+def _fill_nan(t: Any) -> None:
+    import torch
+
     if t.is_floating_point():
         t.fill_(float("nan"))
     elif t.dtype != torch.bool:
@@ -45,6 +45,8 @@ class PoolPoisoner:
     """A graph in ``manager``'s pool that writes NaN over the pool's free blocks."""
 
     def __init__(self, manager: Any) -> None:
+        import torch
+
         self.manager = manager
         self.graph: Any = None
         self.blocks = 0
@@ -56,8 +58,10 @@ class PoolPoisoner:
         if not sizes:
             return
         graph = torch.cuda.CUDAGraph()
+        # thread_local: the other threads keep running their own work meanwhile
         with manager.order, torch.cuda.graph(graph, pool=pool,
-                                             stream=torch.cuda.Stream(manager.device)):
+                                             stream=torch.cuda.Stream(manager.device),
+                                             capture_error_mode="thread_local"):
             held = []
             for size in sorted(sizes, reverse=True):
                 block = torch.empty(size, dtype=torch.uint8, device=manager.device)
@@ -73,7 +77,9 @@ class PoolPoisoner:
                 self.graph.replay()
 
 
-def _free_block_sizes(pool: Any, device: torch.device) -> list[int]:
+def _free_block_sizes(pool: Any, device: Any) -> list[int]:
+    import torch
+
     wanted = tuple(pool)
     sizes = []
     for seg in torch.cuda.memory_snapshot():
