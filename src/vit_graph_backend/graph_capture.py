@@ -12,7 +12,10 @@ static inputs hold, the bound ``max_graph_memory`` resolves to, and each budget'
    application measures.
 2. **The bound.** The graphs held so far, plus the part of the estimate the current pool cannot
    already supply (smaller graphs reuse the largest one's memory), plus the new static inputs,
-   must fit ``max_graph_memory``; a budget that does not is skipped.
+   must fit ``max_graph_memory``; a budget that does not is skipped. After a capture the measured
+   total is checked again and a graph over the bound is dropped; the pool keeps the memory that
+   graph touched (the allocator returns a pool's memory only when the whole pool goes), so the
+   total can end above the bound by at most about one budget's estimate.
 3. **Capture** into the shared pool on a capture stream of its own. If it fails (out of memory, a
    host sync in the forward), the pool it was capturing into may be unusable for later captures:
    PyTorch's allocator was seen to fail an internal assert (``use_count > 0``) on every later
