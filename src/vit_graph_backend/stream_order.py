@@ -9,11 +9,11 @@ made attention read out of bounds and killed the CUDA context).
 
 :class:`StreamOrder` keeps that promise on the GPU as well. Every call's GPU work (input copies,
 replays, output copies, eager fallbacks of the same encoder) runs between :meth:`enter` and
-:meth:`exit`, under one lock; :meth:`enter` makes the caller's stream wait for the event recorded
-at the end of the previous call (only when that call ran on another stream: on one stream the
-order is already given), and :meth:`exit` records a new one. No host synchronization: the waits
-are on the GPU, and the caller's outputs are made on its own stream, after its own replay, so
-they are ready for whatever the caller enqueues next.
+:meth:`exit`, under one lock; when the previous call ran on another stream, :meth:`enter`
+records an event on that stream and makes the caller's stream wait for it (on one stream the
+order is already given and nothing is recorded). No host synchronization: the waits are on the
+GPU, and the caller's outputs are made on its own stream, after its own replay, so they are
+ready for whatever the caller enqueues next.
 
 There is one order per CUDA device (:func:`order_for`), shared by every manager on it: graphs
 share pools (a batched encoder's graph sets, a pool handed to ``capture(graph_pool)``), and one
@@ -42,7 +42,7 @@ class StreamOrder:
         self.device = torch.device(device)
         self._lock = threading.RLock()
         self._event: Any = None
-        self._last_stream: int | None = None
+        self._last_stream: Any = None
         self._depth = 0
         #: how many calls had to wait for another stream's previous call (for tests and reports)
         self.cross_stream_waits = 0
@@ -55,20 +55,24 @@ class StreamOrder:
         if self.device.type != "cuda":
             return None
         stream = torch.cuda.current_stream(self.device)
-        if (self._depth == 1 and self._event is not None
-                and stream.cuda_stream != self._last_stream):
+        last = self._last_stream
+        if self._depth == 1 and last is not None and stream.cuda_stream != last.cuda_stream:
+            # Recorded now, on the previous call's stream: it marks everything enqueued there so
+            # far, the previous call included. Recording lazily keeps one stream's calls free of
+            # event work; the price is that the new stream may also wait for work the previous
+            # caller enqueued after its call.
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record(last)
             stream.wait_event(self._event)
             self.cross_stream_waits += 1
         return stream
 
     def exit(self, stream: Any) -> None:
-        """Mark the end of this call's GPU work on ``stream`` and release the lock."""
+        """Mark ``stream`` as the one holding the last call's GPU work; release the lock."""
         try:
             if stream is not None and self._depth == 1:
-                if self._event is None:
-                    self._event = torch.cuda.Event()
-                self._event.record(stream)
-                self._last_stream = stream.cuda_stream
+                self._last_stream = stream
         finally:
             self._depth -= 1
             self._lock.release()

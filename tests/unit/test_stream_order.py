@@ -52,12 +52,13 @@ def test_same_stream_never_waits_another_stream_waits_for_the_last_call(fake_cud
         stream = order.enter()
         log.append(("work", name))
         order.exit(stream)
+    # an event is recorded only when the stream changes, on the previous call's stream
     assert log == [
-        ("work", "s1"), ("record", "s1"),
-        ("work", "s1"), ("record", "s1"),
-        ("wait", "s2", "s1"), ("work", "s2"), ("record", "s2"),
-        ("work", "s2"), ("record", "s2"),
-        ("wait", "s1", "s2"), ("work", "s1"), ("record", "s1"),
+        ("work", "s1"),
+        ("work", "s1"),
+        ("record", "s1"), ("wait", "s2", "s1"), ("work", "s2"),
+        ("work", "s2"),
+        ("record", "s2"), ("wait", "s1", "s2"), ("work", "s1"),
     ]
     assert order.cross_stream_waits == 2
 
@@ -80,7 +81,10 @@ def test_nested_use_in_one_thread_does_not_deadlock_or_wait_twice(fake_cuda):
     with order:
         with order:
             pass
-    assert log == [("record", "s1")]
+    current["name"] = "s2"
+    with order:
+        pass
+    assert log == [("record", "s1"), ("wait", "s2", "s1")]
 
 
 def test_calls_from_threads_do_not_overlap():
