@@ -304,6 +304,9 @@ def _part_memory(cfg: StressConfig, tower: Any, inputs: list[Any], refs: list[An
     60 % of what is free, so calls keep room for their outputs and eager fallbacks."""
     import torch
 
+    import gc
+
+    gc.collect()   # the earlier parts' graphs and pools
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     filler = torch.empty(max(0, free - (1536 << 20)), dtype=torch.uint8, device=cfg.device)
