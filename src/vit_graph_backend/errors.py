@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "CaptureError",
+    "InvalidInputError",
     "InvalidOptionError",
     "MissingDependencyError",
     "UnsupportedGraphError",
@@ -24,6 +25,15 @@ class VitGraphError(RuntimeError):
 
 class InvalidOptionError(VitGraphError, ValueError):
     """An option, budget or spec value is out of range; raised when options are built."""
+
+
+class InvalidInputError(VitGraphError, ValueError):
+    """A call input is bad (a tensor's shape or dtype, a ``grid_thw`` row); raised before any
+    budget is touched, so a caller's mistake never disables a graph.
+
+    Kept apart from :class:`InvalidOptionError`: an option is wrong once, when options are built;
+    an input is wrong per call, and the serving path must tell the two apart.
+    """
 
 
 class UnsupportedModelError(VitGraphError, TypeError):
