@@ -85,6 +85,8 @@ BAD_INPUTS = [
     ("ragged list grid", _pixels(16), [[1, 4], [1, 4, 4]],
      r"grid_thw=\[\[1, 4\], \[1, 4, 4\]\] is invalid: must be a list of \[t, h, w\] rows"),
     ("string grid", _pixels(16), "1,4,4", r"grid_thw of type str is invalid"),
+    ("float array grid", _pixels(16), torch.tensor([[1.0, 4.0, 4.0]]).numpy(),
+     r"t, h and w must be integers"),
     ("odd height", _pixels(12), torch.tensor([[1, 3, 4]]),
      r"grid_thw\[0\]=\[1, 3, 4\] is invalid: .* multiples of spatial_merge_size=2"),
     ("zero frames", _pixels(16), torch.tensor([[1, 4, 4], [0, 4, 4]]),
@@ -181,10 +183,12 @@ def test_a_list_grid_gives_the_tensor_grids_output(towers, family):
         hf = tower(pixels, tensor_grid).pooler_output
         from_list = adapter(pixels, GOOD_GRID)
         from_tuple = adapter(pixels, tuple(tuple(row) for row in GOOD_GRID))
+        from_numpy = adapter(pixels, tensor_grid.numpy())
         served_tensor = served(pixels, tensor_grid)
         served_list = served(pixels, GOOD_GRID)
     torch.testing.assert_close(from_list, eager, rtol=0, atol=0)
     torch.testing.assert_close(from_tuple, eager, rtol=0, atol=0)
+    torch.testing.assert_close(from_numpy, eager, rtol=0, atol=0)
     torch.testing.assert_close(served_list, served_tensor, rtol=0, atol=0)
     torch.testing.assert_close(served_list, eager, rtol=1e-5, atol=GRAPH_ATOL)
     torch.testing.assert_close(eager, hf, rtol=1e-5, atol=1e-5)

@@ -8,8 +8,9 @@ allowed, from the specs call, before any plan is made or any budget is touched. 
 pixel tensor with too many rows was only noticed inside a replay, where any error disables the
 budget's graph for every later call.
 
-``grid_thw`` may be a tensor or, as callers often build it by hand, a list of ``[t, h, w]`` rows;
-:func:`grid_tensor` turns the latter into the ``int64`` tensor the HF towers take.
+``grid_thw`` may be a tensor or, as callers often build it by hand, a list of ``[t, h, w]`` rows
+(or a NumPy array); :func:`grid_tensor` turns the latter into the ``int64`` tensor the HF towers
+take.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _integer_dtype(dtype: torch.dtype) -> bool:
 
 def grid_tensor(grid_thw: Any) -> torch.Tensor:
     """``grid_thw`` as a 2-D integer tensor of shape ``(items, 3)``; a list or tuple of
-    ``[t, h, w]`` rows becomes an ``int64`` tensor. Values are not checked here (see
+    ``[t, h, w]`` rows, or a NumPy array, becomes an ``int64`` tensor. Values are not checked here (see
     :func:`check_packed_inputs`).
 
     Raises:
@@ -44,10 +45,11 @@ def grid_tensor(grid_thw: Any) -> torch.Tensor:
             tensor, a shape other than ``(items, 3)`` or no items.
     """
     if not isinstance(grid_thw, torch.Tensor):
-        if not isinstance(grid_thw, (list, tuple)):
+        # NumPy arrays too: what an HF processor returns with return_tensors="np"
+        if not isinstance(grid_thw, (list, tuple)) and not hasattr(grid_thw, "__array__"):
             raise InvalidInputError(
                 f"grid_thw of type {type(grid_thw).__name__} is invalid: must be an integer "
-                f"tensor or a list of [t, h, w] rows, {_GRID_SHAPE}")
+                f"tensor, array or list of [t, h, w] rows, {_GRID_SHAPE}")
         try:
             # no dtype here: int64 would silently truncate a float such as 4.5
             converted = torch.as_tensor(grid_thw)
@@ -116,8 +118,8 @@ def check_packed_inputs(inputs: Mapping[str, Any], *, merge: int,
             "the HF processor emits with grid_thw)")
     pixels = inputs["pixel_values"]
     rows = sum(t * h * w for t, h, w in grids)
-    expected = f"expected ({rows}, {patch_dim}): sum of t*h*w over grid_thw rows, each " \
-               "C*temporal_patch*patch**2 wide"
+    expected = (f"expected ({rows}, {patch_dim}): sum of t*h*w over grid_thw rows, each "
+                "C*temporal_patch*patch**2 wide")
     if not isinstance(pixels, torch.Tensor):
         raise InvalidInputError(
             f"pixel_values of type {type(pixels).__name__} is invalid: must be a tensor; "
