@@ -17,6 +17,7 @@ from .budgets import BudgetConfig, CaptureLayout, budget_ladder, capture_layout,
 from .adapters import adapt
 from .errors import (
     CaptureError,
+    InvalidInputError,
     InvalidOptionError,
     MissingDependencyError,
     UnsupportedGraphError,
@@ -36,6 +37,7 @@ __all__ = [
     "CaptureLayout",
     "EncoderItemSpec",
     "GraphStats",
+    "InvalidInputError",
     "InvalidOptionError",
     "MissingDependencyError",
     "PackedGraphEncoder",

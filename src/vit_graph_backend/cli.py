@@ -31,6 +31,10 @@ __all__ = ["build_parser", "main"]
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
+#: The model budget range ``vitgraph plan`` assumes: the Qwen adapters' defaults (a 224 px square
+#: image at patch 14, merge 2, is 64 tokens; 4096 tokens is a 1792 px one).
+PLAN_BUDGET_RANGE = (64, 4096)
+
 
 # -- argument types (each raises ArgumentTypeError naming the bad value: argparse exits 2) -----
 
@@ -173,10 +177,12 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
     what.add_argument("--sizes", type=_size_list, metavar="LIST",
                       help="image sizes in pixels, e.g. 448x448,224x336 (with --patch, --merge)")
     p.add_argument("--budgets", type=_int_list, metavar="LIST", help="explicit budgets")
-    p.add_argument("--min-budget", type=_positive_int, default=64,
-                   help="ladder start without --budgets; the model's smallest budget (default 64)")
-    p.add_argument("--max-budget", type=_positive_int, default=4096,
-                   help="ladder end without --budgets; the model's largest budget (default 4096)")
+    p.add_argument("--min-budget", type=_positive_int,
+                   help=f"ladder start without --budgets (default {PLAN_BUDGET_RANGE[0]}, or "
+                   "--max-budget when that is smaller)")
+    p.add_argument("--max-budget", type=_positive_int,
+                   help=f"ladder end without --budgets (default {PLAN_BUDGET_RANGE[1]}, or "
+                   "--min-budget when that is larger)")
     p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
                    help="split each doubling of the ladder into K steps, 1..16 (default 2, the "
                    "packed runtime's; 4 with --chunk, the batched runtime's)")
@@ -216,7 +222,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .benchmarking.routing import format_plan, plan_to_dict
     from .budgets import BudgetConfig
     from .errors import InvalidOptionError
-    from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_LADDER_STEPS
+    from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_LADDER_STEPS, VitGraphOptions
     from .planner import plan_batches
     from .specs import EncoderItemSpec
 
@@ -238,7 +244,12 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         steps = args.ladder_steps or (DEFAULT_BATCHED_LADDER_STEPS if args.chunk
                                       else DEFAULT_LADDER_STEPS)
-        config = BudgetConfig.resolve((args.min_budget, args.max_budget), budgets=args.budgets,
+        # The ends of the ladder as the runtime derives them from the same two options (a lone
+        # --max-budget below the default start lowers the start, and the other way round): the
+        # options' own resolution, whose ladder starts and ends exactly at those ends.
+        ladder = VitGraphOptions(min_budget=args.min_budget, max_budget=args.max_budget,
+                                 ladder_steps=steps).budget_config(PLAN_BUDGET_RANGE).budgets
+        config = BudgetConfig.resolve((ladder[0], ladder[-1]), budgets=args.budgets,
                                       max_batch_size=args.max_items, ladder_steps=steps)
         plan = plan_batches(specs, config, policy=args.policy, chunk=args.chunk)
     except InvalidOptionError as exc:
@@ -248,8 +259,9 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(json.dumps({"budgets": list(config.budgets), "max_items": config.max_batch_size,
                           "policy": args.policy, **doc}, indent=2))
         return 0
+    graphs = len(config.budgets)
     print(f"budget ladder (tokens): {' '.join(map(str, config.budgets))} "
-          f"({len(config.budgets)} graphs)")
+          f"({graphs} graph{'s' if graphs > 1 else ''})")
     print(f"items per graph: {config.max_batch_size} | policy {args.policy}"
           + (" | chunked" if args.chunk else ""))
     print(f"items ({len(specs)}):")

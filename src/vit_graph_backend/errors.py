@@ -28,8 +28,12 @@ class InvalidOptionError(VitGraphError, ValueError):
 
 
 class InvalidInputError(VitGraphError, ValueError):
-    """A call's input is malformed (a tensor's shape or dtype, a grid); raised before any budget
-    is touched, so a bad call never costs the graphs anything."""
+    """A call input is bad (a tensor's shape or dtype, a ``grid_thw`` row); raised before any
+    budget is touched, so a caller's mistake never disables a graph.
+
+    Kept apart from :class:`InvalidOptionError`: an option is wrong once, when options are built;
+    an input is wrong per call, and the serving path must tell the two apart.
+    """
 
 
 class UnsupportedModelError(VitGraphError, TypeError):

@@ -19,19 +19,24 @@ TensorRT engines are built for static shapes, so ``"tensorrt"`` compiles once pe
 
 Options for packed encoders are given here (``serve(model, max_items_per_graph=4, ...)``), not
 through ``torch.compile(options=...)``: Dynamo never calls a backend for a frame it skips, so
-those options could not reach the router.
+those options could not reach the router. ``serve`` also takes the adapter's own keyword
+arguments (``fuse=False``, ``align_mlp=False``) and hands them to ``adapt``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import _compat
-from .adapters import adapt
+from .adapters import adapt, adapter_keywords
+from .adapters._packed_inputs import grid_tensor
+from .errors import InvalidOptionError
 from .inner import inner_backend
 from .options import VitGraphOptions
 from .protocol import SupportsEncoderCudaGraph
@@ -91,8 +96,19 @@ class PackedGraphEncoder(nn.Module):
         self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype)
 
     @torch.compiler.disable
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
-        """Encode packed items; returns the packed output (a tensor or a tuple of tensors)."""
+    def forward(self, pixel_values: torch.Tensor,
+                grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Any:
+        """Encode packed items; returns the packed output (a tensor or a tuple of tensors).
+
+        ``grid_thw`` may be a tensor or a list of ``[t, h, w]`` rows.
+
+        Raises:
+            InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
+                before any graph runs.
+        """
+        if not isinstance(grid_thw, torch.Tensor):
+            # once here, not in every specs/replay call of the encoder that re-reads the grid
+            grid_thw = grid_tensor(grid_thw)
         outputs = self.manager.run({"pixel_values": pixel_values, "grid_thw": grid_thw})
         return _concat(outputs)
 
@@ -103,14 +119,40 @@ class PackedGraphEncoder(nn.Module):
 
 
 def serve(model: nn.Module, options: VitGraphOptions | None = None,
-          **option_kwargs: Any) -> PackedGraphEncoder:
+          **kwargs: Any) -> PackedGraphEncoder:
     """Serve a packed encoder from CUDA graphs, adapting it first if it needs an adapter.
+
+    Args:
+        model: a packed tower (adapted by class, see ``adapters.adapt``) or a
+            ``SupportsEncoderCudaGraph``.
+        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments.
+        **kwargs: :class:`VitGraphOptions` fields, and the adapter's own keyword arguments
+            (``adapters.adapter_keywords(model)``, e.g. ``fuse``, ``align_mlp``), which go to
+            ``adapt``. A name that is both (``min_budget``, ``max_budget``) is an option: the
+            options resolve the budget ladder.
 
     Raises:
         UnsupportedModelError: (a ``TypeError``) if no adapter serves ``model``'s class.
-        InvalidOptionError: for bad options, before anything runs.
+        InvalidOptionError: for bad options or an unknown keyword, before anything runs.
     """
-    return PackedGraphEncoder(adapt(model), options, **option_kwargs)
+    option_names = [f.name for f in fields(VitGraphOptions)]
+    accepted = adapter_keywords(model)
+    adapter_kwargs: dict[str, Any] = {}
+    option_kwargs: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in option_names:
+            option_kwargs[key] = value
+        elif accepted is None or key in accepted:  # None: the adapter takes any keyword
+            adapter_kwargs[key] = value
+        else:
+            adapter_only = [name for name in accepted if name not in option_names]
+            hint = difflib.get_close_matches(key, option_names + adapter_only, n=1)
+            raise InvalidOptionError(
+                f"unknown serve() keyword {key!r}"
+                + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                + f"; vitgraph options: {', '.join(option_names)}; adapter keywords of "
+                f"{type(model).__name__}: {', '.join(adapter_only) or 'none'}")
+    return PackedGraphEncoder(adapt(model, **adapter_kwargs), options, **option_kwargs)
 
 
 def _concat(outputs: list[Any]) -> Any:

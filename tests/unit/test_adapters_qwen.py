@@ -54,6 +54,7 @@ from vit_graph_backend.adapters.qwen_vl import (  # noqa: E402
 )
 from vit_graph_backend.budgets import BudgetConfig  # noqa: E402
 from vit_graph_backend.errors import (  # noqa: E402
+    InvalidInputError,
     InvalidOptionError,
     UnsupportedGraphError,
     UnsupportedModelError,
@@ -379,11 +380,11 @@ def test_budget_range_defaults_and_options():
 
 def test_bad_inputs_are_rejected_with_the_numbers(towers):
     _, adapter = towers["qwen2"]
-    with pytest.raises(InvalidOptionError, match=r"grid_thw\[0\]=\[1, 3, 4\]"):
+    with pytest.raises(InvalidInputError, match=r"grid_thw\[0\]=\[1, 3, 4\]"):
         adapter.get_encoder_cudagraph_item_specs({"grid_thw": torch.tensor([[1, 3, 4]])})
     inputs = _inputs([(1, 2, 4)], seed=0)
     inputs["pixel_values"] = inputs["pixel_values"][:-1]
-    with pytest.raises(InvalidOptionError, match=r"expected \(8, 24\)"):
+    with pytest.raises(InvalidInputError, match=r"expected \(8, 24\)"):
         adapter.encoder_eager_forward(inputs, [0])
 
 

@@ -177,7 +177,7 @@ def test_plan_text_matches_a_hand_computed_plan(capsys):
                     ["2", "eager", "3", "2000", "-"]]
     waste = 146 + 624
     assert f"padding waste: {waste} of {110 + 400 + waste} graph tokens" in out
-    assert f"({100 * waste / (510 + waste):.1f} %)" in out and "eager items: 3" in out
+    assert f"({100 * waste / (510 + waste):.1f} %)" in out and "eager: 1 item (#3)" in out
 
 
 def test_plan_sizes_use_patch_and_merge(capsys):
@@ -212,6 +212,38 @@ def test_plan_chunked_rows(capsys):
     doc = json.loads(out)
     assert sorted(b["tokens"] for b in doc["batches"]) == [5, 8]  # one full chunk + remainder
     assert doc["padded_tokens"] == 3 and doc["eager_items"] == []
+
+
+def test_plan_counts_eager_items_and_names_their_indices(capsys):
+    # one item over the default largest budget: "eager items: 0" read as "no item"
+    code, out, _ = _run(capsys, "plan", "--items", "5000")
+    assert code == 0
+    assert "eager: 1 item (#0)" in out and "eager items: 0" not in out
+    code, out, _ = _run(capsys, "plan", "--items", "5000,30,6000", "--max-budget", "1024")
+    assert "eager: 2 items (#0, #2)" in out
+    code, out, _ = _run(capsys, "plan", "--items", "30")
+    assert "eager: none" in out
+
+
+@pytest.mark.parametrize("layout", [[], ["--chunk"]], ids=["packed", "chunked"])
+def test_plan_with_only_a_small_max_budget_starts_the_ladder_below_it(capsys, layout):
+    """As the options do at run time: a lone max_budget under the default start lowers it."""
+    code, out, err = _run(capsys, "plan", *layout, "--items", "20", "--max-budget", "8",
+                          "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert max(doc["budgets"]) == 8 and min(doc["budgets"]) <= 8
+    if layout:  # rows: cut into chunks that fit the ladder
+        assert doc["eager_items"] == [] and sum(b["tokens"] for b in doc["batches"]) == 20
+    else:  # one packed item of 20 tokens is over the largest budget
+        assert doc["eager_items"] == [0]
+    code, out, err = _run(capsys, "plan", *layout, "--items", "20", "--min-budget", "8000",
+                          "--json")
+    assert code == 0, err
+    assert min(json.loads(out)["budgets"]) == 8000
+    code, _, err = _exit_code(capsys, "plan", *layout, "--items", "20", "--min-budget", "100",
+                              "--max-budget", "50")
+    assert code == 2 and "min_budget=100 is larger than max_budget=50" in err
 
 
 def _baseline(tokens: list[int], budgets: list[int], max_items: int) -> list[tuple[int, ...]]:

@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import InvalidOptionError, UnsupportedModelError
 from ..protocol import supports_encoder_cudagraph
 
-__all__ = ["adapt", "adapter_for", "register_adapter", "supported_classes"]
+__all__ = ["adapt", "adapter_for", "adapter_keywords", "register_adapter", "supported_classes"]
 
 _QWEN = "vit_graph_backend.adapters.qwen_vl:"
 
@@ -91,9 +91,10 @@ def adapt(model: Any, **kwargs: Any) -> Any:
 
     Args:
         model: a packed vision encoder, e.g. ``Qwen2_5_VisionTransformerPretrainedModel``.
-        **kwargs: adapter options; the Qwen adapters take ``min_budget`` and ``max_budget``
-            (output tokens of the smallest and largest graph) and ``align_mlp`` (padded MLP
-            weight copies; see ``Qwen2_5_VLVisionAdapter``).
+        **kwargs: adapter options (:func:`adapter_keywords` lists them); the Qwen adapters
+            take ``min_budget`` and ``max_budget`` (output tokens of the smallest and largest
+            graph), ``align_mlp`` (padded MLP weight copies) and ``fuse`` (fused elementwise
+            kernels in the graphs); see ``qwen_vl._QwenVisionAdapter``.
 
     Raises:
         UnsupportedModelError: (a ``TypeError``) if no adapter serves the model's class; the
@@ -106,6 +107,27 @@ def adapt(model: Any, **kwargs: Any) -> Any:
                 f"{type(model).__name__} implements SupportsEncoderCudaGraph itself; adapter "
                 f"options {sorted(kwargs)} do not apply to it")
         return model
+    factory = _factory(model)
+    _check_options(factory, kwargs)
+    return factory(model, **kwargs)
+
+
+def adapter_keywords(model: Any) -> tuple[str, ...] | None:
+    """The keyword arguments ``adapt(model, ...)`` accepts, sorted.
+
+    Returns ``()`` for a model that implements the protocol itself (it takes none), and ``None``
+    when the adapter takes ``**kwargs`` or has no signature to read (it accepts any name).
+    ``serve()`` uses this to tell adapter arguments from options.
+
+    Raises:
+        UnsupportedModelError: (a ``TypeError``) if no adapter serves the model's class.
+    """
+    if supports_encoder_cudagraph(model):
+        return ()
+    return _keywords(_factory(model))
+
+
+def _factory(model: Any) -> Callable[..., Any]:
     factory = adapter_for(model)
     if factory is None:
         supported = "\n  ".join(supported_classes())
@@ -114,20 +136,27 @@ def adapt(model: Any, **kwargs: Any) -> Any:
             "Implement vit_graph_backend.protocol.SupportsEncoderCudaGraph on the model (its "
             "docstring has the layout contract and an example; see also docs/adapters.md), or "
             "register an adapter with vit_graph_backend.adapters.register_adapter(cls, factory)")
-    _check_options(factory, kwargs)
-    return factory(model, **kwargs)
+    return factory
+
+
+def _keywords(factory: Callable[..., Any]) -> tuple[str, ...] | None:
+    """Names ``factory`` takes after the model; ``None`` if it takes any (``**kwargs``)."""
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: let the factory decide
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return tuple(sorted(p.name for p in params[1:] if p.kind in (
+        inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)))
 
 
 def _check_options(factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
     """Reject keyword options ``factory`` does not take, naming the ones it does."""
-    try:
-        params = list(inspect.signature(factory).parameters.values())
-    except (TypeError, ValueError):  # no signature to read: let the factory decide
+    known = _keywords(factory)
+    if known is None:
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return
-    valid = sorted(p.name for p in params[1:] if p.kind in (
-        inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    valid = list(known)
     for key in sorted(kwargs):
         if key not in valid:
             hint = difflib.get_close_matches(key, valid, n=1)

@@ -20,8 +20,9 @@ What the towers return in transformers 5.x, and what the adapters return:
   tuple ``(pooler_output, *deepstack_features)``, every tensor ``(tokens, out_hidden)``.
 
 Inputs are a mapping with ``"pixel_values"`` (``(patches, C * temporal_patch * patch**2)``, as the
-HF processor emits) and ``"grid_thw"`` (``(items, 3)``). Static buffers and how padding works:
-see ``_qwen_metadata``. Attention: ``_packed_attention``.
+HF processor emits) and ``"grid_thw"`` (``(items, 3)``, or a list of ``[t, h, w]`` rows), checked
+by ``_packed_inputs`` before anything else runs. Static buffers and how padding works: see
+``_qwen_metadata``. Attention: ``_packed_attention``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ..specs import EncoderItemSpec, check_positive_int
 from ._aligned_mlp import AlignedMLPs
 from ._fused import Ops, fusion_available, ops
 from ._packed_attention import Segments, packed_attention, varlen_supported
+from ._packed_inputs import PackedInputs, check_packed_inputs, grid_tensor
 from ._qwen_metadata import (
     Grid,
     MetadataCache,
@@ -197,9 +199,14 @@ class _QwenVisionAdapter(nn.Module):
     # ------------------------------------------------------------------ protocol
     def get_encoder_cudagraph_item_specs(self, inputs: Mapping[str, torch.Tensor]
                                          ) -> list[EncoderItemSpec]:
-        """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``."""
+        """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``.
+
+        Raises:
+            InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
+                before the runtime plans the call (see ``_packed_inputs``).
+        """
         m = self.merge
-        grids = self._grids(inputs)
+        grids = self._checked(inputs).grids
         return [EncoderItemSpec(t * h * w, t * (h // m) * (w // m), t) for t, h, w in grids]
 
     def get_encoder_cudagraph_budget_range(self) -> tuple[int, int]:
@@ -263,10 +270,12 @@ class _QwenVisionAdapter(nn.Module):
         values["pixel_values"] = pixels
         return self._run(values, meta)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
-        """The tower's packed output for all items (see the module docstring for which)."""
-        inputs = {"pixel_values": pixel_values, "grid_thw": grid_thw}
-        return self.encoder_eager_forward(inputs, range(grid_thw.shape[0]))
+    def forward(self, pixel_values: torch.Tensor,
+                grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Any:
+        """The tower's packed output for all items (see the module docstring for which);
+        ``grid_thw`` may also be a list of ``[t, h, w]`` rows."""
+        inputs = {"pixel_values": pixel_values, "grid_thw": grid_tensor(grid_thw)}
+        return self.encoder_eager_forward(inputs, range(len(self._checked(inputs).grids)))
 
     def graph_unsupported_reason(self) -> str | None:
         """Why this tower cannot be served from CUDA graphs right now, or ``None`` if it can."""
@@ -327,15 +336,9 @@ class _QwenVisionAdapter(nn.Module):
         return {"fuse": self.fuse, "unavailable": dict(self._fusion_reason),
                 "compile_failures": ops(True).failures() if self.fuse is not False else {}}
 
-    def _grids(self, inputs: Mapping[str, torch.Tensor]) -> list[Grid]:
-        grids = [(int(t), int(h), int(w)) for t, h, w in inputs["grid_thw"].tolist()]
-        m = self.merge
-        for i, (t, h, w) in enumerate(grids):
-            if min(t, h, w) < 1 or h % m or w % m:
-                raise InvalidOptionError(
-                    f"grid_thw[{i}]={[t, h, w]} is invalid: t, h, w must be positive and h, w "
-                    f"multiples of spatial_merge_size={m}")
-        return grids
+    def _checked(self, inputs: Mapping[str, Any]) -> PackedInputs:
+        # the one input check of specs, eager and replay (see _packed_inputs)
+        return check_packed_inputs(inputs, merge=self.merge, patch_dim=self.patch_dim)
 
     def _pack(self, grids: Sequence[Grid], indices: Sequence[int],
               slots: SegmentSlots | None = None) -> PackedMetadata:
@@ -348,13 +351,8 @@ class _QwenVisionAdapter(nn.Module):
 
     def _batch(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
                ) -> tuple[PackedMetadata, torch.Tensor]:
-        grids = self._grids(inputs)
-        pixels = inputs["pixel_values"]
-        total = sum(t * h * w for t, h, w in grids)
-        if pixels.dim() != 2 or pixels.shape[0] != total or pixels.shape[1] != self.patch_dim:
-            raise InvalidOptionError(
-                f"pixel_values of shape {tuple(pixels.shape)} does not match grid_thw: expected "
-                f"({total}, {self.patch_dim}) (sum of t*h*w rows, C*temporal_patch*patch**2)")
+        checked = self._checked(inputs)
+        grids, pixels = checked.grids, checked.pixel_values
         meta = self._pack(grids, list(item_indices))
         index = meta.row_index
         if not self.layout.window and index.numel() and bool(

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "validate", "write_json",
-           "write_plot"]
+__all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "latency_figure", "validate",
+           "write_json", "write_plot"]
 
 SCHEMA_VERSION = 2
 
@@ -174,15 +174,32 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100.0 * value:.1f} %"
 
 
-def _row(m: Mapping[str, Any]) -> tuple[str, ...]:
+#: The speed-up cell of a run without CUDA, and the one line under the table that says why.
+NO_CUDA_SPEEDUP = "n/a (cpu)"
+NO_CUDA_SPEEDUP_NOTE = (
+    f"speed-up {NO_CUDA_SPEEDUP}: without CUDA no mode replays a graph, so the ratio of stream "
+    "times is timing noise, not a speed-up; the JSON keeps the measured ratio "
+    "(speedup_vs_eager).")
+
+
+def _runs_on_cuda(doc: Mapping[str, Any]) -> bool:
+    return str(doc["environment"]["device"]).startswith("cuda")
+
+
+def _speedup(m: Mapping[str, Any], cuda: bool) -> str:
+    if m["speedup_vs_eager"] is None:
+        return "n/a"
+    return f"{m['speedup_vs_eager']:.2f}x" if cuda else NO_CUDA_SPEEDUP
+
+
+def _row(m: Mapping[str, Any], cuda: bool = True) -> tuple[str, ...]:
     if m["status"] != "ok":
         return (m["mode"], "FAILED") + ("-",) * (len(_COLUMNS) - 2)
     lat = m["latency_ms"]
     return (m["mode"], "ok", f"{lat['p50']:.2f}", f"{lat['p99']:.2f}", f"{lat['mean']:.2f}",
             f"{m['stream_total_s']:.3f}", f"{m['first_pass_s']:.2f}",
             _mib(m["peak_memory_bytes"]), _num(m["graphs_captured"], "d"), _pct(m["hit_rate"]),
-            _pct(m["padding_ratio"]), _num(m["max_abs_error"], ".1e"),
-            _num(m["speedup_vs_eager"], ".2f") + ("x" if m["speedup_vs_eager"] else ""))
+            _pct(m["padding_ratio"]), _num(m["max_abs_error"], ".1e"), _speedup(m, cuda))
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -245,7 +262,10 @@ def format_text(doc: Mapping[str, Any]) -> str:
     ]
     lines += [f"note: {note}" for note in doc["notes"]]
     lines += [""] + _routing_lines(doc) + [""]
-    lines += _table([_COLUMNS] + [_row(m) for m in doc["modes"]])
+    cuda = _runs_on_cuda(doc)
+    lines += _table([_COLUMNS] + [_row(m, cuda) for m in doc["modes"]])
+    if not cuda and any(m["speedup_vs_eager"] is not None for m in doc["modes"]):
+        lines.append(NO_CUDA_SPEEDUP_NOTE)
     failed = [m for m in doc["modes"] if m["status"] != "ok"]
     if failed:
         lines += ["", "failed modes (the run went on):"]
@@ -270,12 +290,26 @@ def format_text(doc: Mapping[str, Any]) -> str:
 # -- plot ------------------------------------------------------------------------------------
 
 
-def write_plot(doc: Mapping[str, Any], path: str | Path) -> Path:
-    """Save the latency distribution of each mode that ran as a PNG: a box plot per mode (left)
-    and per-call latency along the stream (right). Needs matplotlib (the ``bench`` extra)."""
+def _readable_log_axis(ax: Any, values: list[float]) -> None:
+    """A log y axis with labelled ticks. Over less than a decade a log axis has at most one
+    labelled (power of ten) tick, often none, so the ticks are then spread linearly."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
+
+    ax.set_yscale("log")
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) < 10 * min(positive):
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    else:
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def latency_figure(doc: Mapping[str, Any]) -> Any:
+    """The latency distribution of each mode that ran, as a matplotlib ``Figure``: a box plot per
+    mode (left) and per-call latency along the stream (right), log y axes. Needs matplotlib."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     ok = [m for m in doc["modes"] if m["status"] == "ok"]
     cfg, env = doc["config"], doc["environment"]
@@ -287,10 +321,9 @@ def write_plot(doc: Mapping[str, Any], path: str | Path) -> Path:
         for m in ok:
             line.plot(range(len(m["per_call_ms"])), m["per_call_ms"], label=m["mode"], lw=1)
         line.legend(fontsize="small")
+        values = [v for m in ok for v in m["per_call_ms"]]
         for ax in (box, line):
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(ScalarFormatter())
-            ax.yaxis.set_minor_formatter(NullFormatter())
+            _readable_log_axis(ax, values)
     else:
         box.text(0.5, 0.5, "no mode ran", ha="center", va="center", transform=box.transAxes)
     box.set_ylabel("latency per call (ms)")
@@ -298,6 +331,12 @@ def write_plot(doc: Mapping[str, Any], path: str | Path) -> Path:
     line.set_xlabel("call (timed pass)")
     fig.suptitle(f"{cfg['model']} | {cfg['workload']} ({cfg['modality']}) | {env['device_name']} "
                  f"| {cfg['dtype']} | torch {env['torch']}", fontsize="medium")
+    return fig
+
+
+def write_plot(doc: Mapping[str, Any], path: str | Path) -> Path:
+    """Save :func:`latency_figure` as a PNG (parent folders created); returns the path."""
+    fig = latency_figure(doc)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=110)

@@ -28,6 +28,7 @@ __all__ = [
     "batched_budget_config",
     "default_batched_budgets",
     "default_packed_budgets",
+    "eager_summary",
     "format_plan",
     "plan_line",
     "plan_stream",
@@ -116,13 +117,19 @@ def format_plan(plan: dict[str, Any], *, unit: str = "tokens", indent: str = "")
                  row[3].rjust(widths[3]), row[4].rjust(widths[4])]
         lines.append(indent + "  ".join(cells).rstrip())
     total = plan["real_tokens"] + plan["padded_tokens"]
-    eager = plan["eager_items"]
     lines.append(
         f"{indent}padding waste: {plan['padded_tokens']} of {total} graph {unit} "
-        f"({100.0 * plan['padding_ratio']:.1f} %); "
-        f"eager items: {', '.join(map(str, eager)) if eager else 'none'}"
+        f"({100.0 * plan['padding_ratio']:.1f} %); eager: {eager_summary(plan['eager_items'])}"
     )
     return lines
+
+
+def eager_summary(items: Sequence[int]) -> str:
+    """``"none"``, or the count and the indices, marked as indices: ``"2 items (#0, #3)"``.
+    A bare ``"eager items: 0"`` read as a count of zero when it meant item number 0."""
+    if not items:
+        return "none"
+    return f"{len(items)} item{'s' if len(items) > 1 else ''} ({', '.join(f'#{i}' for i in items)})"
 
 
 def plan_line(plan: dict[str, Any], *, unit: str = "tokens") -> str:

@@ -89,14 +89,19 @@ def progress(iterable: Iterable[T], *, desc: str, total: int | None = None,
              enabled: bool = True) -> Iterator[T]:
     """``tqdm`` over ``iterable`` when tqdm is installed and ``enabled``; plain iteration otherwise.
 
-    The bar goes to stderr and leaves no line behind, so the report on stdout stays clean.
+    The bar goes to stderr and leaves no line behind, so the report on stdout stays clean. While
+    the bar is up, the root logger's console output goes through ``tqdm.write``: a warning logged
+    during a call (the runtime's "CUDA graphs need a CUDA device", at the first compile) then gets
+    a line of its own instead of landing in the middle of the bar.
     """
     if enabled:
         try:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
         except ImportError:
             pass
         else:
-            yield from tqdm(iterable, desc=desc, total=total, leave=False, unit="call")
+            with logging_redirect_tqdm():
+                yield from tqdm(iterable, desc=desc, total=total, leave=False, unit="call")
             return
     yield from iterable
