@@ -133,8 +133,6 @@ def capture_budget_graph(
         held: bytes the manager's graphs hold now (pools and static inputs).
         new_static: bytes of this budget's static inputs not yet counted in ``held``.
     """
-    # resolved before the warm-up, whose cached memory would read as not free
-    limit = memory.resolve_limit(device, held)
     try:
         estimate = _warmup_bytes(forward, static, warmup_iters, device)
     except torch.OutOfMemoryError as exc:
@@ -144,6 +142,7 @@ def capture_budget_graph(
                                       f"{_first_line(exc)}")
     if estimate is not None:
         memory.estimates[budget] = estimate
+    limit = memory.resolve_limit(device, held)
     if limit is not None and estimate is not None:
         reusable = _compat.graph_pool_bytes(pool, device) or 0
         projected = held + new_static + max(0, estimate - reusable)
