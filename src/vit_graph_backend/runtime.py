@@ -21,8 +21,7 @@ previous call's on the device through :class:`~vit_graph_backend.stream_order.St
 any number of threads on any streams get the outputs eager PyTorch would give them; outputs are
 made on the caller's current stream.
 
-Without CUDA the same plan, pad, run and slice path runs with the static buffers but no graph, so
-CPU tests exercise routing and padding for real.
+Without CUDA the same plan, pad, run and slice path runs without graphs (CPU tests use it).
 
 Encoders reach the manager through :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`.
 An encoder whose items are runs of independent rows may also implement
