@@ -160,7 +160,8 @@ class BudgetConfig:
     ) -> BudgetConfig:
         """Resolve user choices against the model's ``(min_budget, max_budget)`` range.
 
-        The four paths (DESIGN.md §2):
+        The four paths (every one keeps ``max_batch_size <= min(budgets)``, so each item slot of
+        a captured graph gets at least one token):
 
         1. budgets and ``max_batch_size`` given: both kept; ``max_batch_size > min(budgets)``
            raises, naming both numbers.

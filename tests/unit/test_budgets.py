@@ -1,6 +1,6 @@
 """Budgets: the ladder, BudgetConfig.resolve's four paths, ceil sizing of capture slots.
 
-Expectations are derived from the rules in DESIGN.md §2, written out again here as small
+Expectations are derived from the rules in ``BudgetConfig.resolve``'s docstring, written out again here as small
 reference functions, not read back from the code under test.
 
 Hypothesis settings come from the conftest profiles: ``dev`` runs 200 examples per property,
@@ -39,7 +39,7 @@ bad_ints = st.one_of(
 
 
 def reference_ladder(start: int, stop: int) -> list[int]:
-    """DESIGN §2: the ladder doubles from its start and always ends exactly at ``stop``."""
+    """The ladder doubles from its start and always ends exactly at ``stop``."""
     ladder = [start * 2**k for k in range(stop.bit_length() + 1) if start * 2**k < stop]
     return ladder + [stop]
 
@@ -113,7 +113,7 @@ def test_smallest_fitting_is_the_smallest_budget_that_holds(ladder, tokens):
 
 
 def expected_resolution(budget_range, budgets, max_batch_size):
-    """DESIGN §2's four paths: ``(budgets, max_batch_size)``, or ``None`` where it must raise."""
+    """The four paths of ``BudgetConfig.resolve``: ``(budgets, max_batch_size)``, or ``None`` where it must raise."""
     min_budget, max_budget = budget_range
     if budgets is not None and max_batch_size is not None:  # path 1: keep both
         user = sorted(set(budgets))

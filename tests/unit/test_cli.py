@@ -247,7 +247,7 @@ def test_plan_with_only_a_small_max_budget_starts_the_ladder_below_it(capsys, la
 
 
 def _baseline(tokens: list[int], budgets: list[int], max_items: int) -> list[tuple[int, ...]]:
-    """An independent transcription of DESIGN.md §2's baseline policy."""
+    """An independent transcription of the baseline policy of ``planner.py``'s docstring."""
     order = sorted(range(len(tokens)), key=lambda i: (tokens[i], i))
     batches, current, total, eager = [], [], 0, []
     for i in order:

@@ -6,9 +6,9 @@
   skipped with that reason only when the dependency is missing. ``__main__`` is imported too, so
   it must guard its command line with ``if __name__ == "__main__"``.
 - ``from vit_graph_backend import *`` works, ``__all__`` is sorted, and every public class and
-  function has its own docstring (STYLE.md habit 8).
+  function has its own docstring.
 - In a fresh interpreter, ``import vit_graph_backend`` imports none of the optional or heavy
-  dependencies and does not initialize CUDA (STYLE.md habit 7).
+  dependencies and does not initialize CUDA.
 """
 
 from __future__ import annotations

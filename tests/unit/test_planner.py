@@ -1,4 +1,4 @@
-"""plan_batches: the invariants of DESIGN.md §2 "Planner", for both policies, chunked or not.
+"""plan_batches: the invariants in ``planner.py``'s docstring, for both policies, chunked or not.
 
 One checker, :func:`check_plan`, states every invariant; the property tests feed it plans drawn
 from the package's own strategies (configs through all four ``BudgetConfig.resolve`` paths, with
@@ -126,7 +126,7 @@ def check_plan(specs, config: BudgetConfig, plan: Plan, policy: str, chunk: bool
                 off_ladder = [size for size in sizes if size not in budgets]
                 assert len(off_ladder) <= 1 and all(size < budgets[0] for size in off_ladder), sizes
 
-    # Greedy packing (DESIGN: fill a batch while it fits): the unit that opened the next packed
+    # Greedy packing (fill a batch while it fits): the unit that opened the next packed
     # batch would not have fit the previous one. Batches set aside (oversize, or exact-size units
     # under the exact policy) are not part of the packing sequence.
     def set_aside(batch: Batch) -> bool:

@@ -5,7 +5,7 @@ on the host, from Python ints: rotary position ids, per-frame attention segment 
 Qwen2.5-VL window order, window segment lengths and the reverse (unwindowing) index, and any
 per-row extras a family adds (Qwen3-VL's interpolated learned position embedding). The eager
 forward, the capture inputs and the replay buffers all call :func:`pack_metadata`, so the three
-cannot drift apart (DESIGN.md §4).
+cannot drift apart (``docs/adapters.md`` lists the padding traps this avoids).
 
 Buffer design (why lengths, not offsets):
 

@@ -224,7 +224,7 @@ def _entries() -> list[ModelEntry]:
                    _space(112, tuple(range(56, 169, 28)), True, (2, 4)), 14, 2, 2,
                    requires=(f"{_Q25}:Qwen2_5_VisionTransformerPretrainedModel",)),
         ModelEntry("qwen2.5-vl", "HF Qwen2.5-VL vision", "packed",
-                   "Qwen2.5-VL-3B vision tower shape (DESIGN.md §1)",
+                   "Qwen2.5-VL-3B vision tower shape",
                    _qwen(_Q25, "Qwen2_5_VisionTransformerPretrainedModel",
                          "Qwen2_5_VLVisionConfig", depth=32, hidden_size=1280,
                          intermediate_size=3420, num_heads=16, out_hidden_size=2048,

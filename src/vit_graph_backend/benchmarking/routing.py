@@ -5,7 +5,7 @@ always agree with :func:`~vit_graph_backend.planner.plan_batches`, which the bac
 Stream totals are counted with :class:`~vit_graph_backend.stats.GraphStats`, the same counters the
 backend reports, so a planned hit rate and a measured one mean the same thing.
 
-Two layouts (DESIGN.md §2):
+Two layouts (see ``protocol.py`` for the packed one):
     - batched ``[B, C, H, W]``: a call is one *row item* of ``B`` rows, budgets count rows and a
       call larger than the largest budget is cut into chunks (``chunk=True``), one item per graph;
     - packed (Qwen-VL): every image or video is an item, budgets count output tokens.

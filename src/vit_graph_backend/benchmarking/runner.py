@@ -1,6 +1,6 @@
 """``vitgraph bench``: one model, one seeded stream, several modes side by side in one process.
 
-Protocol, per mode (DESIGN.md §1 measured the same way):
+Protocol, per mode:
 
 1. ``torch.compiler.reset()``; on CUDA, reset the peak-memory counter.
 2. **First pass**: the whole stream once, untimed per call; its wall time (compiles, captures,

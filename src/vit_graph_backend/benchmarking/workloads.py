@@ -10,7 +10,7 @@ Workloads (``max_batch`` caps the items of a call):
     - ``fixed-batch``: every call has ``max_batch`` images of the base size (the static case that
       ``torch.compile`` handles well: one shape);
     - ``uniform-batch``: 1..``max_batch`` images of the base size, uniformly (the variable batch
-      stream of DESIGN.md §1);
+      stream the README's first table measures);
     - ``mixed-sizes``: the image size changes from call to call (packed models: one image per call,
       height and width drawn independently; batched models: 1..4 images of one size);
     - ``multi-image``: 1..4 images per call, each its own size on packed models;
