@@ -89,3 +89,21 @@ class PaddedSegToyEncoder(ToyPackedEncoder):
         values["seg"] = torch.cat([values["seg"],
                                    torch.full((pad,), self.max_batch_size, dtype=torch.long)])
         return values
+
+
+def run_alone(model, inputs):
+    """Each item of a toy call through the plain model on its own: the eager reference."""
+    out, start = [], 0
+    for n in inputs["lengths"]:
+        out.append(model(inputs["x"][start:start + n], [n]))
+        start += n
+    return out
+
+
+def randomize_weights(model: nn.Module, seed: int) -> nn.Module:
+    """Seeded weights with std 0.2, so outputs are O(10) and every path matters; eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model.eval()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toy_encoders import PaddedSegToyEncoder
+from toy_encoders import PaddedSegToyEncoder, run_alone
 from vit_graph_backend.benchmarking.stress import StressConfig, run_stress
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.runtime import EncoderCudaGraphManager
@@ -33,17 +33,9 @@ def _inputs(lengths, dim=32, seed=1):
     return {"x": torch.randn(sum(lengths), dim, generator=g).to(DEV), "lengths": list(lengths)}
 
 
-def _alone(model, inputs):
-    out, start = [], 0
-    for n in inputs["lengths"]:
-        out.append(model(inputs["x"][start:start + n], [n]))
-        start += n
-    return out
-
-
 def _check(mgr, model, lengths, seed=1):
     inputs = _inputs(lengths, dim=model.dim, seed=seed)
-    for got, ref in zip(mgr.run(inputs), _alone(model, inputs), strict=True):
+    for got, ref in zip(mgr.run(inputs), run_alone(model, inputs), strict=True):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -42,6 +42,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig  # noqa: E402
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel  # noqa: E402
 
+from toy_encoders import randomize_weights  # noqa: E402
 from vit_graph_backend.adapters import (  # noqa: E402
     adapt,
     adapter_for,
@@ -71,15 +72,6 @@ MIN_BUDGET, MAX_BUDGET = 4, 48
 FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Seeded weights with std 0.2, so outputs are O(10) and every path matters."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    return model.eval()
-
-
 def _qwen2() -> torch.nn.Module:
     return Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
         depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=PATCH))
@@ -106,7 +98,7 @@ def towers() -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
     """family -> (HF tower, adapter over it)."""
     result = {}
     for seed, (name, build) in enumerate(FAMILIES.items()):
-        hf = _randomize(build(), seed)
+        hf = randomize_weights(build(), seed)
         result[name] = (hf, adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET))
     return result
 
@@ -409,7 +401,7 @@ def test_register_adapter_for_a_subclass():
     class MyTower(Qwen2_5_VisionTransformerPretrainedModel):
         pass
 
-    tower = _randomize(MyTower(_qwen2_5().config), seed=0)
+    tower = randomize_weights(MyTower(_qwen2_5().config), seed=0)
     with pytest.raises(UnsupportedModelError):
         adapt(tower)  # exact class match: a subclass may change forward
     register_adapter(MyTower, Qwen2_5_VLVisionAdapter)

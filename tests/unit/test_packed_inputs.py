@@ -24,6 +24,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
     Qwen2VisionTransformerPretrainedModel,
 )
 
+from toy_encoders import randomize_weights  # noqa: E402
 import vit_graph_backend  # noqa: E402
 from vit_graph_backend import VitGraphError, serve  # noqa: E402
 from vit_graph_backend.adapters import adapt, adapter_keywords  # noqa: E402
@@ -34,21 +35,13 @@ PATCH_DIM = 3 * 2 * PATCH * PATCH  # channels * temporal patch * patch**2, as th
 GRAPH_ATOL = 5e-5  # graph path vs eager path on CPU: reordered float32 sums (test_adapters_qwen)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    return model.eval()
-
-
 def _qwen2() -> torch.nn.Module:
-    return _randomize(Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
+    return randomize_weights(Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
         depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=PATCH)), 0)
 
 
 def _qwen2_5() -> torch.nn.Module:
-    return _randomize(Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
+    return randomize_weights(Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
         depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=24,
         patch_size=PATCH, window_size=2 * MERGE * PATCH, fullatt_block_indexes=[1])), 1)
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toy_encoders import PaddedSegToyEncoder, ToyPackedEncoder
+from toy_encoders import PaddedSegToyEncoder, run_alone, ToyPackedEncoder
 import logging
 
 from vit_graph_backend.errors import InvalidInputError, InvalidOptionError
@@ -33,23 +33,15 @@ def _call(lengths, seed=0):
     return {"x": torch.randn(sum(lengths), 8, generator=g), "lengths": list(lengths)}
 
 
-def _alone(model, inputs):
-    out, start = [], 0
-    for n in inputs["lengths"]:
-        out.append(model(inputs["x"][start:start + n], [n]))
-        start += n
-    return out
-
-
 @given(lengths=st.lists(st.integers(1, 80), min_size=1, max_size=9),
        policy=st.sampled_from(["baseline", "exact"]))
 @torch.no_grad()
-def test_items_come_back_in_order_equal_to_running_alone(lengths, policy):
+def test_items_come_back_in_order_equal_to_runningrun_alone(lengths, policy):
     model, mgr = _setup(policy=policy)
     inputs = _call(lengths)
     got = mgr.run(inputs)
     assert len(got) == len(lengths)
-    for g, r in zip(got, _alone(model, inputs)):
+    for g, r in zip(got, run_alone(model, inputs)):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
     stats = mgr.stats
     assert stats.graph_items + stats.eager_items == len(lengths)
@@ -106,12 +98,12 @@ def test_verify_catches_padding_that_leaks_into_real_tokens():
     inputs = _call([5, 9])
     with pytest.warns(RuntimeWarning, match=r"verification failed: max relative error"):
         got = mgr.run(inputs)
-    for g, r in zip(got, _alone(model, inputs)):
+    for g, r in zip(got, run_alone(model, inputs)):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
     assert 16 not in mgr.token_budgets
     # without verify the same wrong padding would have changed item 0: the check is needed
     mgr2 = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
-    assert not torch.allclose(mgr2.run(inputs)[0], _alone(model, inputs)[0], atol=1e-4)
+    assert not torch.allclose(mgr2.run(inputs)[0], run_alone(model, inputs)[0], atol=1e-4)
 
 
 @torch.no_grad()
@@ -174,7 +166,7 @@ def test_a_bad_call_raises_and_costs_the_graphs_nothing():
     assert 16 in mgr.token_budgets and mgr.stats.eager_batches == 0
     inputs = _call([16])
     (got,) = mgr.run(inputs)
-    torch.testing.assert_close(got, _alone(model, inputs)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, run_alone(model, inputs)[0], atol=1e-5, rtol=1e-5)
     assert mgr.stats.as_dict()["replays_per_budget"] == {"16": 1}
 
 

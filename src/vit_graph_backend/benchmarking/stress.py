@@ -21,6 +21,7 @@ input by more than ``tolerance`` relative to the eager output's largest magnitud
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -95,7 +96,7 @@ def _hammer(result: PartResult, cfg: StressConfig, call: Callable[[int], Any], r
     def worker(w: int) -> None:
         rng = random.Random(cfg.seed * 1000 + w)
         stream = torch.cuda.Stream() if cuda and w % 2 else None
-        ctx = torch.cuda.stream(stream) if stream is not None else _null()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx, torch.inference_mode():
             while True:
                 with lock:
@@ -131,14 +132,6 @@ def _hammer(result: PartResult, cfg: StressConfig, call: Callable[[int], Any], r
     for t in threads:
         t.join()
     result.seconds = time.perf_counter() - start
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # -- models and inputs ----------------------------------------------------------------------------
