@@ -103,7 +103,6 @@ class CaptureOutcome:
     skipped: str | None = None
     failed: bool = False          # the capture itself failed: continue in a fresh pool
     oom: bool = False             # ... because it ran out of memory (pressure, not a bug)
-    estimate: int | None = None
 
 
 def _warmup_bytes(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
@@ -125,14 +124,18 @@ def _warmup_bytes(forward: Callable[[Any], Any], static: Mapping[str, torch.Tens
 def capture_budget_graph(
     budget: int, forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor], *,
     pool: Any, device: torch.device, warmup_iters: int, memory: GraphMemory,
-    held: int, new_static: int,
+    held: int, new_static: int, live_outputs: int = 0,
 ) -> CaptureOutcome:
     """Warm up, check the bound, capture; never raises for a budget that cannot be captured.
 
     Args:
         held: bytes the manager's graphs hold now (pools and static inputs).
         new_static: bytes of this budget's static inputs not yet counted in ``held``.
+        live_outputs: bytes of the static outputs of graphs already captured: pool memory a
+            new graph cannot reuse.
     """
+    # resolved before the warm-up, whose cached memory would read as not free
+    limit = memory.resolve_limit(device, held)
     try:
         estimate = _warmup_bytes(forward, static, warmup_iters, device)
     except torch.OutOfMemoryError as exc:
@@ -142,18 +145,20 @@ def capture_budget_graph(
                                       f"{_first_line(exc)}")
     if estimate is not None:
         memory.estimates[budget] = estimate
-    limit = memory.resolve_limit(device, held)
     if limit is not None and estimate is not None:
-        reusable = _compat.graph_pool_bytes(pool, device) or 0
+        reusable = max(0, (_compat.graph_pool_bytes(pool, device) or 0) - live_outputs)
         projected = held + new_static + max(0, estimate - reusable)
         if projected > limit:
-            return CaptureOutcome(estimate=estimate, skipped=(
+            return CaptureOutcome(skipped=(
                 f"needs about {mib(projected)} with the graphs already held, over "
                 f"max_graph_memory={memory.limit_option!r} ({mib(limit)})"))
     stream_before = torch.cuda.current_stream(device)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device),
+        # torch.cuda.graph's one capture stream for every budget: the allocator hands a pool's
+        # free blocks only to allocations on the stream that freed them, so a stream per
+        # capture would stop the smaller graphs reusing the larger ones' memory
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool,
                                                capture_error_mode="thread_local"):
             output = forward(static)
     except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
@@ -162,9 +167,15 @@ def capture_budget_graph(
         del graph
         torch.cuda.empty_cache()
         oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
-        return CaptureOutcome(estimate=estimate, failed=True, oom=oom,
+        return CaptureOutcome(failed=True, oom=oom,
                               skipped=f"capture failed: {type(exc).__name__}: {_first_line(exc)}")
-    return CaptureOutcome(graph=graph, output=output, estimate=estimate)
+    return CaptureOutcome(graph=graph, output=output)
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    if output is None:
+        return []
+    return [output] if isinstance(output, torch.Tensor) else list(output)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -277,7 +288,9 @@ class BudgetGraphs:
         outcome = capture_budget_graph(
             budget, self.model.encoder_cudagraph_forward, static, pool=self.graph_pool,
             device=self.device, warmup_iters=self.warmup_iters, memory=self.memory, held=held,
-            new_static=storage_bytes(static.values(), held_storages))
+            new_static=storage_bytes(static.values(), held_storages),
+            live_outputs=storage_bytes(t for g in self.entries.values()
+                                       for t in _output_tensors(g.output)))
         if outcome.skipped is None:
             self.entries[budget] = BudgetGraph(budget, static, outcome.graph, outcome.output)
             limit = self.memory.limit
@@ -286,6 +299,10 @@ class BudgetGraphs:
                 # the estimate was short: the bound is a promise, so this graph goes again
                 del self.entries[budget]
                 del outcome, static
+                if not self.entries:
+                    # no other graph lives in this pool: drop the pool too, so its memory goes
+                    self.memory.pools.remove(self.graph_pool)
+                    self.graph_pool = None
                 torch.cuda.empty_cache()
                 return CaptureOutcome(skipped=(
                     f"captured at {mib(total)} with the graphs already held, over "

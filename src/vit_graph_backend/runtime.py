@@ -108,6 +108,7 @@ class EncoderCudaGraphManager:
         self._graphs = self.graphs.entries
         self._disabled: dict[int, str] = {}
         self._off_reason: str | None = None
+        self._all_budgets_failed = False   # graphs off only because every budget was disabled
         self._logged: set[str] = set()
         self._lock = threading.RLock()
         self._plans: dict[tuple[EncoderItemSpec, ...], Plan] = {}
@@ -220,8 +221,8 @@ class EncoderCudaGraphManager:
             self._disabled.pop(budget, None)
         remaining = tuple(b for b in self.config.budgets if b not in self._disabled)
         if remaining:
-            if self._off_reason is not None and self._off_reason.startswith("every budget"):
-                self._off_reason = None
+            if self._all_budgets_failed:
+                self._off_reason, self._all_budgets_failed = None, False
             self._active = BudgetConfig(remaining, self.config.max_batch_size,
                                         self.config.max_frames_per_batch)
 
@@ -273,6 +274,8 @@ class EncoderCudaGraphManager:
             outs = self._replay(inputs, batch)
         except InvalidInputError:  # the caller's input is wrong, not the graph: nothing disabled
             raise
+        except torch.OutOfMemoryError as exc:  # no room for this call's copies: not the graph's
+            return self._eager(inputs, batch, f"out of memory at replay: {exc}".split("\n")[0])
         except UnsupportedGraphError as exc:  # this batch only (e.g. more frames than captured)
             return self._eager(inputs, batch, f"batch not servable by graph: {exc}")
         except Exception as exc:  # a graph path must never crash a user's call
@@ -298,7 +301,8 @@ class EncoderCudaGraphManager:
         values = self._replay_buffers(inputs, batch, budget)
         for key, value in values.items():
             copy_padded(entry.static, key, value)
-        entry.written.update(values)
+        if not entry.written:  # the same keys every replay
+            entry.written.update(values)
         if entry.graph is not None:
             entry.graph.replay()
             out = entry.output
@@ -372,6 +376,7 @@ class EncoderCudaGraphManager:
         else:
             self._active = BudgetConfig(self.config.budgets, self.config.max_batch_size,
                                         self.config.max_frames_per_batch)
+            self._all_budgets_failed = True
             self.disable_graphs("every budget failed: " + reason)
         message = f"vitgraph: budget {budget} falls back to eager: {reason}"
         if warn:

@@ -58,9 +58,10 @@ class PoolPoisoner:
         if not sizes:
             return
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the other threads keep running their own work meanwhile
+        # the capture stream of the manager's graphs (torch.cuda.graph's default): the pool's
+        # free blocks go only to allocations on the stream that freed them. thread_local: the
+        # other threads keep running their own work meanwhile
         with manager.order, torch.cuda.graph(graph, pool=pool,
-                                             stream=torch.cuda.Stream(manager.device),
                                              capture_error_mode="thread_local"):
             held = []
             for size in sorted(sizes, reverse=True):
