@@ -14,7 +14,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cu
 print("vitgraph registered:", "vitgraph" in torch.compiler.list_backends(exclude_tags=()))
 PY
 python3 -m pytest ${VITGRAPH_TESTS:-tests/gpu} -m gpu -q -s -p no:cacheprovider --hypothesis-profile=gpu 2>&1 \
-  | tee "$OUT/gpu_tests.log" | grep -E "max abs error|memory report|stress|under pressure|bounded|after failed|passed|failed|Error" | cut -c1-400 | tail -40
+  | tee "$OUT/gpu_tests.log" | grep -E "max abs error|memory report|stress|under pressure|bounded|after failed|pool of the largest|passed|failed|Error" | cut -c1-400 | tail -40
 calls=${VITGRAPH_STRESS_CALLS:-5000}
 if [ "$calls" != "0" ]; then
   echo "== stress ($calls calls per part)"

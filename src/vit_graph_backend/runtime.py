@@ -233,20 +233,20 @@ class EncoderCudaGraphManager:
         with self._lock:
             self.stats.record_call()
             reason = self._off_reason or self._grad_reason(inputs)
-            if reason is not None:
-                plan = Plan((Batch(tuple(Segment(i, 0, s.output_tokens)
-                                         for i, s in enumerate(specs)), None,
-                                   sum(s.frames for s in specs)),), len(specs),
-                            tuple(range(len(specs))))
-            else:
-                plan = self._plan(specs)
             pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
             stream = self.order.enter()
             try:
                 if (reason is None and self.options.capture == "all" and self.uses_cuda_graphs
                         and any(b not in self._graphs for b in self.token_budgets)):
-                    self.capture()
-                    plan = self._plan(specs)  # a budget skipped at capture changes the plan
+                    self.capture()   # before planning: a budget skipped here changes the plan
+                    reason = self._off_reason
+                if reason is not None:
+                    plan = Plan((Batch(tuple(Segment(i, 0, s.output_tokens)
+                                             for i, s in enumerate(specs)), None,
+                                       sum(s.frames for s in specs)),), len(specs),
+                                tuple(range(len(specs))))
+                else:
+                    plan = self._plan(specs)
                 for batch in plan.batches:
                     outs = self._run_batch(inputs, batch, reason)
                     for seg, out in zip(batch.segments, outs):

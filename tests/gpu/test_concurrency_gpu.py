@@ -123,6 +123,23 @@ def test_memory_pressure_captures_what_fits():
 
 
 @torch.no_grad()
+def test_smaller_graphs_reuse_the_largest_ones_pool_memory():
+    model = _toy(dim=1024, budget_range=(256, 8192))
+    alone = EncoderCudaGraphManager(model, VitGraphOptions(budgets=[8192], max_items_per_graph=4))
+    alone.capture()
+    largest = alone.memory_report()["pool_bytes"]
+    alone.clear()
+    ladder = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
+    ladder.capture()
+    report = ladder.memory_report()
+    print("pool of the largest graph alone", largest, "of the whole ladder", report["pool_bytes"],
+          report["captured_budgets"])
+    assert len(report["captured_budgets"]) == 11
+    # shared: the ladder's 10 smaller graphs add little beyond the largest one's pool
+    assert report["pool_bytes"] <= 1.5 * largest
+
+
+@torch.no_grad()
 def test_clear_and_capture_again_into_the_same_pool():
     model = _toy()
     mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
