@@ -182,8 +182,9 @@ class _GraphSet:
                                                  max_frames_per_batch, device, dtype):
         static = {}
         for i in self.layout.batch_tensors:
-            # Budgets share one row buffer (views of its head): replays are serialized and each
-            # writes all ``budget`` rows it reads, so 16 budgets cost one largest buffer.
+            # Budgets share one row buffer (views of its head): calls are ordered on the GPU
+            # (stream_order.py) and each writes all ``budget`` rows it reads, so 16 budgets
+            # cost one largest buffer.
             buffer = self._row_buffers.get(i)
             if buffer is None or buffer.shape[0] < budget:
                 t = self.template[i]

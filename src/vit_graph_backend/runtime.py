@@ -9,11 +9,9 @@ call it asks the encoder for item specs, plans batches (``planner``), and runs e
 - an **eager batch** (an item larger than every budget, a budget whose capture failed, grad
   required) runs ``encoder_eager_forward`` and is counted in ``stats`` with its reason.
 
-Budgets are captured **largest first into one graph pool** so smaller graphs reuse the largest
-one's memory; each capture is measured and bounded first, and a capture that fails does not take
-the smaller budgets with it (``graph_capture.py``). Graph outputs stay alive (they are the static
-outputs), so later captures never hand out their memory; intermediates of different graphs share
-pool memory.
+Budgets are captured **largest first into one graph pool**, so smaller graphs reuse the largest
+one's intermediates; each capture is measured and bounded first, and a failed capture does not
+take the smaller budgets with it (``graph_capture.py``).
 
 **Threads and streams.** Host state is guarded by this manager's lock. The GPU work of each call
 (copies into the static buffers, replays, output copies, eager batches) is ordered after the
@@ -32,8 +30,11 @@ item indices, which lets it cut one large item into budget-sized chunks (``chunk
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -186,10 +187,7 @@ class EncoderCudaGraphManager:
                 one shared with other graphs of the application); ``None`` creates one.
         """
         with self._lock:
-            if not self.uses_cuda_graphs:
-                if self.device.type != "cuda":
-                    self._log_once("vitgraph: CUDA graphs need a CUDA device; running the "
-                                   "budgeted plan/pad/slice path without graphs")
+            if not self.uses_cuda_graphs:  # off CUDA: logged once per process (_log_cpu_once)
                 return
             if graph_pool is not None:
                 self.graph_pool = graph_pool
@@ -219,12 +217,15 @@ class EncoderCudaGraphManager:
             return
         for budget in self.graphs.skipped:
             self._disabled.pop(budget, None)
+        if self._serve_remaining() and self._all_budgets_failed:
+            self._off_reason, self._all_budgets_failed = None, False
+
+    def _serve_remaining(self) -> bool:
+        """Plan over the budgets not disabled; False (config unchanged) if there are none."""
         remaining = tuple(b for b in self.config.budgets if b not in self._disabled)
         if remaining:
-            if self._all_budgets_failed:
-                self._off_reason, self._all_budgets_failed = None, False
-            self._active = BudgetConfig(remaining, self.config.max_batch_size,
-                                        self.config.max_frames_per_batch)
+            self._active = dataclasses.replace(self.config, budgets=remaining)
+        return bool(remaining)
 
     # ------------------------------------------------------------------------------------ calls
     def run(self, inputs: Any) -> list[Any]:
@@ -368,20 +369,12 @@ class EncoderCudaGraphManager:
     def _disable_budget(self, budget: int, reason: str, warn: bool = False) -> None:
         self._disabled[budget] = reason
         self._graphs.pop(budget, None)
-        remaining = tuple(b for b in self.config.budgets if b not in self._disabled)
         self._plans.clear()
-        if remaining:
-            self._active = BudgetConfig(remaining, self.config.max_batch_size,
-                                        self.config.max_frames_per_batch)
-        else:
-            self._active = BudgetConfig(self.config.budgets, self.config.max_batch_size,
-                                        self.config.max_frames_per_batch)
+        if not self._serve_remaining():
             self._all_budgets_failed = True
             self.disable_graphs("every budget failed: " + reason)
         message = f"vitgraph: budget {budget} falls back to eager: {reason}"
         if warn:
-            import warnings
-
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         self._log_once(message)
 
@@ -398,14 +391,9 @@ class EncoderCudaGraphManager:
             log.warning(message)
 
 
-_CPU_LOGGED = False
-
-
+@functools.cache  # once per process
 def _log_cpu_once() -> None:
-    global _CPU_LOGGED
-    if not _CPU_LOGGED:
-        _CPU_LOGGED = True
-        log.warning("vitgraph: CUDA graphs need a CUDA device; on %s the same plan, pad, run and "
-                    "slice path runs without graphs", "this device")
+    log.warning("vitgraph: CUDA graphs need a CUDA device; on this device the same plan, pad, "
+                "run and slice path runs without graphs")
 
 
