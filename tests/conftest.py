@@ -46,11 +46,19 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
-    """Each test starts and ends with no compiled frames or captured graphs left over."""
-    yield
+    """Each test starts and ends with no compiled frames or captured graphs left over, and with
+    PyTorch's ``backed_size_oblivious`` as it found it (the backend turns it on: backend.py)."""
     import sys
 
+    fx_config = None
+    if "torch" in sys.modules:
+        from torch.fx.experimental import _config as fx_config
+
+        oblivious = fx_config.backed_size_oblivious
+    yield
     if "torch" in sys.modules:
         import torch
 
         torch.compiler.reset()
+        if fx_config is not None:
+            fx_config.backed_size_oblivious = oblivious

@@ -4,8 +4,9 @@
 token budgets, pads, and replays one CUDA graph per budget. Packed variable-resolution towers
 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are served through :class:`SupportsEncoderCudaGraph` adapters.
 
-Importing this package imports no torch (the torch-facing names, :class:`PackedGraphEncoder` and
-:func:`serve`, load on first use, so ``vitgraph plan`` stays pure Python), initializes no CUDA
+Importing this package imports no torch (the torch-facing names, :class:`PackedGraphEncoder`,
+:func:`serve` and :func:`report`, load on first use, so ``vitgraph plan`` stays pure Python),
+initializes no CUDA
 context, registers nothing (the backend is found through the ``torch_dynamo_backends`` entry point)
 and imports no optional dependency.
 """
@@ -54,11 +55,12 @@ __all__ = [
     "capture_layout",
     "ceil_div",
     "plan_batches",
+    "report",
     "serve",
     "supports_encoder_cudagraph",
 ]
 
-_LAZY = {"PackedGraphEncoder": "packed", "serve": "packed"}
+_LAZY = {"PackedGraphEncoder": "packed", "serve": "packed", "report": "backend"}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,9 @@ from packaging.version import Version
 __all__ = [
     "MIN_TORCH",
     "TORCH_VERSION",
+    "backed_size_oblivious_enabled",
     "compile_fx_without_cudagraphs",
+    "enable_backed_size_oblivious",
     "end_failed_capture",
     "example_value",
     "get_varlen_attn",
@@ -163,3 +165,26 @@ def register_dynamo_backend(name: str, backend: Callable[..., Any]) -> None:
     from torch._dynamo.backends.registry import register_backend
 
     register_backend(compiler_fn=backend, name=name)
+
+
+def enable_backed_size_oblivious() -> bool:
+    """Turn on ``torch.fx.experimental._config.backed_size_oblivious`` for this process.
+
+    With it, Dynamo stops specializing dynamic sizes of 0 and 1 (the "0/1 specialization" that
+    adds a ``2 <= s0`` guard to every dynamic graph), so a batch of 1 runs the dynamic graph
+    instead of costing one more compile per graph. It is a private config module, hence this
+    wrapper. Returns True if this call changed it.
+    """
+    from torch.fx.experimental import _config as fx_config
+
+    if fx_config.backed_size_oblivious:
+        return False
+    fx_config.backed_size_oblivious = True
+    return True
+
+
+def backed_size_oblivious_enabled() -> bool:
+    """Whether ``backed_size_oblivious`` is on (see :func:`enable_backed_size_oblivious`)."""
+    from torch.fx.experimental import _config as fx_config
+
+    return bool(fx_config.backed_size_oblivious)

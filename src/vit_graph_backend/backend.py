@@ -24,13 +24,15 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .batched import BatchedGraphEncoder
 from .errors import InvalidOptionError
 from .inner import compile_inner
 from .options import VitGraphOptions
-from .stats import GraphStats
+from .graph_report import summarize
+from .packed import live_served
 
-__all__ = ["VitGraphBackend", "register", "vitgraph"]
+__all__ = ["VitGraphBackend", "register", "report", "vitgraph"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ class VitGraphBackend:
                 f"the vitgraph backend got unexpected arguments {sorted(kwargs)}: pass settings "
                 "as torch.compile(..., options={...})")
         opts = VitGraphOptions.from_compile_kwargs(options, mode)
+        if opts.backed_size_oblivious and _compat.enable_backed_size_oblivious():
+            log.info("vitgraph: turned on torch.fx.experimental._config.backed_size_oblivious "
+                     "(process-wide) so that dynamic graphs serve a batch of 1 without another "
+                     "compile; options={'backed_size_oblivious': False} leaves it off")
         fn = compile_inner(gm, example_inputs, opts)
         encoder = BatchedGraphEncoder(gm, example_inputs, opts, fn)
         with self._lock:
@@ -80,23 +86,14 @@ class VitGraphBackend:
             return list(self._encoders)
 
     def report(self) -> dict[str, Any]:
-        """Totals over the live compiled graphs: compiles, graphs, memory, capture time, stats."""
+        """What the live compiled graphs did: ``compiles`` plus the fields of
+        :func:`vit_graph_backend.report` (the README's ``report()`` section)."""
         with self._lock:
             encoders = list(self._encoders)
             compiles = self.compiles
-        stats = GraphStats()
-        graphs = memory = 0
-        seconds = 0.0
-        for encoder in encoders:
-            stats.merge(encoder.stats)
-            for manager in encoder.managers:
-                stats.merge(manager.stats)
-                report = manager.memory_report()
-                graphs += report["graphs"]
-                memory += report["total_bytes"]
-                seconds += report["capture_seconds"]
-        return {"compiles": compiles, "graphs_captured": graphs, "graph_memory_bytes": memory,
-                "capture_seconds": round(seconds, 4), "stats": stats.as_dict()}
+        managers = [m for encoder in encoders for m in encoder.managers]
+        return {"compiles": compiles,
+                **summarize(managers, [encoder.stats for encoder in encoders])}
 
 
 #: The backend instance the entry point names.
@@ -109,7 +106,23 @@ def register() -> bool:
     from a source tree without being installed."""
     if "vitgraph" in torch.compiler.list_backends(exclude_tags=()):
         return False
-    from . import _compat
-
     _compat.register_dynamo_backend("vitgraph", vitgraph)
     return True
+
+
+def report() -> dict[str, Any]:
+    """What every compiled graph and served tower of this process did, in one dictionary.
+
+    ``compiles`` (Dynamo compiles through the ``vitgraph`` backend), ``served_towers`` (live
+    ``serve()`` results) and, totalled over both, the fields of ``PackedGraphEncoder.report()``:
+    graphs, graph memory, capture time and the call counters. Fields are true on every device
+    (the README's ``report()`` section); read one tower alone with ``served.report()``.
+    """
+    with vitgraph._lock:
+        encoders = list(vitgraph._encoders)
+        compiles = vitgraph.compiles
+    towers = live_served()
+    managers = [m for encoder in encoders for m in encoder.managers]
+    managers += [tower.manager for tower in towers]
+    return {"compiles": compiles, "served_towers": len(towers),
+            **summarize(managers, [encoder.stats for encoder in encoders])}

@@ -2,7 +2,7 @@
 
 A batched encoder (``[B, C, H, W]`` in: timm, torchvision, HF ViT/CLIP/SigLIP/DINOv2) needs no model
 code. Dynamo hands the backend an FX graph; after its first recompile the batch dimension is a
-symbol (``s77``). This module reads the graph's fake metadata once, at compile time:
+symbol (``s77``). ``batched_layout.py`` reads the graph's fake metadata once, at compile time:
 
 - **batch inputs**: tensor inputs whose dim 0 is the batch symbol; the symbol's int input becomes
   the budget at replay;
@@ -21,9 +21,12 @@ Graphs that cannot be served are refused at compile time with one logged reason 
 training-mode ops (dropout, batch norm statistics), in-place writes to inputs, outputs that do not
 carry the batch axis at dim 0 (they may mix rows, which padding would change).
 
-Dynamo's first compile of a frame is static (no symbol), and so is its separate compile for a
-batch of 1. Those graphs run as one exact-shape graph: all non-parameter inputs copied, nothing
-padded (``static_graphs=False`` runs them eagerly instead).
+Dynamo's first compile of a frame is static (no symbol), and so may be a separate compile for a
+batch of 1 (``backend.py`` turns on ``backed_size_oblivious`` so that it usually is not needed).
+Those graphs run as one exact-shape graph: all non-parameter inputs copied, nothing padded
+(``static_graphs=False`` runs them eagerly instead); stats count their real rows. So does a
+batch-of-1 graph whose outputs lost the batch symbol (``batched_layout.py``), and it runs eagerly
+for any other shape.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from .batched_layout import GraphLayout, analyze_graph
 from .budgets import BudgetConfig
 from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_BATCHED_MAX_BUDGET, VitGraphOptions
 from .planner import Segment
@@ -51,109 +54,6 @@ __all__ = ["PACKED_ONLY_OPTIONS", "BatchedGraphEncoder", "analyze_graph", "check
 log = logging.getLogger(__name__)
 
 _data_ptr = torch.Tensor.data_ptr
-
-_TRAINING_OPS = {
-    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
-    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout,
-    torch.nn.functional.feature_alpha_dropout, torch.nn.functional.batch_norm,
-    torch.dropout, torch.batch_norm,
-}
-
-
-class GraphLayout:
-    """What :func:`analyze_graph` learned about a Dynamo graph."""
-
-    def __init__(self) -> None:
-        self.batch_symbol: str | None = None
-        self.batch_tensors: list[int] = []   # arg positions with dim 0 == batch symbol
-        self.batch_ints: list[int] = []      # arg positions of the batch symbol's int
-        self.key_ints: list[int] = []        # arg positions of other symbols' ints
-        self.state: list[int] = []           # other tensor args (module state, fixed inputs)
-        self.params: set[int] = set()        # of those, nn.Parameter instances
-        self.unsupported: str | None = None
-
-
-def analyze_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphLayout:
-    """Find the batch axis, the graph-set key and module state; or why graphs cannot serve it."""
-    layout = GraphLayout()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fakes = [_compat.example_value(n) for n in placeholders]
-    if len(fakes) != len(example_inputs) or any(f is None for f in fakes):
-        layout.unsupported = "graph inputs carry no fake metadata"
-        return layout
-    for fake, real in zip(fakes, example_inputs):
-        if isinstance(fake, torch.Tensor) and fake.dim() > 0 and layout.batch_symbol is None:
-            if not isinstance(real, torch.nn.Parameter):
-                layout.batch_symbol = _compat.sym_name(fake.shape[0])
-    for i, (fake, real) in enumerate(zip(fakes, example_inputs)):
-        if isinstance(fake, torch.Tensor):
-            if isinstance(real, torch.nn.Parameter):
-                layout.params.add(i)
-            if (layout.batch_symbol is not None and fake.dim() > 0
-                    and _compat.sym_name(fake.shape[0]) == layout.batch_symbol):
-                layout.batch_tensors.append(i)
-            else:
-                layout.state.append(i)
-            other_dims = list(fake.shape[1:]) if i in layout.batch_tensors else list(fake.shape)
-            if layout.batch_symbol and any(_mentions(d, layout.batch_symbol) for d in other_dims):
-                layout.unsupported = f"input {i} carries the batch axis outside dim 0"
-        elif isinstance(fake, torch.SymInt):
-            name = _compat.sym_name(fake)
-            if name is not None and name == layout.batch_symbol:
-                layout.batch_ints.append(i)
-            else:
-                layout.key_ints.append(i)
-        elif isinstance(fake, (int, float, bool)) or fake is None:
-            continue
-        else:
-            layout.unsupported = f"input {i} of type {type(fake).__name__} is not supported"
-    layout.unsupported = layout.unsupported or _unsafe_ops(gm) or _check_outputs(gm, layout)
-    return layout
-
-
-def _mentions(dim: Any, symbol: str) -> bool:
-    import re
-
-    return isinstance(dim, torch.SymInt) and re.search(rf"\b{symbol}\b", str(dim)) is not None
-
-
-def _unsafe_ops(gm: torch.fx.GraphModule) -> str | None:
-    placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _TRAINING_OPS:
-            training = node.kwargs.get("training")
-            if training is None:
-                training = any(a is True for a in node.args[1:])
-            if training:
-                return (f"training-mode op {getattr(node.target, '__name__', node.target)} in the "
-                        "graph (call model.eval() for inference)")
-        if node.op in ("call_method", "call_function") and node.args:
-            name = node.target if isinstance(node.target, str) else getattr(
-                node.target, "__name__", "")
-            inplace = (name.endswith("_") and not name.endswith("__")) or name == "setitem"
-            if inplace and node.args[0] in placeholders:
-                return f"in-place write to graph input {node.args[0].name} ({name})"
-    return None
-
-
-def _check_outputs(gm: torch.fx.GraphModule, layout: GraphLayout) -> str | None:
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outs = out_node.args[0]
-    if not isinstance(outs, (tuple, list)):
-        return "graph output is not a tuple"
-    for k, node in enumerate(outs):
-        fake = _compat.example_value(node) if isinstance(node, torch.fx.Node) else node
-        if not isinstance(fake, torch.Tensor):
-            return f"output {k} is a {type(fake).__name__}, not a tensor"
-        if layout.batch_symbol is None:
-            continue
-        if fake.dim() == 0 or _compat.sym_name(fake.shape[0]) != layout.batch_symbol:
-            return (f"output {k} of shape {tuple(fake.shape)} does not carry the batch axis at "
-                    "dim 0 (it may mix rows, which padding would change)")
-        if any(_mentions(d, layout.batch_symbol) for d in fake.shape[1:]):
-            return f"output {k} carries the batch axis outside dim 0"
-    return None
-
 
 class _GraphSet:
     """One graph set's view of the graph as an encoder for the runtime (row items)."""
@@ -300,15 +200,21 @@ class BatchedGraphEncoder:
         self._copied: set[int] = set()
         if self.static_shape:
             self._copied = {i for i in self.layout.state if i not in self.layout.params}
+        # shapes a pinned graph (see analyze_graph) was made for; other calls run eagerly
+        self._pinned = [(i, x.shape if isinstance(x, torch.Tensor) else x)
+                        for i, x in enumerate(example_inputs)
+                        if self.layout.pinned and not isinstance(x, torch.nn.Parameter)]
+        self._warned_shape = False
         self._sets: OrderedDict[tuple, tuple[_GraphSet, EncoderCudaGraphManager]] = OrderedDict()
         self._lock = threading.RLock()
         self._graph_pool: Any = None
         self.evictions = 0
 
     def __call__(self, *args: Any) -> Any:
-        if self.unsupported:
+        reason = self.unsupported or (self._pinned and self._off_shape(args))
+        if reason:
             self.stats.record_call()
-            self.stats.record_eager(1, self.unsupported)
+            self.stats.record_eager(1, reason)
             return self.fn(*args)
         with self._lock:
             graph_set, manager = self._set_for(args)
@@ -316,6 +222,18 @@ class BatchedGraphEncoder:
         if self.static_shape:
             return tuple(t[0] for t in out)
         return out
+
+    def _off_shape(self, args: Sequence[Any]) -> str | None:
+        for i, expected in self._pinned:
+            got = args[i].shape if isinstance(args[i], torch.Tensor) else args[i]
+            if got != expected:
+                if not self._warned_shape:
+                    self._warned_shape = True
+                    log.warning("vitgraph: running eagerly: a graph made for a batch of 1 was "
+                                "called with input %d of %s (logged once)", i, got)
+                return (f"graph made for a batch of 1 called with input {i} of {got} "
+                        f"(made for {expected})")
+        return None
 
     def _set_for(self, args: Sequence[Any]) -> tuple[_GraphSet, EncoderCudaGraphManager]:
         key = tuple(args[i] for i in self.layout.key_ints)
@@ -325,16 +243,25 @@ class BatchedGraphEncoder:
             if not moved:
                 self._sets.move_to_end(key)
                 return entry
-            log.warning("vitgraph: graph inputs %s changed address since capture (replaced "
-                        "parameters or per-call auxiliary inputs); copying them into static "
-                        "buffers and capturing again", moved)
+            # A replaced parameter or a large tensor made anew is worth a warning (a copy per
+            # call from now on); scalars that the model builds at each call are expected.
+            worth = [i for i in moved if i in self.layout.params or args[i].numel() > 64]
+            (log.warning if worth else log.info)(
+                "vitgraph: graph inputs %s changed address since capture (%s); copying them "
+                "into static buffers and capturing again", moved,
+                "replaced parameters or per-call tensors" if worth
+                else "small tensors made at each call")
             self._copied.update(moved)
             self._drop(key)
         while len(self._sets) >= self.options.max_graph_sets:
             self._drop(next(iter(self._sets)))
             self.evictions += 1
+        exact_rows = None
         if self.static_shape:
             config = BudgetConfig((1,), 1)
+            # stats count the call's real rows, not the internal budget of 1 (graph_report.py)
+            exact_rows = next((a.shape[0] for a in args if isinstance(a, torch.Tensor)
+                               and not isinstance(a, torch.nn.Parameter) and a.dim() > 0), 1)
         else:
             # A call is one item of B rows, so a graph has one slot (the backend rejects the
             # packed-only max_items_per_graph and max_frames_per_batch, see backend.py)
@@ -345,7 +272,8 @@ class BatchedGraphEncoder:
                               config.max_budget)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         manager = EncoderCudaGraphManager(graph_set, self.options, device=device,
-                                          chunk=not self.static_shape, budget_config=config)
+                                          chunk=not self.static_shape, budget_config=config,
+                                          exact_rows=exact_rows)
         if manager.uses_cuda_graphs:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()

@@ -233,13 +233,17 @@ class BudgetGraphs:
         """The memory part of the manager's ``memory_report()``."""
         static = storage_bytes(self._static_tensors())
         pool = self.pool_bytes()
+        # memory held for graphs: without a captured graph (no CUDA) the static buffers are
+        # still reported, as static_input_bytes, but no graph memory
+        graphed = storage_bytes(t for g in self.entries.values() if g.graph is not None
+                                for t in g.static.values())
         return {
             "graphs": self.num_graphs,
             "captured_budgets": sorted(b for b, g in self.entries.items() if g.graph is not None),
             "largest_budget": max(self.entries) if self.entries else None,
             "pool_bytes": pool,
             "static_input_bytes": static,
-            "total_bytes": pool + static,
+            "total_bytes": pool + graphed,
             "max_graph_memory_bytes": self.memory.limit,
             "estimated_bytes": dict(sorted(self.memory.estimates.items())),
             "capture_seconds": round(self.capture_seconds, 4),

@@ -81,6 +81,10 @@ class VitGraphOptions:
             recently used set is freed beyond this.
         static_graphs: serve Dynamo's static (first, and batch-1) compiles from one exact-shape
             graph; ``False`` runs them eagerly.
+        backed_size_oblivious: at the first ``vitgraph`` compile, turn on PyTorch's
+            ``backed_size_oblivious`` (process-wide: it applies to every later Dynamo compile) so
+            that a dynamic graph also serves a batch of 1 instead of Dynamo compiling the frame
+            once more for it; ``False`` leaves PyTorch's setting as it is.
         verify: compare the first replay of each budget with an eager run of the same items; a
             mismatch beyond ``verify_tolerance`` disables that budget's graph with a warning.
         verify_tolerance: max abs error allowed relative to the eager output's max abs value;
@@ -110,6 +114,7 @@ class VitGraphOptions:
     warmup_iters: int = 2
     max_graph_sets: int = 4
     static_graphs: bool = True
+    backed_size_oblivious: bool = True
     verify: bool = False
     verify_tolerance: float | None = None
     max_graph_memory: int | float | None = None
@@ -141,7 +146,7 @@ class VitGraphOptions:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
         _check_choice("capture", self.capture, CAPTURE_MODES)
-        for name in ("static_graphs", "verify"):
+        for name in ("static_graphs", "backed_size_oblivious", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(
                     f"{name}={getattr(self, name)!r} is invalid: must be True or False"

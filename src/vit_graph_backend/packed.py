@@ -26,6 +26,8 @@ arguments (``fuse=False``, ``align_mlp=False``) and hands them to ``adapt``.
 from __future__ import annotations
 
 import difflib
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
@@ -37,12 +39,22 @@ from . import _compat
 from .adapters import adapt, adapter_keywords
 from .adapters._packed_inputs import grid_tensor
 from .errors import InvalidOptionError
+from .graph_report import summarize
 from .inner import inner_backend
 from .options import VitGraphOptions
 from .protocol import SupportsEncoderCudaGraph
 from .runtime import EncoderCudaGraphManager, infer_device_dtype
 
-__all__ = ["PackedGraphEncoder", "serve"]
+__all__ = ["PackedGraphEncoder", "live_served", "serve"]
+
+_served: weakref.WeakSet[PackedGraphEncoder] = weakref.WeakSet()
+_served_lock = threading.Lock()
+
+
+def live_served() -> list[PackedGraphEncoder]:
+    """The served towers still alive (for ``vit_graph_backend.report()``)."""
+    with _served_lock:
+        return list(_served)
 
 
 class _CompiledCompute:
@@ -77,7 +89,7 @@ class PackedGraphEncoder(nn.Module):
 
         served = serve(hf_qwen25_vl.model.visual, max_items_per_graph=4)
         merged = served(pixel_values, grid_thw)       # same layout as the HF tower's output
-        print(served.manager.stats.as_dict(), served.manager.memory_report())
+        print(served.report())                          # graphs, memory, hits, fallbacks
     """
 
     def __init__(self, encoder: SupportsEncoderCudaGraph, options: VitGraphOptions | None = None,
@@ -94,6 +106,13 @@ class PackedGraphEncoder(nn.Module):
         # the compiled wrapper is no nn.Module: take device and dtype from the encoder itself
         device, dtype = infer_device_dtype(encoder)
         self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype)
+        with _served_lock:
+            _served.add(self)
+
+    def report(self) -> dict[str, Any]:
+        """What this tower did: graphs, graph memory, capture time and call counters, with the
+        fields of :func:`vit_graph_backend.report` (the README's ``report()`` section)."""
+        return summarize([self.manager])
 
     @torch.compiler.disable
     def forward(self, pixel_values: torch.Tensor,

@@ -15,7 +15,14 @@ import torch
 from .planner import Segment
 
 __all__ = ["assemble", "copy_padded", "infer_device_dtype", "input_tensors", "map_output",
-           "max_rel_error", "needs_grad", "split_rows"]
+           "max_rel_error", "needs_grad", "split_rows", "verify_tolerance"]
+
+_DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def verify_tolerance(options: Any, dtype: torch.dtype) -> float:
+    """The largest relative error ``verify=True`` accepts: the option's, else by ``dtype``."""
+    return options.verify_tolerance or _DEFAULT_TOLERANCE.get(dtype, 1e-3)
 
 
 def map_output(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -21,11 +21,9 @@ made on the caller's current stream.
 
 Without CUDA the same plan, pad, run and slice path runs without graphs (CPU tests use it).
 
-Encoders reach the manager through :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`.
-An encoder whose items are runs of independent rows may also implement
-``prepare_encoder_cudagraph_replay_segments(inputs, segments, budget)`` and
-``encoder_eager_segments(inputs, segments)``; the manager then passes planner segments instead of
-item indices, which lets it cut one large item into budget-sized chunks (``chunk=True``).
+Encoders reach the manager through :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`;
+one of independent rows may add ``prepare_encoder_cudagraph_replay_segments`` and
+``encoder_eager_segments`` (planner segments instead of items: large items cut, ``chunk=True``).
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ from .graph_capture import BudgetGraphs, mib
 from .options import VitGraphOptions
 from .planner import Batch, Plan, Segment, eager_reason, plan_batches
 from .replay_io import (assemble, copy_padded, infer_device_dtype, map_output, max_rel_error,
-                        needs_grad, split_rows)
+                        needs_grad, split_rows, verify_tolerance)
 from .protocol import SupportsEncoderCudaGraph
 from .specs import EncoderItemSpec
 from .stats import GraphStats
@@ -56,7 +54,6 @@ __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 _PLAN_CACHE_SIZE = 1024
 
 
@@ -71,13 +68,13 @@ class EncoderCudaGraphManager:
         chunk: cut row items larger than the largest budget into chunks (needs the segment API).
         budget_config: a resolved config to use instead of resolving ``options`` against the
             model's budget range.
+        exact_rows: for an exact-shape graph (one budget of 1 holding a whole static call):
+            the call's real rows, counted in ``stats`` instead of a budget of 1.
 
     Example::
 
         manager = EncoderCudaGraphManager(adapter, VitGraphOptions(max_items_per_graph=4))
-        manager.capture()                      # optional: the first call captures otherwise
         outputs = manager.run({"pixel_values": pv, "grid_thw": grid})   # one output per item
-        print(manager.stats.as_dict(), manager.memory_report())
     """
 
     def __init__(
@@ -89,6 +86,7 @@ class EncoderCudaGraphManager:
         dtype: torch.dtype | None = None,
         chunk: bool = False,
         budget_config: BudgetConfig | None = None,
+        exact_rows: int | None = None,
     ) -> None:
         self.model = model
         self.options = options if options is not None else VitGraphOptions()
@@ -102,6 +100,7 @@ class EncoderCudaGraphManager:
                 "(row items); packed encoders cannot cut an item"
             )
         self.chunk = chunk
+        self.exact_rows = exact_rows
         self.stats = GraphStats()
         self.graphs = BudgetGraphs(model, self.options.warmup_iters, self.options.max_graph_memory,
                                    self.config.max_batch_size, self.config.max_frames_per_batch,
@@ -118,8 +117,7 @@ class EncoderCudaGraphManager:
         self.order = order_for(self.device)
         if self.device.type != "cuda":
             _log_cpu_once()
-        reason_fn = getattr(model, "graph_unsupported_reason", None)
-        reason = reason_fn() if callable(reason_fn) else None
+        reason = getattr(model, "graph_unsupported_reason", lambda: None)()
         if reason:
             self.disable_graphs(reason)
 
@@ -313,9 +311,8 @@ class EncoderCudaGraphManager:
         n = batch.tokens
         real = map_output(out, lambda t: t[:n].clone())
         if self.options.verify and not entry.verified:
-            expected = self._eager_packed(inputs, batch)
-            err = max_rel_error(real, map_output(expected, lambda t: t[:n]))
-            tol = self.options.verify_tolerance or _DEFAULT_TOLERANCE.get(self.dtype, 1e-3)
+            expected = map_output(self._eager_packed(inputs, batch), lambda t: t[:n])
+            err, tol = max_rel_error(real, expected), verify_tolerance(self.options, self.dtype)
             if err > tol:
                 self._disable_budget(
                     budget, f"verification failed: max relative error {err:.3g} > {tol:.3g}",
@@ -324,7 +321,11 @@ class EncoderCudaGraphManager:
             entry.verified = True
             log.info("vitgraph: budget %d verified against eager (max relative error %.3g)",
                      budget, err)
-        self.stats.record_replay(budget, len(batch.segments), n)
+        graph = entry.graph is not None
+        if self.exact_rows is None:
+            self.stats.record_replay(budget, len(batch.segments), n, graph=graph)
+        else:
+            self.stats.record_exact(self.exact_rows, graph=graph)
         return split_rows(real, batch.segments)
 
     def _eager_reason(self, batch: Batch) -> str:

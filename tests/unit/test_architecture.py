@@ -31,12 +31,12 @@ PACKAGE = "vit_graph_backend"
 _CORE = {"errors", "specs", "budgets", "stats", "planner", "options", "protocol"}
 #: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
 #: its memory book, and the tensor helpers of a replay.
-_GRAPH_PARTS = {"stream_order", "graph_capture", "replay_io"}
+_GRAPH_PARTS = {"stream_order", "graph_capture", "replay_io", "graph_report"}
 _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
 _BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
-                                         "packed", "inner"}
+                                         "batched_layout", "packed", "inner"}
 
 #: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
@@ -54,9 +54,11 @@ LAYERS: dict[str, set[str]] = {
     "stream_order": set(),
     "graph_capture": {"_compat"},
     "replay_io": {"planner"},
+    "graph_report": {"stats"},
     "runtime": _RUNTIME_DEPS,
     # The batched [B, C, H, W] layout: pads the batch axis and drives the runtime's graphs.
-    "batched": _RUNTIME_DEPS | {"runtime"},
+    "batched": _RUNTIME_DEPS | {"runtime", "batched_layout"},
+    "batched_layout": {"_compat"},
     # Packed (Qwen-VL style) serving: adapters + inner compiler + runtime, one level below backend.
     "packed": _RUNTIME_DEPS | {"runtime", "adapters", "inner"},
     "inner": {"options", "errors", "_compat"},

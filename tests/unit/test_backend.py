@@ -76,8 +76,8 @@ def test_compiled_encoder_matches_eager_with_at_most_three_compiles(name):
     report = vitgraph.report()
     assert report["compiles"] <= 3, report
     stats = report["stats"]
-    assert stats["eager_items"] == 0  # oversize calls are chunked, not run eagerly
-    assert stats["replays_per_budget"].get("8", 0) >= 2  # the 17-row call went through 8-row chunks
+    assert stats["eager_items"] == 0, stats  # oversize calls are chunked, not run eagerly
+    assert stats["batches_per_budget"].get("8", 0) >= 2  # the 17-row call went through 8-row chunks
 
 
 @torch.no_grad()
@@ -89,7 +89,11 @@ def test_static_first_compile_is_served_exactly():
     torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=0)
     report = vitgraph.report()
     assert report["compiles"] == 1
-    assert report["stats"]["padded_tokens"] == 0 and report["stats"]["graph_replays"] == 1
+    stats = report["stats"]
+    # one exact-shape batch of the call's 4 real rows: no budget, no padding
+    assert (stats["exact_shape_batches"], stats["real_tokens"], stats["padded_tokens"]) == (1, 4, 0)
+    assert stats["batches_per_budget"] == {}
+    assert stats["graph_replays"] + stats["no_graph_batches"] == 1
 
 
 def test_grad_required_runs_eagerly_with_gradients(caplog):

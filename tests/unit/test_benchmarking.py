@@ -134,7 +134,7 @@ def test_planned_totals_are_counted_like_the_backend():
     # call 0: 3 + 3 = 6 tokens -> budget 8 (2 padding); call 1: 20 > 8 -> eager.
     assert (stats["calls"], stats["graph_replays"], stats["eager_batches"]) == (2, 1, 1)
     assert (stats["real_tokens"], stats["padded_tokens"]) == (6, 2)
-    assert stats["replays_per_budget"] == {"8": 1} and stats["hit_rate"] == 2 / 3
+    assert stats["batches_per_budget"] == {"8": 1} and stats["hit_rate"] == 2 / 3
 
 
 def test_call_specs():
@@ -262,8 +262,8 @@ def test_packed_vitgraph_mode_matches_eager_and_the_planned_routing():
     assert vit["status"] == "ok", vit["error"]
     assert vit["max_abs_error"] < 1e-4
     measured, planned = vit["backend_report"]["stats"], doc["routing"]["planned"]
-    assert measured["replays_per_budget"] == {k: 2 * v for k, v in
-                                              planned["replays_per_budget"].items()}
+    assert measured["batches_per_budget"] == {k: 2 * v for k, v in
+                                              planned["batches_per_budget"].items()}
     assert measured["padding_ratio"] == pytest.approx(planned["padding_ratio"])
 
 

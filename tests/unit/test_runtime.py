@@ -44,7 +44,7 @@ def test_items_come_back_in_order_equal_to_runningrun_alone(lengths, policy):
     for g, r in zip(got, run_alone(model, inputs)):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
     stats = mgr.stats
-    assert stats.graph_items + stats.eager_items == len(lengths)
+    assert stats.graph_items + stats.no_graph_items + stats.eager_items == len(lengths)
     assert stats.eager_items >= sum(n > 64 for n in lengths)
     if policy == "baseline":
         assert stats.eager_items == sum(n > 64 for n in lengths)
@@ -57,9 +57,9 @@ def test_oversize_item_is_eager_and_counted_with_reason():
     model, mgr = _setup()
     mgr.run(_call([100, 3]))
     stats = mgr.stats.as_dict()
-    assert stats["eager_items"] == 1 and stats["graph_items"] == 1
+    assert stats["eager_items"] == 1 and stats["graph_items"] + stats["no_graph_items"] == 1
     assert stats["fallback_reasons"] == {"item exceeds the largest budget": 1}
-    assert stats["replays_per_budget"] == {"8": 1} and stats["padded_tokens"] == 5
+    assert stats["batches_per_budget"] == {"8": 1} and stats["padded_tokens"] == 5
 
 
 @torch.no_grad()
@@ -72,7 +72,7 @@ def test_exact_policy_fallback_names_its_own_reason():
     stats = mgr.stats.as_dict()
     assert stats["fallback_reasons"] == {"exact policy: no budget equals the batch's tokens": 1,
                                          "item exceeds the largest budget": 1}
-    assert stats["replays_per_budget"] == {"8": 1}
+    assert stats["batches_per_budget"] == {"8": 1}
 
 
 @torch.no_grad()
@@ -167,7 +167,7 @@ def test_a_bad_call_raises_and_costs_the_graphs_nothing():
     inputs = _call([16])
     (got,) = mgr.run(inputs)
     torch.testing.assert_close(got, run_alone(model, inputs)[0], atol=1e-5, rtol=1e-5)
-    assert mgr.stats.as_dict()["replays_per_budget"] == {"16": 1}
+    assert mgr.stats.as_dict()["batches_per_budget"] == {"16": 1}
 
 
 @torch.no_grad()

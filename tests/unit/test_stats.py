@@ -27,18 +27,22 @@ REASONS = ("oversize", "no graph", "capture failed")
 @st.composite
 def replays(draw):
     budget = draw(st.integers(1, 4096))
-    return ("replay", budget, draw(st.integers(1, budget)), draw(st.integers(1, budget)))
+    return ("replay", budget, draw(st.integers(1, budget)), draw(st.integers(1, budget)),
+            draw(st.booleans()))
 
 
 eagers = st.tuples(st.just("eager"), st.integers(1, 64), st.sampled_from(REASONS))
+exacts = st.tuples(st.just("exact"), st.integers(1, 64), st.booleans())
 calls = st.tuples(st.just("call"))
-operations = st.lists(st.one_of(replays(), eagers, calls), max_size=25)
+operations = st.lists(st.one_of(replays(), eagers, exacts, calls), max_size=25)
 
 
 def apply(stats: GraphStats, ops) -> GraphStats:
     for op in ops:
         if op[0] == "replay":
-            stats.record_replay(op[1], op[2], op[3])
+            stats.record_replay(op[1], op[2], op[3], graph=op[4])
+        elif op[0] == "exact":
+            stats.record_exact(op[1], graph=op[2])
         elif op[0] == "eager":
             stats.record_eager(op[1], op[2])
         else:
@@ -48,22 +52,30 @@ def apply(stats: GraphStats, ops) -> GraphStats:
 
 def expected_counts(ops) -> dict:
     rep = [op for op in ops if op[0] == "replay"]
+    ex = [op for op in ops if op[0] == "exact"]
     eag = [op for op in ops if op[0] == "eager"]
-    graph_items = sum(op[2] for op in rep)
+    # (items, graph?) of every padded or exact-shape batch
+    runs = [(op[2], op[4]) for op in rep] + [(1, op[2]) for op in ex]
+    graph_items = sum(n for n, g in runs if g)
+    no_graph_items = sum(n for n, g in runs if not g)
     eager_items = sum(op[1] for op in eag)
-    real = sum(op[3] for op in rep)
+    real = sum(op[3] for op in rep) + sum(op[1] for op in ex)
     padded = sum(op[1] - op[3] for op in rep)
+    served = graph_items + no_graph_items + eager_items
     return {
         "calls": sum(op[0] == "call" for op in ops),
-        "graph_replays": len(rep),
+        "graph_replays": sum(1 for _, g in runs if g),
         "graph_items": graph_items,
+        "no_graph_batches": sum(1 for _, g in runs if not g),
+        "no_graph_items": no_graph_items,
         "eager_batches": len(eag),
         "eager_items": eager_items,
+        "exact_shape_batches": len(ex),
         "real_tokens": real,
         "padded_tokens": padded,
-        "hit_rate": graph_items / (graph_items + eager_items) if graph_items + eager_items else 0.0,
+        "hit_rate": graph_items / served if served else 0.0,
         "padding_ratio": padded / (real + padded) if real + padded else 0.0,
-        "replays_per_budget": {str(b): n for b, n in sorted(Counter(op[1] for op in rep).items())},
+        "batches_per_budget": {str(b): n for b, n in sorted(Counter(op[1] for op in rep).items())},
         "fallback_reasons": dict(Counter(op[2] for op in eag)),
     }
 
@@ -79,7 +91,8 @@ def test_counters_add_up(ops):
     snapshot = stats.as_dict()
     assert stats.hit_rate == snapshot["hit_rate"] and stats.padding_ratio == snapshot["padding_ratio"]
     assert 0.0 <= stats.hit_rate <= 1.0 and 0.0 <= stats.padding_ratio < 1.0
-    assert sum(stats.replays_per_budget.values()) == stats.graph_replays
+    assert (sum(stats.batches_per_budget.values()) + stats.exact_shape_batches
+            == stats.graph_replays + stats.no_graph_batches)
     assert sum(stats.fallback_reasons.values()) == stats.eager_batches
     json.dumps(snapshot)  # JSON-ready
 
@@ -132,6 +145,7 @@ def test_fresh_stats_are_zero():
 
 UPDATES = {
     "record_replay": lambda s: s.record_replay(64, 2, 60),
+    "record_exact": lambda s: s.record_exact(3, graph=False),
     "record_eager": lambda s: s.record_eager(1, "oversize"),
     "record_call": lambda s: s.record_call(),
     "reset": lambda s: s.reset(),
@@ -146,7 +160,7 @@ def test_every_update_waits_for_the_lock(update):
     Under CPython's GIL the lost-update smoke test below rarely loses anything even without the
     lock, so this checks the mechanism directly: while the lock is held, an update cannot finish.
     """
-    stats = apply(GraphStats(), [("replay", 64, 1, 32), ("call",)])
+    stats = apply(GraphStats(), [("replay", 64, 1, 32, True), ("call",)])
     before = stats.as_dict()
     done = threading.Event()
 
@@ -190,5 +204,5 @@ def test_concurrent_updates_are_not_lost():
     assert (stats.calls, stats.graph_replays, stats.eager_batches) == (n, n, n)
     assert (stats.graph_items, stats.eager_items) == (2 * n, n)
     assert (stats.real_tokens, stats.padded_tokens) == (60 * n, 4 * n)
-    assert stats.replays_per_budget == Counter({64: n})
+    assert stats.batches_per_budget == Counter({64: n})
     assert sum(stats.fallback_reasons.values()) == n

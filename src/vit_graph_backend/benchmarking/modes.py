@@ -66,12 +66,8 @@ def _import(what: str) -> Any:
 
 
 def _packed_report(served: Any) -> dict[str, Any]:
-    """A packed encoder's counters, shaped like ``vitgraph.report()`` (no Dynamo compiles)."""
-    memory = served.manager.memory_report()
-    return {"compiles": None, "graphs_captured": memory["graphs"],
-            "graph_memory_bytes": memory["total_bytes"],
-            "capture_seconds": memory["capture_seconds"],
-            "stats": served.manager.stats.as_dict()}
+    """A packed encoder's report, shaped like ``vitgraph.report()`` (no Dynamo compiles)."""
+    return {"compiles": None, **served.report()}
 
 
 def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> PreparedMode:

@@ -49,9 +49,10 @@ class OneOf:
 
 NUMBER = (int, float)
 STATS = {  # GraphStats.as_dict(): planned (routing) or measured (backend report)
-    "calls": int, "graph_replays": int, "graph_items": int, "eager_batches": int,
-    "eager_items": int, "real_tokens": int, "padded_tokens": int, "hit_rate": NUMBER,
-    "padding_ratio": NUMBER, "replays_per_budget": MapOf(int), "fallback_reasons": MapOf(int),
+    "calls": int, "graph_replays": int, "graph_items": int, "no_graph_batches": int,
+    "no_graph_items": int, "eager_batches": int, "eager_items": int,
+    "exact_shape_batches": int, "real_tokens": int, "padded_tokens": int, "hit_rate": NUMBER,
+    "padding_ratio": NUMBER, "batches_per_budget": MapOf(int), "fallback_reasons": MapOf(int),
 }
 PLAN = {  # routing.plan_to_dict() plus the call index
     "call": int,
@@ -224,7 +225,7 @@ def _routing_lines(doc: Mapping[str, Any]) -> list[str]:
     lines = [
         "routing (planner preview: what vitgraph does with these options, on any device):",
         f"  budgets ({unit}): {' '.join(map(str, r['budgets']))} | {cap} | policy {r['policy']}",
-        f"  planned over the stream: {p['graph_replays']} replays ({_budget_counts(p['replays_per_budget'])}), "
+        f"  planned over the stream: {p['graph_replays']} replays ({_budget_counts(p['batches_per_budget'])}), "
         f"{p['eager_batches']} eager batches ({p['eager_items']} items); hit rate "
         f"{_pct(p['hit_rate'])}; padding {_pct(p['padding_ratio'])} "
         f"({p['padded_tokens']} of {p['real_tokens'] + p['padded_tokens']} graph {unit})",
@@ -241,8 +242,9 @@ def _backend_lines(m: Mapping[str, Any]) -> list[str]:
         f"  {m['mode']}: {_num(rep.get('compiles'), 'd')} Dynamo compiles, "
         f"{rep.get('graphs_captured')} graphs "
         f"({_mib(rep.get('graph_memory_bytes'))}, captured in {rep.get('capture_seconds')} s); "
-        f"{s.get('calls')} calls: {s.get('graph_replays')} replays "
-        f"({_budget_counts(s.get('replays_per_budget') or {})}), {s.get('eager_batches')} eager "
+        f"{s.get('calls')} calls: {s.get('graph_replays')} graph replays, "
+        f"{s.get('no_graph_batches') or 0} padded batches without graphs "
+        f"({_budget_counts(s.get('batches_per_budget') or {})}), {s.get('eager_batches')} eager "
         f"batches ({s.get('eager_items')} items); hit rate {_pct(s.get('hit_rate'))}, "
         f"padding {_pct(s.get('padding_ratio'))}; fallbacks: "
         f"{', '.join(f'{k} x{v}' for k, v in reasons.items()) or 'none'}"

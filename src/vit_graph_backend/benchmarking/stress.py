@@ -244,9 +244,10 @@ def _part_batched(cfg: StressConfig) -> PartResult:
     _hammer(result, cfg, lambda i: compiled(*inputs[i]), refs,
             _poisoner(managers, cfg.device.startswith("cuda")))
     report = vitgraph.report()
+    stats = report["stats"]
     result.details = {"compiles": report["compiles"], "graphs": report["graphs_captured"],
-                      "replays": report["stats"]["graph_replays"],
-                      "eager_batches": report["stats"]["eager_batches"]}
+                      "replays": stats["graph_replays"] + stats["no_graph_batches"],
+                      "eager_batches": stats["eager_batches"]}
     return result
 
 
@@ -284,7 +285,7 @@ def _part_packed(cfg: StressConfig, tower: Any, inputs: list[Any], refs: list[An
     stats = manager.stats.as_dict()
     memory = manager.memory_report()
     result.details.update({
-        "graphs": memory["graphs"], "replays": stats["graph_replays"],
+        "graphs": memory["graphs"], "replays": stats["graph_replays"] + stats["no_graph_batches"],
         "eager_batches": stats["eager_batches"], "fallback_reasons": stats["fallback_reasons"],
         "captured_budgets": memory["captured_budgets"],
         "skipped_budgets": {b: why[:60] for b, why in memory["skipped_budgets"].items()},
