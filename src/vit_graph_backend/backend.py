@@ -57,9 +57,10 @@ class VitGraphBackend:
                 "as torch.compile(..., options={...})")
         opts = VitGraphOptions.from_compile_kwargs(options, mode)
         if opts.backed_size_oblivious and _compat.enable_backed_size_oblivious():
-            log.info("vitgraph: turned on torch.fx.experimental._config.backed_size_oblivious "
-                     "(process-wide) so that dynamic graphs serve a batch of 1 without another "
-                     "compile; options={'backed_size_oblivious': False} leaves it off")
+            log.warning("vitgraph: backed_size_oblivious=True turned on PyTorch's "
+                        "torch.fx.experimental._config.backed_size_oblivious for this whole "
+                        "process (every later Dynamo compile), so that dynamic graphs serve a "
+                        "batch of 1 without another compile")
         fn = compile_inner(gm, example_inputs, opts)
         encoder = BatchedGraphEncoder(gm, example_inputs, opts, fn)
         with self._lock:

@@ -81,10 +81,12 @@ class VitGraphOptions:
             recently used set is freed beyond this.
         static_graphs: serve Dynamo's static (first, and batch-1) compiles from one exact-shape
             graph; ``False`` runs them eagerly.
-        backed_size_oblivious: at the first ``vitgraph`` compile, turn on PyTorch's
-            ``backed_size_oblivious`` (process-wide: it applies to every later Dynamo compile) so
-            that a dynamic graph also serves a batch of 1 instead of Dynamo compiling the frame
-            once more for it; ``False`` leaves PyTorch's setting as it is.
+        backed_size_oblivious: opt-in: at the first ``vitgraph`` compile, turn on PyTorch's
+            ``backed_size_oblivious`` so that a dynamic graph also serves a batch of 1 instead of
+            Dynamo compiling the frame once more for it. It is process-wide (every later Dynamo
+            compile, the application's own included), hence off by default, and it needs
+            ``inner_compiler="eager"``: Inductor kernels compiled under it read out of bounds at a
+            batch of 1 on torch 2.11 (an illegal memory access on an H100).
         verify: compare the first replay of each budget with an eager run of the same items; a
             mismatch beyond ``verify_tolerance`` disables that budget's graph with a warning.
         verify_tolerance: max abs error allowed relative to the eager output's max abs value;
@@ -114,7 +116,7 @@ class VitGraphOptions:
     warmup_iters: int = 2
     max_graph_sets: int = 4
     static_graphs: bool = True
-    backed_size_oblivious: bool = True
+    backed_size_oblivious: bool = False
     verify: bool = False
     verify_tolerance: float | None = None
     max_graph_memory: int | float | None = None
@@ -170,6 +172,11 @@ class VitGraphOptions:
                 f"budget min(budgets)={self.budgets[0]}: every item slot of a graph needs at least "
                 "one token; lower max_items_per_graph or raise the smallest budget"
             )
+        if self.backed_size_oblivious and self.inner_compiler != "eager":
+            raise InvalidOptionError(
+                f"backed_size_oblivious=True is invalid with inner_compiler="
+                f"{self.inner_compiler!r}: it needs inner_compiler='eager' (Inductor kernels "
+                "compiled under it read out of bounds at a batch of 1 on torch 2.11)")
         if self.inner_compiler == "tensorrt" and importlib.util.find_spec("torch_tensorrt") is None:
             raise MissingDependencyError(
                 "inner_compiler='tensorrt' needs torch-tensorrt, which is not installed: "

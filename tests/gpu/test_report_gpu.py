@@ -2,11 +2,11 @@
 
 - a compiled timm ViT: the static first compile is one exact-shape graph (its rows counted, no
   budget "1"), the dynamic compile replays budget graphs; graph memory is positive;
-- HF SigLIP at batch sizes 3, 5, 1: Dynamo's batch-of-1 compile keeps a symbolic batch axis but
-  outputs a concrete 1 (``nn.MultiheadAttention``'s size check); it is served as an exact-shape
-  graph, not eagerly;
-- HF ViT with ``interpolate_pos_encoding=True`` over two image sizes, batch 1 included: at most
-  three compiles, outputs equal eager, every call served by a graph;
+- with the ``backed_size_oblivious`` opt-in, HF SigLIP at batch sizes 3, 5, 1: Dynamo's batch-of-1
+  compile keeps a symbolic batch axis but outputs a concrete 1 (``nn.MultiheadAttention``'s size
+  check); it is served as an exact-shape graph, not eagerly;
+- with the opt-in, HF ViT with ``interpolate_pos_encoding=True`` over three image sizes, batch 1
+  included: at most three compiles, outputs equal eager, every call served by a graph;
 - a served Qwen2-VL tower's ``report()``: graph replays, graph memory, the same fields.
 """
 
@@ -56,7 +56,8 @@ def test_batch_of_one_with_a_pinned_output_is_served_from_a_graph():
     model = tr.SiglipVisionModel(tr.SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         image_size=32, patch_size=8)).to(DEV).eval()
-    compiled = torch.compile(model, backend="vitgraph", options={"max_budget": 8})
+    compiled = torch.compile(model, backend="vitgraph",
+                             options={"max_budget": 8, "backed_size_oblivious": True})
     for b in (3, 5, 1, 1, 4):
         x = torch.randn(b, 3, 32, 32, device=DEV)
         got, ref = compiled(x), model(x)
@@ -71,13 +72,13 @@ def test_batch_of_one_with_a_pinned_output_is_served_from_a_graph():
 
 
 @torch.no_grad()
-def test_image_size_changes_cost_at_most_three_compiles_on_cuda():
+def test_image_size_changes_cost_at_most_three_compiles_with_the_opt_in():
     tr = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = tr.ViTModel(tr.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, image_size=32,
                                      patch_size=8)).to(DEV).eval()
-    compiled = torch.compile(model, backend="vitgraph")
+    compiled = torch.compile(model, backend="vitgraph", options={"backed_size_oblivious": True})
     for b, size in [(3, 32), (5, 32), (2, 48), (4, 48), (1, 48), (1, 32), (6, 32), (2, 64)]:
         x = torch.randn(b, 3, size, size, device=DEV)
         got = compiled(pixel_values=x, interpolate_pos_encoding=True).last_hidden_state
