@@ -35,7 +35,7 @@ def test_report_counts_exact_and_budget_graphs_truly():
     rows = [2, 5, 3, 7, 3]
     for b in rows:
         x = torch.randn(b, 3, 32, 32, device=DEV)
-        torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=0)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-3, rtol=0)   # TF32 matmuls
     report = vit_graph_backend.report()
     stats = report["stats"]
     print("report on CUDA:", {k: report[k] for k in report if k != "stats"}, stats)
@@ -99,14 +99,15 @@ def test_served_tower_report_on_cuda():
     )
 
     torch.manual_seed(0)
+    # bf16: the packed graph's varlen flash attention needs half precision (qwen_vl.py)
     tower = Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
         depth=1, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2,
-        patch_size=2)).to(DEV).eval()
+        patch_size=2)).to(DEV, torch.bfloat16).eval()
     served = vit_graph_backend.serve(tower, min_budget=4, max_budget=16)
     grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
-    pixels = torch.randn(24, 24, device=DEV)
+    pixels = torch.randn(24, 24, device=DEV, dtype=torch.bfloat16)
     reference = tower(pixels, grid_thw=grid.to(DEV)).pooler_output   # merged tokens
-    torch.testing.assert_close(served(pixels, grid), reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(served(pixels, grid), reference, atol=5e-2, rtol=5e-2)
     report = served.report()
     print("served report:", {k: report[k] for k in report if k != "stats"})
     assert set(report) == set(REPORT_FIELDS)
