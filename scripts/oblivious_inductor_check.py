@@ -22,7 +22,7 @@ compiled = torch.compile(model, backend="vitgraph",
                          options={"inner_compiler": sys.argv[2]})
 worst = 0.0
 with torch.no_grad():
-    for b in [3, 5, 1, 7, 2]:
+    for b in [int(v) for v in sys.argv[3].split(",")]:
         x = torch.randn(b, 3, 64, 64, device="cuda")
         worst = max(worst, (compiled(x) - model(x)).abs().max().item())
     torch.cuda.synchronize()
@@ -31,14 +31,16 @@ print("ok", worst)
 
 
 def main() -> None:
-    for flag in ("off", "on"):
+    for sizes in ("3,5,1,7,2", "3,5,1,7,40,2,16,33"):
+      for flag in ("off", "on"):
         for inner in ("eager", "inductor"):
-            run = subprocess.run([sys.executable, "-c", CASE, flag, inner], capture_output=True,
-                                 text=True, timeout=300)
+            run = subprocess.run([sys.executable, "-c", CASE, flag, inner, sizes],
+                                 capture_output=True, text=True, timeout=300)
             lines = (run.stdout + run.stderr).strip().splitlines()
             last = next((ln for ln in reversed(lines) if ln.startswith("ok")
                          or "Error" in ln), lines[-1] if lines else "no output")
-            print(f"backed_size_oblivious={flag:3} inner={inner:8} rc={run.returncode}: "
+            print(f"sizes {sizes:20} backed_size_oblivious={flag:3} inner={inner:8} "
+                  f"rc={run.returncode}: "
                   f"{last[:200]}")
 
 
