@@ -1,8 +1,8 @@
 """Does PyTorch's ``backed_size_oblivious`` break Inductor inner graphs at a batch of 1 on CUDA?
 
-Why ``VitGraphOptions`` refuses ``backed_size_oblivious=True`` with ``inner_compiler="inductor"``:
-each case runs in its own process (an illegal memory access poisons the CUDA context) and prints
-one line: the flag, the inner compiler, and ``ok <max error>`` or the error.
+Each case sets the flag before any compile and runs in its own process (an illegal memory access
+poisons the CUDA context); it prints one line: the sizes, the flag, the inner compiler, and
+``ok <max error>`` or the error.
 Usage (CUDA machine, repo root): python scripts/oblivious_inductor_check.py
 """
 
@@ -31,17 +31,16 @@ print("ok", worst)
 
 
 def main() -> None:
-    for sizes in ("3,5,1,7,2", "3,5,1,7,40,2,16,33"):
-      for flag in ("off", "on"):
-        for inner in ("eager", "inductor"):
-            run = subprocess.run([sys.executable, "-c", CASE, flag, inner, sizes],
-                                 capture_output=True, text=True, timeout=300)
-            lines = (run.stdout + run.stderr).strip().splitlines()
-            last = next((ln for ln in reversed(lines) if ln.startswith("ok")
-                         or "Error" in ln), lines[-1] if lines else "no output")
-            print(f"sizes {sizes:20} backed_size_oblivious={flag:3} inner={inner:8} "
-                  f"rc={run.returncode}: "
-                  f"{last[:200]}")
+    cases = [(sizes, flag, inner) for sizes in ("3,5,1,7,2", "3,5,1,7,40,2,16,33")
+             for flag in ("off", "on") for inner in ("eager", "inductor")]
+    for sizes, flag, inner in cases:
+        run = subprocess.run([sys.executable, "-c", CASE, flag, inner, sizes],
+                             capture_output=True, text=True, timeout=300)
+        lines = (run.stdout + run.stderr).strip().splitlines()
+        last = next((ln for ln in reversed(lines) if ln.startswith("ok") or "Error" in ln),
+                    lines[-1] if lines else "no output")
+        print(f"sizes {sizes:20} backed_size_oblivious={flag:3} inner={inner:8} "
+              f"rc={run.returncode}: {last[:200]}")
 
 
 if __name__ == "__main__":

@@ -85,8 +85,9 @@ class VitGraphOptions:
             ``backed_size_oblivious`` so that a dynamic graph also serves a batch of 1 instead of
             Dynamo compiling the frame once more for it. It is process-wide (every later Dynamo
             compile, the application's own included), hence off by default, and it needs
-            ``inner_compiler="eager"``: Inductor kernels compiled under it read out of bounds at a
-            batch of 1 on torch 2.11 (an illegal memory access on an H100).
+            ``inner_compiler="eager"``: turned on by the backend in a running process, it ended
+            an Inductor inner graph in an illegal memory access in the GPU suite on torch 2.11
+            (``benchmarks/results/backed_size_oblivious_inductor_H100_torch2.11.0.txt``).
         verify: compare the first replay of each budget with an eager run of the same items; a
             mismatch beyond ``verify_tolerance`` disables that budget's graph with a warning.
         verify_tolerance: max abs error allowed relative to the eager output's max abs value;
@@ -175,8 +176,9 @@ class VitGraphOptions:
         if self.backed_size_oblivious and self.inner_compiler != "eager":
             raise InvalidOptionError(
                 f"backed_size_oblivious=True is invalid with inner_compiler="
-                f"{self.inner_compiler!r}: it needs inner_compiler='eager' (Inductor kernels "
-                "compiled under it read out of bounds at a batch of 1 on torch 2.11)")
+                f"{self.inner_compiler!r}: it needs inner_compiler='eager' (turned on in a "
+                "running process it ended an Inductor inner graph in an illegal memory access "
+                "on torch 2.11)")
         if self.inner_compiler == "tensorrt" and importlib.util.find_spec("torch_tensorrt") is None:
             raise MissingDependencyError(
                 "inner_compiler='tensorrt' needs torch-tensorrt, which is not installed: "
