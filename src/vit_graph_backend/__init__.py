@@ -56,11 +56,14 @@ __all__ = [
     "ceil_div",
     "plan_batches",
     "report",
+    "restore_vision_",
     "serve",
+    "serve_vision_",
     "supports_encoder_cudagraph",
 ]
 
-_LAZY = {"PackedGraphEncoder": "packed", "serve": "packed", "report": "backend"}
+_LAZY = {"PackedGraphEncoder": "packed", "serve": "packed", "report": "backend",
+         "serve_vision_": "hf", "restore_vision_": "hf"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,147 @@
+"""Time to first token of a Qwen2.5-VL-3B-shaped model, eager against ``serve_vision_``, one run.
+
+Random weights in bfloat16 on one CUDA GPU, the published 3B shapes (vision: 32 blocks of 1280,
+window attention; text: 36 layers of 2048). Prompts: 64 text tokens plus 1 to 4 document/photo
+sized images (up to 1288 px) or one short video (8 frames of 448 px). For each prompt:
+
+- ``ttft``: wall time of ``generate(max_new_tokens=1)`` (prefill plus one token), median of 5
+  after 2 warm-up calls, synchronized;
+- ``vision``: wall time of the tower's call alone on the same pixels (eager), and its share of
+  the eager ttft, which bounds what serving the tower can save.
+
+Eager runs first, then ``serve_vision_`` (graph capture in the warm-up), on the same model and
+inputs; greedy first tokens are compared. Writes JSON and a table (``--out`` prefix).
+Usage (CUDA machine, repo root): python benchmarks/hf_ttft.py --out benchmarks/results/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import time
+
+import torch
+
+IMAGES = [(1288, 980), (980, 1288), (1148, 868), (672, 896)]   # (height, width) in pixels
+VIDEO = (8, 448, 448)                                           # frames, height, width
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+IMG, VID, VS, VE = 151655, 151656, 151652, 151653
+
+
+def build(device: str) -> torch.nn.Module:
+    import transformers as tr
+
+    text = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                max_position_embeddings=32768,
+                rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24],
+                                 "rope_theta": 1000000.0})
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                  out_hidden_size=2048, patch_size=PATCH, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31], spatial_merge_size=MERGE,
+                  temporal_patch_size=TEMPORAL)
+    config = tr.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMG,
+                                 video_token_id=VID, vision_start_token_id=VS,
+                                 vision_end_token_id=VE)
+    with torch.device(device):
+        model = tr.Qwen2_5_VLForConditionalGeneration(config)
+    return model.to(torch.bfloat16).eval()
+
+
+def prompt(model: torch.nn.Module, images: int, video: bool, device: str) -> dict:
+    g = torch.Generator().manual_seed(images + 10 * video)
+    ids, grids, pixels = list(range(100, 132)), [], 0
+    if video:
+        frames, h, w = VIDEO
+        grids.append([frames // TEMPORAL, h // PATCH, w // PATCH])
+    else:
+        grids += [[1, h // PATCH, w // PATCH] for h, w in IMAGES[:images]]
+    token = VID if video else IMG
+    for t, h, w in grids:
+        ids += [VS] + [token] * (t * h * w // MERGE ** 2) + [VE]
+        pixels += t * h * w
+    ids += list(range(200, 232))
+    input_ids = torch.tensor([ids], device=device)
+    values = torch.randn(pixels, 3 * TEMPORAL * PATCH * PATCH, generator=g).to(device,
+                                                                                 torch.bfloat16)
+    grid = torch.tensor(grids, device=device)
+    key = "video" if video else "image"
+    inputs = {"input_ids": input_ids, f"pixel_values{'_videos' if video else ''}": values,
+              f"{key}_grid_thw": grid}
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
+        inputs["mm_token_type_ids"] = ((input_ids == IMG).long() + 2 * (input_ids == VID).long())
+    return inputs
+
+
+def timed(fn, warmup: int = 2, repeat: int = 5) -> tuple[float, object]:
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, out
+
+
+def main() -> None:
+    import vit_graph_backend as vg
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="hf_ttft")
+    args = parser.parse_args()
+    device = "cuda"
+    model = build(device)
+    cases = [(n, False) for n in (1, 2, 3, 4)] + [(0, True)]
+    prompts = {case: prompt(model, *case, device) for case in cases}
+    rows: dict = {}
+
+    def run_all(mode: str) -> None:
+        for case, inputs in prompts.items():
+            name = "video 8x448" if case[1] else f"{case[0]} image(s)"
+            with torch.no_grad():
+                ttft, tokens = timed(lambda: model.generate(**inputs, max_new_tokens=1,
+                                                            do_sample=False))
+                pixel_key = "pixel_values_videos" if case[1] else "pixel_values"
+                grid_key = "video_grid_thw" if case[1] else "image_grid_thw"
+                vision, _ = timed(lambda: model.model.visual(inputs[pixel_key],
+                                                             grid_thw=inputs[grid_key]))
+            row = rows.setdefault(name, {"vision_tokens": int(
+                (inputs[grid_key].prod(-1) // MERGE ** 2).sum())})
+            row[mode] = {"ttft_ms": round(ttft, 2), "vision_ms": round(vision, 2),
+                         "first_token": tokens[0, -1].item()}
+
+    run_all("eager")
+    vg.serve_vision_(model)
+    run_all("served")
+    report = vg.hf.served_towers(model)["model.visual"].report()
+    lines = [f"Qwen2.5-VL-3B-shaped, random weights, bf16, {torch.cuda.get_device_name(0)}, "
+             f"torch {torch.__version__}; ttft = generate(max_new_tokens=1), median of 5",
+             f"{'prompt':14} {'vision tok':>10} {'eager ttft':>11} {'vision share':>12} "
+             f"{'served ttft':>12} {'gain':>6} {'same token':>10}"]
+    for name, row in rows.items():
+        eager, served = row["eager"], row["served"]
+        row["gain"] = round(eager["ttft_ms"] / served["ttft_ms"], 3)
+        row["vision_share"] = round(eager["vision_ms"] / eager["ttft_ms"], 3)
+        lines.append(f"{name:14} {row['vision_tokens']:>10} {eager['ttft_ms']:>9.1f}ms "
+                     f"{row['vision_share']:>12.0%} {served['ttft_ms']:>10.1f}ms "
+                     f"{row['gain']:>5.2f}x {str(eager['first_token'] == served['first_token']):>10}")
+    lines.append(f"served tower: {report['graphs_captured']} graphs, "
+                 f"{report['graph_memory_bytes'] / 2**20:.0f} MiB, captured in "
+                 f"{report['capture_seconds']} s; stats {report['stats']}")
+    text = "\n".join(lines)
+    print(text)
+    with open(args.out + ".txt", "w") as f:
+        f.write(text + "\n")
+    with open(args.out + ".json", "w") as f:
+        json.dump({"rows": rows, "report": report, "torch": torch.__version__,
+                   "device": torch.cuda.get_device_name(0)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

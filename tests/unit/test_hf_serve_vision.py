@@ -1,0 +1,133 @@
+"""``serve_vision_(model)`` on whole Hugging Face VLMs: ``generate()`` unchanged, nothing lost.
+
+Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL models (packed towers) and LLaVA (a batched CLIP
+tower), float32, CPU (``tests/hf_models.py``). For each: greedy tokens identical to the unmodified
+model and logits within 1e-5 (two images and a video; LLaVA: 1, 3 and 2 images); the tower keeps
+its attributes and its HF return type; ``state_dict()`` keys and ``save_pretrained`` files are
+exactly as before; ``restore_vision_`` gives the tower its own forward back. Bad options fail at
+the call, before any tower is touched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+import vit_graph_backend as vg  # noqa: E402
+from vit_graph_backend.errors import InvalidOptionError, UnsupportedModelError  # noqa: E402
+from vit_graph_backend.hf import served_towers  # noqa: E402
+
+LOGIT_ATOL = 1e-5
+
+
+def _generate(model, prompt):
+    with torch.no_grad():
+        tokens = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+        logits = model(**prompt).logits
+    return tokens, logits
+
+
+@pytest.mark.parametrize("family", sorted(hf_models.PACKED))
+def test_packed_family_generates_the_same_tokens(family):
+    torch.manual_seed(0)
+    model = hf_models.PACKED[family]().eval()
+    prompt = hf_models.packed_prompt(family, model)
+    keys = list(model.state_dict())
+    ref_tokens, ref_logits = _generate(model, prompt)
+
+    assert vg.serve_vision_(model) is model
+    served = served_towers(model)
+    assert list(served) == ["model.visual"]
+    tokens, logits = _generate(model, prompt)
+    assert tokens.tolist() == ref_tokens.tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=LOGIT_ATOL, rtol=0)
+    stats = served["model.visual"].report()["stats"]
+    assert stats["calls"] >= 2 and stats["eager_batches"] == 0, stats   # images and the video
+    assert stats["no_graph_items"] + stats["graph_items"] >= 3
+    assert list(model.state_dict()) == keys
+
+    visual = model.model.visual
+    assert visual.dtype == torch.float32 and visual.device.type == "cpu"
+    assert visual.spatial_merge_size == 2 and visual.config is model.config.vision_config
+
+    vg.restore_vision_(model)
+    assert "forward" not in visual.__dict__ and served_towers(model) == {}
+    tokens, _ = _generate(model, prompt)
+    assert tokens.tolist() == ref_tokens.tolist()
+
+
+@pytest.mark.parametrize("family", sorted(hf_models.PACKED))
+def test_tower_call_returns_the_hf_output_type(family):
+    torch.manual_seed(0)
+    model = hf_models.PACKED[family]().eval()
+    prompt = hf_models.packed_prompt(family, model)
+    visual, pixels, grid = model.model.visual, prompt["pixel_values"], prompt["image_grid_thw"]
+    with torch.no_grad():
+        ref = visual(pixels, grid_thw=grid)
+        vg.serve_vision_(model)
+        got = visual(pixels, grid_thw=grid)
+        as_tuple = visual(pixels, grid_thw=grid, return_dict=False)
+        features = model.model.get_image_features(pixels, grid)
+        hidden = visual(pixels, grid_thw=grid, output_hidden_states=True)
+    assert type(got) is type(ref)
+    torch.testing.assert_close(got.pooler_output, ref.pooler_output, atol=1e-5, rtol=0)
+    assert got.last_hidden_state is None   # the graphs do not keep the pre-merger states
+    if family == "qwen3":
+        assert len(got.deepstack_features) == len(ref.deepstack_features) == 2
+        for a, b in zip(got.deepstack_features, ref.deepstack_features):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], ref.pooler_output, atol=1e-5, rtol=0)
+    assert [f.shape[0] for f in features.pooler_output] == [4, 2]
+    # hidden states asked for: the tower's own forward answers, with every field
+    assert hidden.last_hidden_state is not None and hidden.hidden_states is not None
+
+
+def test_save_pretrained_writes_the_same_weights(tmp_path):
+    torch.manual_seed(0)
+    model = hf_models.qwen2_5().eval()
+    model.save_pretrained(tmp_path / "before")
+    vg.serve_vision_(model)
+    model.save_pretrained(tmp_path / "after")
+    from safetensors.torch import load_file
+
+    before = load_file(tmp_path / "before" / "model.safetensors")
+    after = load_file(tmp_path / "after" / "model.safetensors")
+    assert sorted(after) == sorted(before)
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], atol=0, rtol=0)
+
+
+def test_batched_tower_of_llava_generates_the_same_tokens():
+    torch.manual_seed(0)
+    model = hf_models.llava().eval()
+    keys = list(model.state_dict())
+    prompts = [hf_models.llava_prompt(n, seed=n) for n in (1, 3, 2)]
+    refs = [_generate(model, p) for p in prompts]
+    vg.serve_vision_(model)
+    assert list(served_towers(model)) == ["model.vision_tower"]
+    for prompt, (ref_tokens, ref_logits) in zip(prompts, refs):
+        tokens, logits = _generate(model, prompt)
+        assert tokens.tolist() == ref_tokens.tolist()
+        torch.testing.assert_close(logits, ref_logits, atol=LOGIT_ATOL, rtol=0)
+    assert list(model.state_dict()) == keys
+    report = vg.report()
+    assert 1 <= report["compiles"] <= 3 and report["stats"]["eager_batches"] == 0
+    vg.restore_vision_(model)
+    assert "forward" not in model.model.vision_tower.__dict__
+
+
+def test_bad_calls_fail_before_any_tower_changes():
+    model = hf_models.llava().eval()
+    with pytest.raises(InvalidOptionError, match="max_items_per_graph"):
+        vg.serve_vision_(model, max_items_per_graph=2)   # an option of packed towers only
+    with pytest.raises(InvalidOptionError, match="fuse"):
+        vg.serve_vision_(model, fuse=False)              # an adapter keyword: no packed tower
+    with pytest.raises(InvalidOptionError, match="max_budget"):
+        vg.serve_vision_(hf_models.qwen2().eval(), max_budget=0)
+    assert served_towers(model) == {}
+    with pytest.raises(UnsupportedModelError, match="Qwen2_5_VisionTransformerPretrainedModel"):
+        vg.serve_vision_(torch.nn.Linear(2, 2))
