@@ -11,7 +11,7 @@ sized images (up to 1288 px) or one short video (8 frames of 448 px). For each p
 
 Eager runs first, then ``serve_vision_`` (graph capture in the warm-up), on the same model and
 inputs; greedy first tokens are compared. Writes JSON and a table (``--out`` prefix).
-Usage (CUDA machine, repo root): python benchmarks/hf_ttft.py --out benchmarks/results/x
+Usage (CUDA machine, repo root): python benchmarks/hf_ttft.py
 """
 
 from __future__ import annotations
@@ -93,8 +93,13 @@ def main() -> None:
     import vit_graph_backend as vg
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="hf_ttft")
+    parser.add_argument("--out", default=None, help="path prefix of the .txt and .json written "
+                        "(default: benchmarks/results/hf_ttft_qwen2_5_vl_3b_<GPU>_torch<version>)")
     args = parser.parse_args()
+    if args.out is None:
+        gpu = torch.cuda.get_device_name(0).replace(" ", "_")
+        args.out = (f"benchmarks/results/hf_ttft_qwen2_5_vl_3b_{gpu}_torch"
+                    f"{torch.__version__.split('+')[0]}")
     device = "cuda"
     model = build(device)
     cases = [(n, False) for n in (1, 2, 3, 4)] + [(0, True)]

@@ -167,8 +167,13 @@ def _packed_forward(tower: nn.Module, served: PackedGraphEncoder, own_forward: A
     if grid_thw is None:
         grid_thw = kwargs.pop("grid_thw", None)
     return_dict = kwargs.pop("return_dict", True)
-    if grid_thw is None or any(kwargs.get(k) for k in _HIDDEN):
-        # hidden states and attentions of every block are not kept by the graphs
+    param = next(tower.parameters())
+    moved = (param.device, param.dtype) != (served.manager.device, served.manager.dtype)
+    if grid_thw is None or moved or any(kwargs.get(k) for k in _HIDDEN):
+        # hidden states and attentions of every block are not kept by the graphs; a tower moved
+        # to another device or dtype after serve_vision_ no longer matches its graphs
+        if moved:
+            _warn_moved(type(tower).__name__, str(param.device), str(param.dtype))
         return own_forward(tower, hidden_states, grid_thw=grid_thw, return_dict=return_dict,
                            **kwargs)
     out = served(hidden_states, grid_thw)
@@ -178,6 +183,13 @@ def _packed_forward(tower: nn.Module, served: PackedGraphEncoder, own_forward: A
         fields["deepstack_features"] = deepstack
     result = _output_class(type(tower).__module__, deepstack is not None)(**fields)
     return result if return_dict is not False else result.to_tuple()
+
+
+@functools.cache
+def _warn_moved(name: str, device: str, dtype: str) -> None:   # once per tower class and place
+    log.warning("vitgraph: %s was moved to %s/%s after serve_vision_; it runs its own forward "
+                "(call restore_vision_ and serve_vision_ again to serve it from graphs)", name,
+                device, dtype)
 
 
 @functools.cache

@@ -92,3 +92,17 @@ def test_end_failed_capture_names_exist_and_cpu_is_a_no_op():
     assert hasattr(torch._C, "_cuda_endAllocateToPool")
     assert hasattr(torch._C, "_cuda_releasePool")
     assert _compat.end_failed_capture((0, 1), torch.device("cpu")) is False
+
+
+def test_backed_size_oblivious_flag_is_where_the_wrapper_looks():
+    from torch.fx.experimental import _config as fx_config
+
+    before = fx_config.backed_size_oblivious
+    try:
+        fx_config.backed_size_oblivious = False
+        assert _compat.backed_size_oblivious_enabled() is False
+        assert _compat.enable_backed_size_oblivious() is True
+        assert fx_config.backed_size_oblivious is True and _compat.backed_size_oblivious_enabled()
+        assert _compat.enable_backed_size_oblivious() is False   # already on: nothing changed
+    finally:
+        fx_config.backed_size_oblivious = before

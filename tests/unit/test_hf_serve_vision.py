@@ -131,3 +131,17 @@ def test_bad_calls_fail_before_any_tower_changes():
     assert served_towers(model) == {}
     with pytest.raises(UnsupportedModelError, match="Qwen2_5_VisionTransformerPretrainedModel"):
         vg.serve_vision_(torch.nn.Linear(2, 2))
+
+
+def test_a_tower_moved_after_serving_runs_its_own_forward(caplog):
+    torch.manual_seed(0)
+    model = hf_models.qwen2().eval()
+    prompt = hf_models.packed_prompt("qwen2", model)
+    pixels, grid = prompt["pixel_values"], prompt["image_grid_thw"]
+    vg.serve_vision_(model)
+    model.to(torch.float64)   # the graphs were made for float32
+    with torch.no_grad(), caplog.at_level("WARNING", logger="vit_graph_backend"):
+        got = model.model.visual(pixels.double(), grid_thw=grid)
+    assert got.pooler_output.dtype == torch.float64 and got.last_hidden_state is not None
+    assert served_towers(model)["model.visual"].report()["stats"]["calls"] == 0
+    assert any("moved to cpu/torch.float64" in r.getMessage() for r in caplog.records)
