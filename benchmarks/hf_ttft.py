@@ -1,8 +1,9 @@
-"""Time to first token of a Qwen2.5-VL-3B-shaped model, eager against ``serve_vision_``, one run.
+"""Time to first token of a VLM, eager against ``serve_vision_``, in one run.
 
-Random weights in bfloat16 on one CUDA GPU, the published 3B shapes (vision: 32 blocks of 1280,
-window attention; text: 36 layers of 2048). Prompts: 64 text tokens plus 1 to 4 document/photo
-sized images (up to 1288 px) or one short video (8 frames of 448 px). For each prompt:
+Random weights in bfloat16 on one CUDA GPU, the published shapes of Qwen2.5-VL-3B (vision: 32
+blocks of 1280, window attention; text: 36 layers of 2048) or Qwen3-VL-4B (vision: 24 blocks of
+1024, deepstack; text: 36 layers of 2560), ``--family``. Prompts: 64 text tokens plus 1 to 4
+document/photo sized images (up to 1288 px) or one short video (8 frames of 448 px). Per prompt:
 
 - ``ttft``: wall time of ``generate(max_new_tokens=1)`` (prefill plus one token), median of 5
   after 2 warm-up calls, synchronized;
@@ -24,48 +25,75 @@ import time
 
 import torch
 
-IMAGES = [(1288, 980), (980, 1288), (1148, 868), (672, 896)]   # (height, width) in pixels
-VIDEO = (8, 448, 448)                                           # frames, height, width
-PATCH, MERGE, TEMPORAL = 14, 2, 2
+VIDEO_FRAMES, TEMPORAL, MERGE = 8, 2, 2
 IMG, VID, VS, VE = 151655, 151656, 151652, 151653
+_MROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+
+#: family -> published shapes (random weights), patch size, images (height, width) in pixels,
+#: the video's frame side, and whether the processor writes a segment per temporal patch
+FAMILIES = {
+    "qwen2_5_vl_3b": dict(
+        config="Qwen2_5_VLConfig", model="Qwen2_5_VLForConditionalGeneration", patch=14,
+        images=[(1288, 980), (980, 1288), (1148, 868), (672, 896)], video_side=448,
+        segment_per_frame=False,
+        text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                  num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                  max_position_embeddings=32768,
+                  rope_parameters={**_MROPE, "mrope_section": [16, 24, 24]}),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                    out_hidden_size=2048, patch_size=14, window_size=112,
+                    fullatt_block_indexes=[7, 15, 23, 31], spatial_merge_size=MERGE,
+                    temporal_patch_size=TEMPORAL)),
+    "qwen3_vl_4b": dict(
+        config="Qwen3VLConfig", model="Qwen3VLForConditionalGeneration", patch=16,
+        images=[(1280, 960), (960, 1280), (1152, 864), (672, 896)], video_side=448,
+        segment_per_frame=True,
+        text=dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                  num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=32768,
+                  rope_parameters={**_MROPE, "rope_theta": 5000000.0,
+                                   "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                    out_hidden_size=2560, patch_size=16, num_position_embeddings=2304,
+                    deepstack_visual_indexes=[5, 11, 17], spatial_merge_size=MERGE,
+                    temporal_patch_size=TEMPORAL)),
+}
 
 
-def build(device: str) -> torch.nn.Module:
+def build(family: str, device: str) -> torch.nn.Module:
     import transformers as tr
 
-    text = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
-                num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                max_position_embeddings=32768,
-                rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24],
-                                 "rope_theta": 1000000.0})
-    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                  out_hidden_size=2048, patch_size=PATCH, window_size=112,
-                  fullatt_block_indexes=[7, 15, 23, 31], spatial_merge_size=MERGE,
-                  temporal_patch_size=TEMPORAL)
-    config = tr.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMG,
-                                 video_token_id=VID, vision_start_token_id=VS,
-                                 vision_end_token_id=VE)
+    spec = FAMILIES[family]
+    config = getattr(tr, spec["config"])(
+        text_config=spec["text"], vision_config=spec["vision"], image_token_id=IMG,
+        video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
     with torch.device(device):
-        model = tr.Qwen2_5_VLForConditionalGeneration(config)
+        model = getattr(tr, spec["model"])(config)
     return model.to(torch.bfloat16).eval()
 
 
-def prompt(model: torch.nn.Module, images: int, video: bool, device: str) -> dict:
+def prompt(family: str, model: torch.nn.Module, images: int, video: bool, device: str) -> dict:
+    spec = FAMILIES[family]
+    patch = spec["patch"]
     g = torch.Generator().manual_seed(images + 10 * video)
     ids, grids, pixels = list(range(100, 132)), [], 0
     if video:
-        frames, h, w = VIDEO
-        grids.append([frames // TEMPORAL, h // PATCH, w // PATCH])
+        side = spec["video_side"] // patch
+        grids.append([VIDEO_FRAMES // TEMPORAL, side, side])
     else:
-        grids += [[1, h // PATCH, w // PATCH] for h, w in IMAGES[:images]]
+        grids += [[1, h // patch, w // patch] for h, w in spec["images"][:images]]
     token = VID if video else IMG
     for t, h, w in grids:
-        ids += [VS] + [token] * (t * h * w // MERGE ** 2) + [VE]
+        if video and spec["segment_per_frame"]:
+            for frame in range(t):   # "<t seconds>" text, then one segment per temporal patch
+                ids += [300 + frame, VS] + [token] * (h * w // MERGE ** 2) + [VE]
+        else:
+            ids += [VS] + [token] * (t * h * w // MERGE ** 2) + [VE]
         pixels += t * h * w
     ids += list(range(200, 232))
     input_ids = torch.tensor([ids], device=device)
-    values = torch.randn(pixels, 3 * TEMPORAL * PATCH * PATCH, generator=g).to(device,
-                                                                                 torch.bfloat16)
+    values = torch.randn(pixels, 3 * TEMPORAL * patch * patch, generator=g).to(device,
+                                                                               torch.bfloat16)
     grid = torch.tensor(grids, device=device)
     key = "video" if video else "image"
     inputs = {"input_ids": input_ids, f"pixel_values{'_videos' if video else ''}": values,
@@ -93,22 +121,24 @@ def main() -> None:
     import vit_graph_backend as vg
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl_3b")
     parser.add_argument("--out", default=None, help="path prefix of the .txt and .json written "
-                        "(default: benchmarks/results/hf_ttft_qwen2_5_vl_3b_<GPU>_torch<version>)")
+                        "(default: benchmarks/results/hf_ttft_<family>_<GPU>_torch<version>)")
     args = parser.parse_args()
     if args.out is None:
         gpu = torch.cuda.get_device_name(0).replace(" ", "_")
-        args.out = (f"benchmarks/results/hf_ttft_qwen2_5_vl_3b_{gpu}_torch"
+        args.out = (f"benchmarks/results/hf_ttft_{args.family}_{gpu}_torch"
                     f"{torch.__version__.split('+')[0]}")
     device = "cuda"
-    model = build(device)
+    model = build(args.family, device)
     cases = [(n, False) for n in (1, 2, 3, 4)] + [(0, True)]
-    prompts = {case: prompt(model, *case, device) for case in cases}
+    prompts = {case: prompt(args.family, model, *case, device) for case in cases}
     rows: dict = {}
 
     def run_all(mode: str) -> None:
         for case, inputs in prompts.items():
-            name = "video 8x448" if case[1] else f"{case[0]} image(s)"
+            name = f"video {VIDEO_FRAMES}x{FAMILIES[args.family]['video_side']}" if case[1] \
+                else f"{case[0]} image(s)"
             with torch.no_grad():
                 ttft, tokens = timed(lambda: model.generate(**inputs, max_new_tokens=1,
                                                             do_sample=False))
@@ -125,7 +155,7 @@ def main() -> None:
     vg.serve_vision_(model)
     run_all("served")
     report = vg.hf.served_towers(model)["model.visual"].report()
-    lines = [f"Qwen2.5-VL-3B-shaped, random weights, bf16, {torch.cuda.get_device_name(0)}, "
+    lines = [f"{args.family}-shaped, random weights, bf16, {torch.cuda.get_device_name(0)}, "
              f"torch {torch.__version__}; ttft = generate(max_new_tokens=1), median of 5",
              f"{'prompt':14} {'vision tok':>10} {'eager ttft':>11} {'vision share':>12} "
              f"{'served ttft':>12} {'gain':>6} {'same token':>10}"]
@@ -144,7 +174,8 @@ def main() -> None:
     with open(args.out + ".txt", "w") as f:
         f.write(text + "\n")
     with open(args.out + ".json", "w") as f:
-        json.dump({"rows": rows, "report": report, "torch": torch.__version__,
+        json.dump({"family": args.family, "rows": rows, "report": report,
+                   "torch": torch.__version__,
                    "device": torch.cuda.get_device_name(0)}, f, indent=1)
 
 

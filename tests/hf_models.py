@@ -53,6 +53,32 @@ def qwen3():
                            deepstack_visual_indexes=[0, 2]), **_TOKENS))
 
 
+def qwen3_moe():
+    import transformers as tr
+
+    return tr.Qwen3VLMoeForConditionalGeneration(tr.Qwen3VLMoeConfig(
+        text_config=dict(_TEXT, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32,
+                         rope_parameters=_rope(mrope_interleaved=True)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2,
+                           out_hidden_size=64, patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[1]), **_TOKENS))
+
+
+def qwen3_5():
+    import transformers as tr
+
+    return tr.Qwen3_5ForConditionalGeneration(tr.Qwen3_5Config(
+        text_config=dict(_TEXT, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                         linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4,
+                         rope_parameters=_rope(mrope_interleaved=True,
+                                               partial_rotary_factor=1.0)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2,
+                           out_hidden_size=64, patch_size=2, num_position_embeddings=16),
+        **_TOKENS))
+
+
 def llava():
     import transformers as tr
 
@@ -66,7 +92,10 @@ def llava():
         image_token_id=IMG, vision_feature_layer=-1, vision_feature_select_strategy="default"))
 
 
-PACKED = {"qwen2": qwen2, "qwen2_5": qwen2_5, "qwen3": qwen3}
+PACKED = {"qwen2": qwen2, "qwen2_5": qwen2_5, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
+          "qwen3_5": qwen3_5}
+#: Families that write one vision segment per temporal patch of a video (Qwen3-VL's processor).
+SEGMENT_PER_FRAME = ("qwen3", "qwen3_moe", "qwen3_5")
 
 
 def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32):
@@ -77,7 +106,7 @@ def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32):
     for t, h, w in grid.tolist():
         ids += [VS] + [IMG] * (t * h * w // 4) + [VE, 5]
     for t, h, w in vgrid.tolist():
-        if name == "qwen3":
+        if name in SEGMENT_PER_FRAME:
             for _ in range(t):
                 ids += [7, VS] + [VID] * (h * w // 4) + [VE]
         else:

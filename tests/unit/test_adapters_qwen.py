@@ -49,7 +49,7 @@ from vit_graph_backend.adapters import (  # noqa: E402
     register_adapter,
     supported_classes,
 )
-from vit_graph_backend.adapters.qwen_vl import (  # noqa: E402
+from vit_graph_backend.adapters.qwen_families import (  # noqa: E402
     Qwen2_5_VLVisionAdapter,
     Qwen2VLVisionAdapter,
 )
@@ -90,7 +90,39 @@ def _qwen3() -> torch.nn.Module:
         patch_size=PATCH, num_position_embeddings=16, deepstack_visual_indexes=[0, 2]))
 
 
-FAMILIES = {"qwen2": _qwen2, "qwen2_5": _qwen2_5, "qwen3": _qwen3}
+def _qwen3_moe() -> torch.nn.Module:
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+        Qwen3VLMoeVisionConfig,
+    )
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+    return Qwen3VLMoeVisionModel(Qwen3VLMoeVisionConfig(
+        depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=24,
+        patch_size=PATCH, num_position_embeddings=16, deepstack_visual_indexes=[1]))
+
+
+def _qwen3_5() -> torch.nn.Module:
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    return Qwen3_5VisionModel(Qwen3_5VisionConfig(
+        depth=3, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=24,
+        patch_size=PATCH, num_position_embeddings=16))
+
+
+def _qwen3_5_moe() -> torch.nn.Module:
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
+        Qwen3_5MoeVisionConfig,
+    )
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+    return Qwen3_5MoeVisionModel(Qwen3_5MoeVisionConfig(
+        depth=2, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=24,
+        patch_size=PATCH, num_position_embeddings=16))
+
+
+FAMILIES = {"qwen2": _qwen2, "qwen2_5": _qwen2_5, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
+            "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe}
 
 
 @pytest.fixture(scope="module")
@@ -387,7 +419,7 @@ def test_unsupported_model_lists_supported_classes():
     assert "vit_graph_backend.protocol.SupportsEncoderCudaGraph" in str(info.value)
     for name in supported_classes():
         assert name in str(info.value)
-    assert len(supported_classes()) == 3
+    assert len(supported_classes()) == 6
 
 
 def test_adapt_returns_protocol_models_unchanged(towers):

@@ -211,7 +211,7 @@ def test_serve_hands_adapter_keywords_to_the_adapter(towers):
 def test_the_adapter_keywords_are_read_from_the_adapter(towers):
     import inspect
 
-    from vit_graph_backend.adapters.qwen_vl import Qwen2_5_VLVisionAdapter
+    from vit_graph_backend.adapters.qwen_families import Qwen2_5_VLVisionAdapter
 
     params = inspect.signature(Qwen2_5_VLVisionAdapter).parameters
     expected = {name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}

@@ -32,7 +32,7 @@ from ..protocol import supports_encoder_cudagraph
 
 __all__ = ["adapt", "adapter_for", "adapter_keywords", "register_adapter", "supported_classes"]
 
-_QWEN = "vit_graph_backend.adapters.qwen_vl:"
+_QWEN = "vit_graph_backend.adapters.qwen_families:"
 
 #: fully qualified model class name -> adapter factory (``"module:attribute"`` or a callable).
 _REGISTRY: dict[str, str | Callable[..., Any]] = {
@@ -42,6 +42,12 @@ _REGISTRY: dict[str, str | Callable[..., Any]] = {
         _QWEN + "Qwen2_5_VLVisionAdapter",
     "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel":
         _QWEN + "Qwen3VLVisionAdapter",
+    "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeVisionModel":
+        _QWEN + "Qwen3VLMoeVisionAdapter",
+    "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel":
+        _QWEN + "Qwen3_5VisionAdapter",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeVisionModel":
+        _QWEN + "Qwen3_5MoeVisionAdapter",
 }
 
 

@@ -1,6 +1,6 @@
-"""Adapters that serve the HF transformers Qwen-VL vision towers from budgeted CUDA graphs.
+"""The shared body of the adapters that serve HF Qwen-VL vision towers from budgeted CUDA graphs.
 
-Each adapter is a ``torch.nn.Module`` wrapping one tower (``adapter.tower``) and reusing its own
+The adapter classes, one per tower, are in ``qwen_families.py``. Each adapter is a ``torch.nn.Module`` wrapping one tower (``adapter.tower``) and reusing its own
 submodules and weights (patch embedding, blocks' norms/qkv/proj/MLP, rotary ``inv_freq``,
 mergers), so ``.to()``, ``.eval()`` and loaded weights act on both. One exception, for speed:
 when the MLP width is not a multiple of 8 (Qwen2.5-VL's 3420), the adapter runs the MLPs from
@@ -16,8 +16,9 @@ What the towers return in transformers 5.x, and what the adapters return:
   Qwen2.5-VL still in window order) and ``pooler_output`` the merged per-token features in the
   caller's order, which the language model consumes (``get_image_features`` splits it). The
   adapters return ``pooler_output``: a ``(tokens, out_hidden)`` tensor.
-- ``Qwen3VLVisionModel`` returns ``BaseModelOutputWithDeepstackFeatures``; the adapter returns the
-  tuple ``(pooler_output, *deepstack_features)``, every tensor ``(tokens, out_hidden)``.
+- ``Qwen3VLVisionModel`` (and Qwen3-VL-MoE's) returns ``BaseModelOutputWithDeepstackFeatures``;
+  the adapter returns the tuple ``(pooler_output, *deepstack_features)``, every tensor
+  ``(tokens, out_hidden)``. Qwen3.5's towers have no deepstack mergers: ``pooler_output`` only.
 
 Inputs are a mapping with ``"pixel_values"`` (``(patches, C * temporal_patch * patch**2)``, as the
 HF processor emits) and ``"grid_thw"`` (``(items, 3)``, or a list of ``[t, h, w]`` rows), checked
@@ -40,6 +41,7 @@ from ..errors import InvalidOptionError, UnsupportedGraphError
 from ..specs import EncoderItemSpec, check_positive_int
 from ._aligned_mlp import AlignedMLPs
 from ._fused import Ops, fusion_available, ops
+from ._qwen_ops import _add_norm, _is_rms_norm, _norm, _patch_embed, _signed_sin  # noqa: F401
 from ._packed_attention import Segments, packed_attention, varlen_supported
 from ._packed_inputs import PackedInputs, check_packed_inputs, grid_tensor
 from ._qwen_metadata import (
@@ -52,64 +54,12 @@ from ._qwen_metadata import (
     segment_slots,
 )
 
-__all__ = ["Qwen2VLVisionAdapter", "Qwen2_5_VLVisionAdapter", "Qwen3VLVisionAdapter"]
+__all__ = ["DEFAULT_MAX_BUDGET", "MIN_BUDGET_IMAGE_SIDE"]
 
 #: Default largest budget in output tokens (a 1792 x 1792 image at patch 14, merge 2).
 DEFAULT_MAX_BUDGET = 4096
 #: The smallest default budget is the token count of a square image of this side, in pixels.
 MIN_BUDGET_IMAGE_SIDE = 224
-
-
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first half negated, so that ``rotate_half(x) * sin`` (HF) equals
-    ``roll(x, half) * signed_sin``: ``cat(-x2, x1) * cat(s1, s2) == cat(x2, x1) * cat(-s1, s2)``."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def _is_rms_norm(norm: nn.Module) -> bool:
-    return (type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
-            and isinstance(getattr(norm, "weight", None), torch.Tensor))
-
-
-def _add_norm(fns: Ops, norm: nn.Module | None, hidden: torch.Tensor, update: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``hidden + update`` and ``norm`` of it (``None`` when there is no next norm), as one
-    fused kernel where ``fns`` is compiled and the norm is an RMSNorm or affine LayerNorm."""
-    if norm is None:
-        return hidden + update, None
-    if _is_rms_norm(norm):
-        return fns.add_rms_norm(hidden, update, norm.weight, norm.variance_epsilon)
-    if isinstance(norm, nn.LayerNorm) and norm.elementwise_affine:
-        return fns.add_layer_norm(hidden, update, norm.weight, norm.bias, norm.eps)
-    hidden = hidden + update
-    return hidden, _norm(norm, hidden)
-
-
-def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # HF's Qwen2RMSNorm as one fused kernel: F.rms_norm keeps float32 statistics for bf16/fp16
-    # input, as HF does, and applies the weight before its one rounding to the input dtype
-    # (HF rounds the normalized value, then multiplies by the weight in the input dtype: at most
-    # one unit in the last place apart). HF's version costs five kernels and two float32 copies.
-    if _is_rms_norm(norm):
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-    return norm(x)
-
-
-def _patch_embed(embed: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """HF's patch embedding (a Conv3d whose stride equals its kernel, over rows that each hold
-    one whole kernel window) as the GEMM it is: ``pixels @ weight.flatten(1).T``. The same
-    products and sums as the convolution in one cuBLAS call; on an H100 it took 0.5 ms off the
-    3B tower's 1024-token graph (``benchmarks/qwen_floor.py``). Other patch embeddings run as
-    they are."""
-    proj = getattr(embed, "proj", None)
-    if (isinstance(proj, nn.Conv3d) and tuple(proj.kernel_size) == tuple(proj.stride)
-            and tuple(proj.padding) == (0, 0, 0) and tuple(proj.dilation) == (1, 1, 1)
-            and proj.groups == 1 and pixels.dim() == 2
-            and pixels.shape[1] == proj.weight[0].numel()):
-        weight = proj.weight.flatten(1)
-        return F.linear(pixels.to(weight.dtype), weight, proj.bias)
-    return embed(pixels)
 
 
 class _QwenVisionAdapter(nn.Module):
@@ -422,85 +372,3 @@ class _QwenVisionAdapter(nn.Module):
             hidden, normed = _add_norm(fns, after, hidden, self._mlp(fns, layer, block, normed))
             self._collect(layer, hidden, features)
         return self._head(hidden, values, features)
-
-
-class Qwen2VLVisionAdapter(_QwenVisionAdapter):
-    """Qwen2-VL's ``Qwen2VisionTransformerPretrainedModel``: full attention per frame.
-
-    Output: the merged tokens (HF's ``pooler_output``), ``(tokens, hidden_size)``.
-    """
-
-    wrapped_class = ("transformers.models.qwen2_vl.modeling_qwen2_vl."
-                     "Qwen2VisionTransformerPretrainedModel")
-
-
-class Qwen2_5_VLVisionAdapter(_QwenVisionAdapter):
-    """Qwen2.5-VL's ``Qwen2_5_VisionTransformerPretrainedModel``: window attention, with full
-    attention per frame in ``fullatt_block_indexes``.
-
-    Rows run in window order (gathered so on the host); the merged tokens are put back in the
-    caller's order by ``reverse_index`` in the graph. Output: HF's ``pooler_output``,
-    ``(tokens, out_hidden_size)``.
-    """
-
-    wrapped_class = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl."
-                     "Qwen2_5_VisionTransformerPretrainedModel")
-
-    def _window_tokens(self) -> int:
-        cfg = self.tower.config
-        window = int(cfg.window_size) // self.merge // self.patch_size
-        if window < 1:
-            raise InvalidOptionError(
-                f"window_size={cfg.window_size} is smaller than one merged patch "
-                f"({self.merge * self.patch_size} px); the tower cannot run")
-        return window
-
-    def _is_full_attention(self, layer: int) -> bool:
-        return layer in self.tower.fullatt_block_indexes
-
-    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
-              features: list[torch.Tensor]) -> Any:
-        merged = self.tower.merger(hidden)
-        tokens = merged.shape[0]
-        # Real tokens go back to the caller's order; padding (the zero tail of a short replay
-        # buffer) maps to itself.
-        real = (values["frame_seqlens"].sum() // self.layout.unit).to(torch.int64)
-        position = torch.arange(tokens, device=merged.device)
-        index = torch.where(position < real, values["reverse_index"], position)
-        return merged.index_select(0, index)
-
-
-class Qwen3VLVisionAdapter(_QwenVisionAdapter):
-    """Qwen3-VL's ``Qwen3VLVisionModel``: full attention per frame, an interpolated learned
-    position embedding, and deepstack mergers after ``deepstack_visual_indexes``.
-
-    Output: ``(merged, *deepstack_features)`` (HF's ``pooler_output`` and
-    ``deepstack_features``), each ``(tokens, out_hidden_size)``.
-    """
-
-    wrapped_class = "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel"
-
-    def _item_extras(self, grid: Grid) -> dict[str, torch.Tensor]:
-        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
-
-        tower = self.tower
-        indices, weights = get_vision_interpolation_indices_and_weights(
-            torch.tensor([grid]), num_grid_per_side=tower.num_grid_per_side,
-            mode=tower.interpolation_mode, align_corners=tower.interpolation_align_corners,
-            spatial_merge_size=self.merge)
-        return {"interp_indices": indices, "interp_weights": weights}
-
-    def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        hidden = _patch_embed(self.tower.patch_embed, values["pixel_values"])
-        taps = self.tower.pos_embed(values["interp_indices"])
-        pos = (taps * values["interp_weights"].unsqueeze(-1)).sum(1)
-        return hidden + pos.to(hidden.dtype)
-
-    def _collect(self, layer: int, hidden: torch.Tensor, features: list[torch.Tensor]) -> None:
-        indexes = list(self.tower.deepstack_visual_indexes)
-        if layer in indexes:
-            features.append(self.tower.deepstack_merger_list[indexes.index(layer)](hidden))
-
-    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
-              features: list[torch.Tensor]) -> Any:
-        return (self.tower.merger(hidden), *features)
