@@ -76,7 +76,7 @@ def test_tower_call_returns_the_hf_output_type(family):
     torch.testing.assert_close(got.pooler_output, ref.pooler_output, atol=1e-5, rtol=0)
     assert got.last_hidden_state is None   # the graphs do not keep the pre-merger states
     if family in ("qwen3", "qwen3_moe"):
-        assert len(got.deepstack_features) == len(ref.deepstack_features) == 2
+        assert len(got.deepstack_features) == len(ref.deepstack_features) >= 1
         for a, b in zip(got.deepstack_features, ref.deepstack_features):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert isinstance(as_tuple, tuple)
