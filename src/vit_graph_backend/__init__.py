@@ -2,7 +2,8 @@
 
 ``torch.compile(model, backend="vitgraph")`` routes every call through a bucketing pass into a few
 token budgets, pads, and replays one CUDA graph per budget. Packed variable-resolution towers
-(Qwen2-VL, Qwen2.5-VL, Qwen3-VL) are served through :class:`SupportsEncoderCudaGraph` adapters.
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) are served through
+:class:`SupportsEncoderCudaGraph` adapters; :func:`serve_vision_` serves a whole HF model.
 
 Importing this package imports no torch (the torch-facing names, :class:`PackedGraphEncoder`,
 :func:`serve` and :func:`report`, load on first use, so ``vitgraph plan`` stays pure Python),
