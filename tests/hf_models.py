@@ -92,6 +92,30 @@ def llava():
         image_token_id=IMG, vision_feature_layer=-1, vision_feature_select_strategy="default"))
 
 
+def idefics3():
+    import transformers as tr
+
+    return tr.Idefics3ForConditionalGeneration(tr.Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=dict(model_type="llama", vocab_size=300, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2),
+        image_token_id=IMG, scale_factor=2))
+
+
+def gemma3():
+    import transformers as tr
+
+    return tr.Gemma3ForConditionalGeneration(tr.Gemma3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, sliding_window=16),
+        mm_tokens_per_image=4, image_token_id=IMG, boi_token_index=VS, eoi_token_index=VE))
+
+
 PACKED = {"qwen2": qwen2, "qwen2_5": qwen2_5, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
           "qwen3_5": qwen3_5}
 #: Families that write one vision segment per temporal patch of a video (Qwen3-VL's processor).
@@ -126,9 +150,24 @@ def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32):
     return prompt
 
 
+BATCHED = {"llava": llava, "idefics3": idefics3, "gemma3": gemma3}
+
+
 def llava_prompt(images, seed=0, device="cpu", dtype=torch.float32):
     """``generate()`` keyword arguments for ``images`` 32x32 images (16 tokens each)."""
+    return batched_prompt("llava", images, seed, device, dtype)
+
+
+def batched_prompt(name, images, seed=0, device="cpu", dtype=torch.float32):
+    """``generate()`` keyword arguments for ``images`` 32x32 images, laid out as ``name``'s
+    processor lays them out (LLaVA: 16 tokens; Idefics3: 4 after its pixel shuffle, pixels
+    batched per prompt; Gemma 3: 4 between begin/end-of-image tokens)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([[1, 2] + ([IMG] * 16 + [5]) * images])
-    return dict(input_ids=ids.to(device),
-                pixel_values=torch.randn(images, 3, 32, 32, generator=g).to(device, dtype))
+    pixels = torch.randn(images, 3, 32, 32, generator=g).to(device, dtype)
+    if name == "idefics3":
+        ids, pixels = [1, 2] + ([IMG] * 4 + [5]) * images, pixels[None]
+    elif name == "gemma3":
+        ids = [1, 2] + ([VS] + [IMG] * 4 + [VE, 5]) * images
+    else:
+        ids = [1, 2] + ([IMG] * 16 + [5]) * images
+    return dict(input_ids=torch.tensor([ids], device=device), pixel_values=pixels)

@@ -1,7 +1,8 @@
 """``serve_vision_(model)`` on whole Hugging Face VLMs: ``generate()`` unchanged, nothing lost.
 
-Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL models (packed towers) and LLaVA (a batched CLIP
-tower), float32, CPU (``tests/hf_models.py``). For each: greedy tokens identical to the unmodified
+Tiny random Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 models (packed towers) and
+LLaVA, Idefics3 and Gemma 3 (batched CLIP, Idefics3 and SigLIP towers), float32, CPU
+(``tests/hf_models.py``). For each: greedy tokens identical to the unmodified
 model and logits within 1e-5 (two images and a video; LLaVA: 1, 3 and 2 images); the tower keeps
 its attributes and its HF return type; ``state_dict()`` keys and ``save_pretrained`` files are
 exactly as before; ``restore_vision_`` gives the tower its own forward back. Bad options fail at
@@ -101,14 +102,15 @@ def test_save_pretrained_writes_the_same_weights(tmp_path):
         torch.testing.assert_close(after[key], before[key], atol=0, rtol=0)
 
 
-def test_batched_tower_of_llava_generates_the_same_tokens():
+@pytest.mark.parametrize("family", sorted(hf_models.BATCHED))
+def test_batched_tower_generates_the_same_tokens(family):
     torch.manual_seed(0)
-    model = hf_models.llava().eval()
+    model = hf_models.BATCHED[family]().eval()
     keys = list(model.state_dict())
-    prompts = [hf_models.llava_prompt(n, seed=n) for n in (1, 3, 2)]
+    prompts = [hf_models.batched_prompt(family, n, seed=n) for n in (1, 3, 2)]
     refs = [_generate(model, p) for p in prompts]
     vg.serve_vision_(model)
-    assert list(served_towers(model)) == ["model.vision_tower"]
+    (name, tower), = [(n, t) for n, t in model.named_modules() if n in served_towers(model)]
     for prompt, (ref_tokens, ref_logits) in zip(prompts, refs):
         tokens, logits = _generate(model, prompt)
         assert tokens.tolist() == ref_tokens.tolist()
@@ -116,8 +118,9 @@ def test_batched_tower_of_llava_generates_the_same_tokens():
     assert list(model.state_dict()) == keys
     report = vg.report()
     assert 1 <= report["compiles"] <= 3 and report["stats"]["eager_batches"] == 0
+    assert report["stats"]["calls"] >= len(prompts)
     vg.restore_vision_(model)
-    assert "forward" not in model.model.vision_tower.__dict__
+    assert "forward" not in tower.__dict__
 
 
 def test_bad_calls_fail_before_any_tower_changes():
