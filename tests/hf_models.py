@@ -79,6 +79,23 @@ def qwen3_5():
         **_TOKENS))
 
 
+def qwen3_5_moe():
+    import transformers as tr
+
+    text = {k: v for k, v in _TEXT.items() if k != "intermediate_size"}
+    return tr.Qwen3_5MoeForConditionalGeneration(tr.Qwen3_5MoeConfig(
+        text_config=dict(text, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                         linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32,
+                         rope_parameters=_rope(mrope_interleaved=True,
+                                               partial_rotary_factor=1.0)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2,
+                           out_hidden_size=64, patch_size=2, num_position_embeddings=16),
+        **_TOKENS))
+
+
 def llava():
     import transformers as tr
 
@@ -117,9 +134,9 @@ def gemma3():
 
 
 PACKED = {"qwen2": qwen2, "qwen2_5": qwen2_5, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
-          "qwen3_5": qwen3_5}
+          "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe}
 #: Families that write one vision segment per temporal patch of a video (Qwen3-VL's processor).
-SEGMENT_PER_FRAME = ("qwen3", "qwen3_moe", "qwen3_5")
+SEGMENT_PER_FRAME = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32):
