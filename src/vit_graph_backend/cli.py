@@ -39,6 +39,28 @@ PLAN_BUDGET_RANGE = (64, 4096)
 # -- argument types (each raises ArgumentTypeError naming the bad value: argparse exits 2) -----
 
 
+class _Renamed(argparse.Action):
+    """A flag under its old name: works for one release, with a warning naming the new one."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "",
+                 **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        import warnings
+
+        warnings.warn(f"{option_string} is renamed {self.new} (the option's name everywhere); "
+                      "the old name goes in the next release", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
+def _renamed(p: argparse.ArgumentParser, old: str, new: str, type: Any) -> None:
+    p.add_argument(old, dest=new.lstrip("-").replace("-", "_"), type=type, action=_Renamed,
+                   new=new)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -144,11 +166,13 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
                    help="ladder without --budgets: split each doubling into K steps, 1..16 "
                    "(default 4 rows for batched models, 2 for packed: the runtime's defaults)")
-    p.add_argument("--items-per-graph", type=_positive_int,
+    p.add_argument("--max-items-per-graph", type=_positive_int,
                    help="packed models: items per graph (default 1 for image or video, 2 for "
                    "image+video, as vLLM's examples)")
-    p.add_argument("--max-frames-per-graph", type=_positive_int,
+    p.add_argument("--max-frames-per-batch", type=_positive_int,
                    help="packed models: frame cap per graph (default none)")
+    _renamed(p, "--items-per-graph", "--max-items-per-graph", _positive_int)
+    _renamed(p, "--max-frames-per-graph", "--max-frames-per-batch", _positive_int)
     p.add_argument("--policy", choices=POLICIES, default="baseline",
                    help="planner policy (default baseline)")
     p.add_argument("--check-calls", type=_non_negative_int, default=3,
@@ -186,8 +210,9 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
                    help="split each doubling of the ladder into K steps, 1..16 (default 2, the "
                    "packed runtime's; 4 with --chunk, the batched runtime's)")
-    p.add_argument("--max-items", type=_positive_int,
+    p.add_argument("--max-items-per-graph", type=_positive_int,
                    help="items per graph (default: derived, never above the smallest budget)")
+    _renamed(p, "--max-items", "--max-items-per-graph", _positive_int)
     p.add_argument("--patch", type=_positive_int, default=14, help="patch side (default 14)")
     p.add_argument("--merge", type=_positive_int, default=2, help="spatial merge (default 2)")
     p.add_argument("--policy", choices=POLICIES, default="baseline")
@@ -250,14 +275,15 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         ladder = VitGraphOptions(min_budget=args.min_budget, max_budget=args.max_budget,
                                  ladder_steps=steps).budget_config(PLAN_BUDGET_RANGE).budgets
         config = BudgetConfig.resolve((ladder[0], ladder[-1]), budgets=args.budgets,
-                                      max_batch_size=args.max_items, ladder_steps=steps)
+                                      max_batch_size=args.max_items_per_graph, ladder_steps=steps)
         plan = plan_batches(specs, config, policy=args.policy, chunk=args.chunk)
     except InvalidOptionError as exc:
-        parser.error(f"invalid --budgets/--min-budget/--max-budget/--max-items: {exc}")
+        parser.error(f"invalid --budgets/--min-budget/--max-budget/--max-items-per-graph: {exc}")
     doc = plan_to_dict(plan, specs)
     if args.json:
-        print(json.dumps({"budgets": list(config.budgets), "max_items": config.max_batch_size,
-                          "policy": args.policy, **doc}, indent=2))
+        print(json.dumps({"budgets": list(config.budgets),
+                          "max_items_per_graph": config.max_batch_size, "policy": args.policy,
+                          **doc}, indent=2))
         return 0
     graphs = len(config.budgets)
     print(f"budget ladder (tokens): {' '.join(map(str, config.budgets))} "
@@ -339,8 +365,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         model=args.model, workload=args.workload, modality=args.modality, modes=modes,
         calls=args.calls, seed=args.seed, max_batch=args.max_batch, budgets=args.budgets,
         max_budget=args.max_budget, ladder_steps=args.ladder_steps,
-        items_per_graph=args.items_per_graph,
-        max_frames_per_graph=args.max_frames_per_graph, policy=args.policy, device=args.device,
+        max_items_per_graph=args.max_items_per_graph,
+        max_frames_per_batch=args.max_frames_per_batch, policy=args.policy, device=args.device,
         dtype=args.dtype, check_calls=args.check_calls,
         progress=not args.no_progress and sys.stderr.isatty())
     try:

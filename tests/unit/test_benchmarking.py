@@ -164,22 +164,29 @@ def test_percentile_interpolates_like_numpy():
 
 # -- JSON schema ---------------------------------------------------------------------------------
 
-#: Schema version 2, frozen here: changing the document's keys must bump SCHEMA_VERSION.
-#: (v2 = v1 plus config.ladder_steps.)
+#: Schema version 3, frozen here: changing the document's keys must bump SCHEMA_VERSION.
+#: (v2 = v1 plus config.ladder_steps; v3: the option names max_items_per_graph and
+#: max_frames_per_batch, and the stats of report()'s graph/no-graph counts.)
 V1_TOP = {"schema_version", "tool", "package_version", "created_utc", "environment", "config",
           "routing", "notes", "modes"}
 V1_MODE = {"mode", "status", "error", "traceback", "latency_ms", "per_call_ms", "stream_total_s",
            "first_pass_s", "peak_memory_bytes", "graphs_captured", "compiles", "hit_rate",
            "padding_ratio", "max_abs_error", "speedup_vs_eager", "backend_report", "notes"}
 V1_CONFIG = {"model", "workload", "modality", "modes", "calls", "seed", "max_batch", "budgets",
-             "max_budget", "ladder_steps", "items_per_graph", "max_frames_per_graph", "policy", "device", "dtype",
-             "check_calls", "progress", "layout", "family", "params", "items"}
-V1_ROUTING = {"unit", "budgets", "items_per_graph", "max_frames_per_graph", "policy", "planned",
-              "sample_plans"}
+             "max_budget", "ladder_steps", "max_items_per_graph", "max_frames_per_batch",
+             "policy", "device", "dtype", "check_calls", "progress", "layout", "family",
+             "params", "items"}
+V1_ROUTING = {"unit", "budgets", "max_items_per_graph", "max_frames_per_batch", "policy",
+              "planned", "sample_plans"}
+V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_graph_items",
+            "eager_batches", "eager_items", "exact_shape_batches", "real_tokens",
+            "padded_tokens", "hit_rate", "padding_ratio", "batches_per_budget",
+            "fallback_reasons"}
 
 
-def test_schema_v2_is_pinned():
-    assert SCHEMA_VERSION == 2
+def test_schema_v3_is_pinned():
+    assert SCHEMA_VERSION == 3
+    assert set(RESULT_SCHEMA["routing"]["planned"]) == V3_STATS
     assert set(RESULT_SCHEMA) == V1_TOP
     assert set(RESULT_SCHEMA["modes"].spec) == V1_MODE
     assert set(RESULT_SCHEMA["config"]) == V1_CONFIG

@@ -45,7 +45,7 @@ def test_bench_eager_writes_valid_json_and_a_png(tmp_path, capsys):
     assert "budgets (rows): 1 2 3 4" in out  # routing preview (batched default ladder)
     doc = json.loads(json_path.read_text())
     assert validate(doc) == []
-    assert doc["schema_version"] == SCHEMA_VERSION == 2
+    assert doc["schema_version"] == SCHEMA_VERSION == 3
     (eager,) = doc["modes"]
     assert eager["status"] == "ok" and len(eager["per_call_ms"]) == 4
     assert eager["max_abs_error"] == 0.0 and eager["speedup_vs_eager"] == pytest.approx(1.0)
@@ -132,14 +132,14 @@ def test_list(capsys):
         (["bench", "--model", "vit-micro", "--modality", "video"], "needs a packed"),
         (["bench", "--model", "qwen2-vl-tiny", "--workload", "video", "--modality", "image"],
          "streams videos"),
-        (["bench", "--model", "vit-micro", "--items-per-graph", "2"], "apply to packed models"),
-        (["bench", "--model", "qwen2-vl-tiny", "--budgets", "2,8", "--items-per-graph", "4"],
+        (["bench", "--model", "vit-micro", "--max-items-per-graph", "2"], "apply to packed models"),
+        (["bench", "--model", "qwen2-vl-tiny", "--budgets", "2,8", "--max-items-per-graph", "4"],
          "max_batch_size=4 is larger than the smallest budget"),
         (["plan"], "one of the arguments --items --sizes is required"),
         (["plan", "--items", "100", "--sizes", "28x28"], "not allowed with argument"),
         (["plan", "--sizes", "450x448"], "450x448 is not a multiple of patch*merge"),
         (["plan", "--sizes", "448by448"], "invalid size: '448by448'"),
-        (["plan", "--items", "100", "--budgets", "64", "--max-items", "128"],
+        (["plan", "--items", "100", "--budgets", "64", "--max-items-per-graph", "128"],
          "max_batch_size=128 is larger than the smallest budget"),
         (["plan", "--items", "-3"], "invalid positive integer: '-3'"),
         (["plan", "--items", "3", "--ladder-steps", "17"], "invalid ladder steps: '17'"),
@@ -167,7 +167,7 @@ def test_plan_text_matches_a_hand_computed_plan(capsys):
     # Baseline by hand: items sorted by tokens 50(#4) 60(#1) 100(#0) 300(#2) 2000(#3), 2 per graph,
     # token sums within the largest budget 1024: [#4, #1] = 110 -> budget 256 (146 padding);
     # [#0, #2] = 400 -> budget 1024 (624 padding); #3 = 2000 > 1024 -> eager.
-    code, out, _ = _run(capsys, "plan", "--budgets", "1024,64,256", "--max-items", "2",
+    code, out, _ = _run(capsys, "plan", "--budgets", "1024,64,256", "--max-items-per-graph", "2",
                         "--items", "100,60,300,2000,50")
     assert code == 0
     lines = out.splitlines()
@@ -188,7 +188,7 @@ def test_plan_sizes_use_patch_and_merge(capsys):
     # 448/14 = 32 -> 1024 patches -> 16*16 = 256 tokens; 224x336 -> 16*24 = 384 patches -> 96.
     assert [(i["input_size"], i["output_tokens"]) for i in doc["items"]] == [(1024, 256), (384, 96)]
     assert doc["budgets"] == [64, 128, 256, 512, 1024]  # doubling from 64, ending at 1024
-    assert doc["max_items"] == 16  # neither given: min(1024 // 64, 64)
+    assert doc["max_items_per_graph"] == 16  # neither given: min(1024 // 64, 64)
     ((batch),) = doc["batches"]  # both fit one graph: 352 tokens -> budget 512
     assert (batch["budget"], sorted(batch["items"]), batch["padded_tokens"]) == (512, [0, 1], 160)
 
@@ -271,7 +271,7 @@ def test_plan_json_matches_an_independent_baseline(capsys, seed):
     budgets = sorted(rng.sample([16, 32, 64, 128, 256, 512, 1024], 4))
     max_items = rng.randint(1, budgets[0])
     code, out, _ = _run(capsys, "plan", "--items", ",".join(map(str, tokens)), "--budgets",
-                        ",".join(map(str, budgets)), "--max-items", str(max_items), "--json")
+                        ",".join(map(str, budgets)), "--max-items-per-graph", str(max_items), "--json")
     assert code == 0
     doc = json.loads(out)
     expected = _baseline(tokens, budgets, max_items)
@@ -319,3 +319,49 @@ def test_python_dash_m_matches_the_console_script():
     result = subprocess.run([sys.executable, "-m", "vit_graph_backend", "--version"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == f"vitgraph {__version__}"
+
+
+# -- one name per setting: --help flags are the option names ------------------------------------
+
+#: Flags that are not settings of VitGraphOptions (the harness's own, vLLM's on/off switch for
+#: encoder graphs, plan's inputs).
+NOT_OPTIONS = {"--items", "--sizes", "--max-batch", "--enable-vit-cuda-graph",
+               "--no-enable-vit-cuda-graph"}
+#: Words that mark a flag as a setting: such a flag must be spelled as its option field.
+SETTING_WORDS = ("item", "frame", "budget", "ladder", "step", "graph", "polic")
+
+
+def _visible_flags(subcommand: str) -> dict[str, str]:
+    import argparse
+
+    from vit_graph_backend.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {flag: action.dest for action in sub.choices[subcommand]._actions
+            if action.help is not argparse.SUPPRESS
+            for flag in action.option_strings if flag.startswith("--")}
+
+
+@pytest.mark.parametrize("subcommand", ["bench", "plan"])
+def test_help_flags_are_the_option_names(subcommand):
+    from dataclasses import fields
+
+    from vit_graph_backend import VitGraphOptions
+
+    names = {f.name for f in fields(VitGraphOptions)}
+    flags = _visible_flags(subcommand)
+    wrong = {flag: dest for flag, dest in flags.items() if dest in names
+             and flag != "--" + dest.replace("_", "-")}
+    assert not wrong, f"flags not named as their option: {wrong}"
+    unnamed = [flag for flag in flags if flag not in NOT_OPTIONS
+               and any(w in flag for w in SETTING_WORDS) and flags[flag] not in names]
+    assert not unnamed, f"setting flags that are not VitGraphOptions fields: {unnamed}"
+
+
+@pytest.mark.parametrize("old,new", [("--max-items", "--max-items-per-graph")])
+def test_old_flag_names_work_with_a_warning(capsys, old, new):
+    with pytest.warns(FutureWarning, match=f"{old} is renamed {new}"):
+        code, out, _ = _run(capsys, "plan", "--items", "100,200", "--budgets", "256,512", old,
+                            "2", "--json")
+    assert code == 0 and json.loads(out)["max_items_per_graph"] == 2

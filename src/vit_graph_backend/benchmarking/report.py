@@ -3,7 +3,10 @@
 The JSON document is the one source: the table and the plot are rendered from it, so what is
 printed and what is saved cannot disagree. :data:`RESULT_SCHEMA` spells out every key and type of
 schema version :data:`SCHEMA_VERSION`; any change to the keys or types bumps the version (a test
-pins the version; v2 added ``config.ladder_steps``). :func:`validate` checks a document against it.
+pins the version; v2 added ``config.ladder_steps``; v3 renamed ``items_per_graph`` and
+``max_frames_per_graph`` to the option names ``max_items_per_graph`` and ``max_frames_per_batch``,
+and the stats' ``replays_per_budget`` to ``batches_per_budget``, beside ``no_graph_batches``,
+``no_graph_items`` and ``exact_shape_batches``). :func:`validate` checks a document against it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 __all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "latency_figure", "validate",
            "write_json", "write_plot"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class Nullable:
@@ -88,13 +91,13 @@ RESULT_SCHEMA: dict[str, Any] = {
         "model": str, "workload": str, "modality": str, "modes": ListOf(str), "calls": int,
         "seed": int, "max_batch": int, "budgets": ListOf(int), "max_budget": Nullable(int),
         "ladder_steps": Nullable(int),
-        "items_per_graph": Nullable(int), "max_frames_per_graph": Nullable(int),
+        "max_items_per_graph": Nullable(int), "max_frames_per_batch": Nullable(int),
         "policy": str, "device": str, "dtype": str, "check_calls": int, "progress": bool,
         "layout": OneOf("batched", "packed"), "family": str, "params": int, "items": int,
     },
     "routing": {
         "unit": OneOf("rows", "tokens"), "budgets": ListOf(int),
-        "items_per_graph": Nullable(int), "max_frames_per_graph": Nullable(int),
+        "max_items_per_graph": Nullable(int), "max_frames_per_batch": Nullable(int),
         "policy": str, "planned": STATS, "sample_plans": ListOf(PLAN),
     },
     "notes": ListOf(str),
@@ -218,10 +221,10 @@ def _routing_lines(doc: Mapping[str, Any]) -> list[str]:
 
     r, unit = doc["routing"], doc["routing"]["unit"]
     p = r["planned"]
-    cap = (f"{r['items_per_graph']} item(s) per graph" if r["items_per_graph"] is not None
+    cap = (f"{r['max_items_per_graph']} item(s) per graph" if r["max_items_per_graph"] is not None
            else "one row item per call, chunked above the largest budget")
-    if r["max_frames_per_graph"] is not None:
-        cap += f", {r['max_frames_per_graph']} frames per graph"
+    if r["max_frames_per_batch"] is not None:
+        cap += f", {r['max_frames_per_batch']} frames per graph"
     lines = [
         "routing (planner preview: what vitgraph does with these options, on any device):",
         f"  budgets ({unit}): {' '.join(map(str, r['budgets']))} | {cap} | policy {r['policy']}",

@@ -45,27 +45,27 @@ def default_batched_budgets(max_rows: int, max_budget: int | None = None,
 
 
 def default_packed_budgets(
-    calls: Sequence[Sequence[int]], items_per_graph: int, max_budget: int | None = None,
+    calls: Sequence[Sequence[int]], max_items_per_graph: int, max_budget: int | None = None,
     steps: int = DEFAULT_LADDER_STEPS,
 ) -> tuple[int, ...]:
     """A token ladder that covers a stream of packed calls.
 
     It starts at the largest power of two not above the stream's smallest item (but at least
-    ``items_per_graph``, so every item slot gets a token) and ends at ``max_budget``, by default
-    the largest sum of ``items_per_graph`` items of one call, so that every item fits a graph.
+    ``max_items_per_graph``, so every item slot gets a token) and ends at ``max_budget``, by default
+    the largest sum of ``max_items_per_graph`` items of one call, so that every item fits a graph.
 
     Args:
         calls: per call, the output tokens of its items.
-        items_per_graph: items one graph holds.
+        max_items_per_graph: items one graph holds.
         max_budget: the largest budget, or ``None`` to derive it from the stream.
         steps: steps per doubling (the runtime's default for packed encoders).
     """
     tokens = [t for call in calls for t in call]
     if not tokens:
         raise ValueError("the stream has no items")
-    stop = max_budget or max(sum(sorted(call)[-items_per_graph:]) for call in calls if call)
+    stop = max_budget or max(sum(sorted(call)[-max_items_per_graph:]) for call in calls if call)
     start = 1 << (min(tokens).bit_length() - 1)
-    start = min(max(start, items_per_graph), stop)
+    start = min(max(start, max_items_per_graph), stop)
     return budget_ladder(start, stop, steps)
 
 

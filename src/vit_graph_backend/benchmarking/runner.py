@@ -62,8 +62,8 @@ class BenchConfig:
     budgets: tuple[int, ...] | None = None
     max_budget: int | None = None
     ladder_steps: int | None = None
-    items_per_graph: int | None = None
-    max_frames_per_graph: int | None = None
+    max_items_per_graph: int | None = None
+    max_frames_per_batch: int | None = None
     policy: str = "baseline"
     device: str | None = None
     dtype: str | None = None
@@ -97,7 +97,7 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
 
     Raises:
         ValueError: naming the bad value (unknown model, workload or mode, a clash of modality
-            and model, budgets that break ``items_per_graph <= min(budgets)``, ...).
+            and model, budgets that break ``max_items_per_graph <= min(budgets)``, ...).
     """
     device = config.device or ("cuda" if cuda_available else "cpu")
     cuda = device.startswith("cuda")
@@ -120,9 +120,9 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: choose from {', '.join(DTYPES)}")
     modality = resolve_modality(config.workload, config.modality, packed=entry.packed)
-    if not entry.packed and (config.items_per_graph or config.max_frames_per_graph):
+    if not entry.packed and (config.max_items_per_graph or config.max_frames_per_batch):
         raise ValueError(
-            f"items_per_graph/max_frames_per_graph apply to packed models; {model!r} is batched: "
+            f"max_items_per_graph/max_frames_per_batch apply to packed models; {model!r} is batched: "
             "its budgets count rows (use budgets or max_budget)")
     max_batch = config.max_batch or (4 if entry.packed else (32 if cuda else 8))
     calls = config.calls or ((60 if entry.packed else 120) if cuda else 24)
@@ -130,11 +130,11 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
                          max_batch=max_batch)
     specs = [call_specs(entry, call) for call in stream]
     if entry.packed:
-        items = config.items_per_graph or (2 if modality == "image+video" else 1)
+        items = config.max_items_per_graph or (2 if modality == "image+video" else 1)
         budgets = config.budgets or routing.default_packed_budgets(
             [[s.output_tokens for s in call] for call in specs], items, config.max_budget,
             config.ladder_steps or DEFAULT_LADDER_STEPS)
-        frames = config.max_frames_per_graph
+        frames = config.max_frames_per_batch
         if frames is None and modality != "image":
             # Capture sizes frame-dependent buffers (e.g. Qwen2.5-VL windows) for a frame cap;
             # without one it assumes a frame per item and video batches fall back to eager.
@@ -150,7 +150,7 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
     resolved = replace(config, model=model, modality=modality, modes=tuple(modes), calls=calls,
                        max_batch=max_batch, device=device, dtype=dtype,
                        budgets=budget_config.budgets,
-                       items_per_graph=budget_config.max_batch_size if entry.packed else None)
+                       max_items_per_graph=budget_config.max_batch_size if entry.packed else None)
     return Resolved(resolved, entry, stream, budget_config)
 
 
@@ -161,8 +161,8 @@ def _routing_section(run: Resolved) -> dict[str, Any]:
     return {
         "unit": "tokens" if entry.packed else "rows",
         "budgets": list(run.budgets.budgets),
-        "items_per_graph": run.budgets.max_batch_size if entry.packed else None,
-        "max_frames_per_graph": run.budgets.max_frames_per_batch,
+        "max_items_per_graph": run.budgets.max_batch_size if entry.packed else None,
+        "max_frames_per_batch": run.budgets.max_frames_per_batch,
         "policy": cfg.policy,
         "planned": routing.summarize_plans(plans, run.budgets),
         "sample_plans": [{"call": i, **routing.plan_to_dict(plans[i], specs[i])}
