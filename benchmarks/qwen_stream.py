@@ -1,4 +1,4 @@
-"""Issue 4 benchmark: the Qwen2.5-VL-3B-shaped vision tower (depth 32, hidden 1280, 16 heads,
+"""The Qwen stream benchmark: the Qwen2.5-VL-3B-shaped vision tower (depth 32, hidden 1280, 16 heads,
 intermediate 3420, out hidden 2048, patch 14, merge 2, window 112, full attention at blocks
 7/15/23/31; random weights, bf16) on (a) 60 single-image calls with sides uniform in 224..896 px in
 steps of 28 (seed 0) and (b) 60 calls of 1-4 such images. Modes side by side in one run: HF eager,

@@ -1,4 +1,4 @@
-"""Issue 3 benchmark: timm ViT-B/16, bf16, a stream of 120 calls with batch sizes uniform in 1..32.
+"""ViT stream: timm ViT-B/16, bf16, a stream of 120 calls with batch sizes uniform in 1..32.
 
 Modes side by side in one process: eager, torch.compile default, mode="reduce-overhead",
 vitgraph (eager inner), vitgraph (inductor inner). For each: first pass (the whole stream once,
@@ -24,11 +24,7 @@ from pathlib import Path
 
 import torch
 
-
-def percentile(values, q):
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
-    return s[k]
+from vit_graph_backend.benchmarking.timing import percentile
 
 
 def run_mode(name, model, stream, dtype, repeats=3):

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..budgets import ceil_div
+
 __all__ = ["ALIGNMENT", "AlignedMLPs", "MLPWeights", "intermediate_size"]
 
 #: Elements per row that make a bf16/fp16 GEMM operand 16-byte aligned.
@@ -81,7 +83,7 @@ class AlignedMLPs:
         self.ins, self.out = shapes.pop()  # type: ignore[misc]
         width = getattr(self.mlps[0], self.out).in_features
         self.width = width
-        self.padded_width = -(-width // ALIGNMENT) * ALIGNMENT
+        self.padded_width = ceil_div(width, ALIGNMENT) * ALIGNMENT
         self.weights: list[MLPWeights] = []
         self._fingerprint: tuple | None = None
 

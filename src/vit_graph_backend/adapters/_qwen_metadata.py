@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..budgets import ceil_div
+
 __all__ = ["Grid", "ItemMetadata", "MetadataCache", "PackedMetadata", "QwenLayout",
            "SegmentSlots", "item_metadata", "pack_metadata", "segment_slots"]
 
@@ -134,7 +136,7 @@ def _window_order(t: int, gh: int, gw: int, ws: int) -> tuple[torch.Tensor, list
     ``transformers.vision_utils.get_vision_window_index`` (its padding-only windows have zero
     length and are dropped, as its ``unique_consecutive`` does).
     """
-    nwh, nww = -(-gh // ws), -(-gw // ws)
+    nwh, nww = ceil_div(gh, ws), ceil_div(gw, ws)
     index = torch.arange(t * gh * gw).reshape(t, gh, gw)
     padded = torch.full((t, nwh * ws, nww * ws), -1, dtype=torch.long)
     padded[:, :gh, :gw] = index

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _compat
-from ..budgets import capture_layout
+from ..budgets import capture_layout, ceil_div
 from ..errors import InvalidOptionError, UnsupportedGraphError
 from ..specs import EncoderItemSpec, check_positive_int
 from ._aligned_mlp import AlignedMLPs
@@ -337,7 +337,7 @@ class _QwenVisionAdapter(nn.Module):
         # segments). The +1 keeps the count >= 2 for every budget: with a symbolic row count,
         # Dynamo guards elementwise ops on whether such a size is 1, and a count that is 1 for
         # the smallest budget only would cost a second trace.
-        steps = torch.arange(1, -(-rows // chunk) + 2, device=wins.device, dtype=torch.int32)
+        steps = torch.arange(1, ceil_div(rows, chunk) + 2, device=wins.device, dtype=torch.int32)
         pad_offsets = torch.clamp(wins[-1] + chunk * steps, max=rows)
         # max_seqlen: one window's rows (an upper bound even when the buffer is shorter; a
         # Python min() with the row count would make Dynamo specialize on the comparison)

@@ -19,7 +19,6 @@ which reports the mode as failed and goes on with the next one.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,6 @@ from typing import Any
 __all__ = [
     "MODES",
     "VITGRAPH_INNER",
-    "BackendMissingError",
     "PreparedMode",
     "backend_report",
     "prepare_mode",
@@ -41,10 +39,6 @@ MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead", "vitgra
 VITGRAPH_INNER: dict[str, str] = {"vitgraph": "eager", "vitgraph-inductor": "inductor"}
 
 
-class BackendMissingError(ImportError):
-    """The vitgraph backend (or its packed serving module) cannot be imported here."""
-
-
 @dataclass
 class PreparedMode:
     """A mode ready to run: ``fn(*inputs)``; vitgraph modes add a report and a cleanup."""
@@ -54,15 +48,6 @@ class PreparedMode:
     report: Callable[[], dict[str, Any]] | None = None
     cleanup: Callable[[], None] | None = None
     options: dict[str, Any] | None = None
-
-
-def _import(what: str) -> Any:
-    module, _, attr = what.partition(":")
-    try:
-        return getattr(importlib.import_module(module, __package__), attr)
-    except ImportError as exc:
-        raise BackendMissingError(
-            f"{module.lstrip('.')} not present yet ({type(exc).__name__}: {exc})") from exc
 
 
 def _packed_report(served: Any) -> dict[str, Any]:
@@ -94,10 +79,13 @@ def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> 
         raise ValueError(f"mode={name!r} is invalid: choose from {', '.join(MODES)}")
     options = {**vitgraph_options, "inner_compiler": VITGRAPH_INNER[name]}
     if built.entry.packed:
-        served = _import("..packed:serve")(built.module, **options)
+        from ..packed import serve
+
+        served = serve(built.module, **options)
         return PreparedMode(name, served, lambda: _packed_report(served),
                             served.manager.clear, options)
-    backend = _import("..backend:vitgraph")
+    from ..backend import vitgraph as backend
+
     fn = torch.compile(built.module, backend=backend, options=options)
     return PreparedMode(name, fn, backend.report, backend.reset, options)
 
