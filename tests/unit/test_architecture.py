@@ -28,7 +28,7 @@ import vit_graph_backend
 SRC = Path(vit_graph_backend.__file__).resolve().parent
 PACKAGE = "vit_graph_backend"
 
-_CORE = {"errors", "specs", "budgets", "stats", "planner", "options", "protocol"}
+_CORE = {"errors", "specs", "budgets", "stats", "planner", "assignment", "options", "protocol"}
 #: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
 #: its memory book, and the tensor helpers of a replay.
 _GRAPH_PARTS = {"stream_order", "graph_capture", "replay_io", "graph_report"}
@@ -47,6 +47,8 @@ LAYERS: dict[str, set[str]] = {
     "budgets": {"specs", "errors"},
     "stats": set(),
     "planner": {"budgets", "specs", "errors"},
+    # Which rank encodes which item (data parallelism): pure, like the planner.
+    "assignment": {"specs", "errors"},
     "options": {"budgets", "specs", "planner", "errors"},
     "protocol": {"specs", "budgets"},
     "_compat": set(),
@@ -78,7 +80,8 @@ THIRD_PARTY: dict[str, set[str]] = {
     "benchmarks": set(),
 }
 #: Layers that never import torch; ``protocol`` may, under ``TYPE_CHECKING`` only.
-NO_TORCH = {"errors", "_version", "specs", "budgets", "stats", "planner", "options", "protocol"}
+NO_TORCH = {"errors", "_version", "specs", "budgets", "stats", "planner", "assignment", "options",
+            "protocol"}
 TORCH_UNDER_TYPE_CHECKING = {"protocol"}
 #: Optional dependencies imported only lazily, inside a function, and only by these layers.
 LAZY_ONLY: dict[str, set[str]] = {"torch_tensorrt": {"inner"}}
