@@ -55,6 +55,7 @@ __all__ = [
     "budget_ladder",
     "capture_layout",
     "ceil_div",
+    "data_parallel",
     "plan_batches",
     "report",
     "restore_vision_",
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 _LAZY = {"PackedGraphEncoder": "packed", "serve": "packed", "report": "backend",
-         "serve_vision_": "hf", "restore_vision_": "hf"}
+         "serve_vision_": "hf", "restore_vision_": "hf", "data_parallel": "parallel"}
 
 
 def __getattr__(name: str) -> Any:

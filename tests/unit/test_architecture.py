@@ -65,11 +65,13 @@ LAYERS: dict[str, set[str]] = {
     "packed": _RUNTIME_DEPS | {"runtime", "adapters", "inner"},
     "inner": {"options", "errors", "_compat"},
     "backend": _BELOW_BACKEND,
-    "__init__": _BELOW_BACKEND | {"backend", "hf"},
+    "__init__": _BELOW_BACKEND | {"backend", "hf", "parallel", "assignment"},
     # Integrations: one call on a whole Hugging Face model (packed serving + the backend).
     "hf": _BELOW_BACKEND | {"backend"},
-    "cli": _BELOW_BACKEND | {"backend", "hf", "__init__", "benchmarking"},
-    "benchmarking": _BELOW_BACKEND | {"backend", "hf", "__init__", "cli"},
+    # Data parallelism over torch.distributed: packed serving + the pure assignment.
+    "parallel": _BELOW_BACKEND | {"assignment"},
+    "cli": _BELOW_BACKEND | {"backend", "hf", "parallel", "__init__", "benchmarking"},
+    "benchmarking": _BELOW_BACKEND | {"backend", "hf", "parallel", "__init__", "cli"},
     "__main__": {"cli"},
     "testing": {"budgets", "planner", "specs", "stats", "options", "protocol", "errors"},
 }
