@@ -18,7 +18,6 @@ from ._version import __version__
 from .budgets import BudgetConfig, CaptureLayout, budget_ladder, capture_layout, ceil_div
 from .adapters import adapt
 from .errors import (
-    CaptureError,
     InvalidInputError,
     InvalidOptionError,
     MissingDependencyError,
@@ -35,7 +34,6 @@ from .stats import GraphStats
 __all__ = [
     "Batch",
     "BudgetConfig",
-    "CaptureError",
     "CaptureLayout",
     "EncoderItemSpec",
     "GraphStats",
@@ -70,6 +68,15 @@ _LAZY = {"PackedGraphEncoder": "packed", "serve": "packed", "report": "backend",
 
 def __getattr__(name: str) -> Any:
     # PEP 562: the torch-importing names load on first access
+    if name == "CaptureError":   # never raised: a failed capture is a logged eager fallback
+        import warnings
+
+        from .errors import CaptureError
+
+        warnings.warn("vit_graph_backend.CaptureError is deprecated and goes in the next "
+                      "release: no call raises it (a failed capture falls back to eager, logged "
+                      "and in report()['skipped_budgets'])", DeprecationWarning, stacklevel=2)
+        return CaptureError
     if name in _LAZY:
         import importlib
 

@@ -49,4 +49,5 @@ class UnsupportedGraphError(VitGraphError):
 
 
 class CaptureError(VitGraphError):
-    """Capturing a CUDA graph for one budget failed; that budget falls back to eager."""
+    """Deprecated, never raised: a failed capture falls back to eager, logged and reported in
+    ``report()["skipped_budgets"]``. Goes in the next release."""
