@@ -151,7 +151,7 @@ def main():
             "results": all_results}
     import transformers
     meta["transformers"] = transformers.__version__
-    name = (f"qwen_stream_{torch.cuda.get_device_name(0).replace(' ', '_')}_torch"
+    name = (f"qwen_stream_modes_{torch.cuda.get_device_name(0).replace(' ', '_')}_torch"
             f"{torch.__version__.split('+')[0]}.json")
     for folder in [Path("benchmarks/results"), Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
         if folder:

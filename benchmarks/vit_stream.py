@@ -147,7 +147,7 @@ def main():
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "cuda": torch.version.cuda, "results": results}
     tag = torch.cuda.get_device_name(0).replace(" ", "_")
-    name = f"vit_stream_{tag}_torch{torch.__version__.split('+')[0]}.json"
+    name = f"vit_stream_modes_and_ladders_{tag}_torch{torch.__version__.split('+')[0]}.json"
     for folder in [Path("benchmarks/results"), Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)

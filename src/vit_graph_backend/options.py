@@ -46,7 +46,7 @@ DEFAULT_BATCHED_MAX_BUDGET = 32
 #: Default ``ladder_steps`` for packed encoders: each doubling split in two (64, 96, 128, 192,
 #: ..., 4096 tokens: 13 graphs). On the Qwen2.5-VL single-image stream this cuts expected padding
 #: from 30 % (doubling) to 16 % (planner figures); on an H100 the Qwen2.5-VL-3B tower's 13 graphs
-#: captured in 1.4 s (benchmarks/results/qwen_stream_*_session2b.json).
+#: captured in 1.2 to 1.6 s (benchmarks/results/qwen_stream_doubling_vs_two_step_ladder_*.json).
 DEFAULT_LADDER_STEPS = 2
 #: Default ``ladder_steps`` for batched encoders: 1, 2, 3, 4, 5, 6, 7, 8, 10, ..., 28, 32 rows
 #: (16 graphs). Rows cost linear compute, so padding is lost time: 5 % expected on uniform batch
