@@ -19,7 +19,6 @@ from packaging.version import Version
 __all__ = [
     "MIN_TORCH",
     "TORCH_VERSION",
-    "backed_size_oblivious_enabled",
     "compile_fx_without_cudagraphs",
     "enable_backed_size_oblivious",
     "end_failed_capture",
@@ -181,10 +180,3 @@ def enable_backed_size_oblivious() -> bool:
         return False
     fx_config.backed_size_oblivious = True
     return True
-
-
-def backed_size_oblivious_enabled() -> bool:
-    """Whether ``backed_size_oblivious`` is on (see :func:`enable_backed_size_oblivious`)."""
-    from torch.fx.experimental import _config as fx_config
-
-    return bool(fx_config.backed_size_oblivious)

@@ -86,13 +86,15 @@ class VitGraphBackend:
         with self._lock:
             return list(self._encoders)
 
-    def report(self) -> dict[str, Any]:
+    def report(self, served: Sequence[Any] = ()) -> dict[str, Any]:
         """What the live compiled graphs did: ``compiles`` plus the fields of
-        :func:`vit_graph_backend.report` (the README's ``report()`` section)."""
+        :func:`vit_graph_backend.report` (the README's ``report()`` section), totalled with the
+        ``served`` towers' managers when given."""
         with self._lock:
             encoders = list(self._encoders)
             compiles = self.compiles
         managers = [m for encoder in encoders for m in encoder.managers]
+        managers += [tower.manager for tower in served]
         return {"compiles": compiles,
                 **summarize(managers, [encoder.stats for encoder in encoders])}
 
@@ -119,11 +121,6 @@ def report() -> dict[str, Any]:
     graphs, graph memory, capture time and the call counters. Fields are true on every device
     (the README's ``report()`` section); read one tower alone with ``served.report()``.
     """
-    with vitgraph._lock:
-        encoders = list(vitgraph._encoders)
-        compiles = vitgraph.compiles
     towers = live_served()
-    managers = [m for encoder in encoders for m in encoder.managers]
-    managers += [tower.manager for tower in towers]
-    return {"compiles": compiles, "served_towers": len(towers),
-            **summarize(managers, [encoder.stats for encoder in encoders])}
+    summary = vitgraph.report(towers)
+    return {"compiles": summary.pop("compiles"), "served_towers": len(towers), **summary}

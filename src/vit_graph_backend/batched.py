@@ -21,8 +21,8 @@ Graphs that cannot be served are refused at compile time with one logged reason 
 training-mode ops (dropout, batch norm statistics), in-place writes to inputs, outputs that do not
 carry the batch axis at dim 0 (they may mix rows, which padding would change).
 
-Dynamo's first compile of a frame is static (no symbol), and so may be a separate compile for a
-batch of 1 (``backend.py`` turns on ``backed_size_oblivious`` so that it usually is not needed).
+Dynamo's first compile of a frame is static (no symbol), and so is its separate compile for a
+batch of 1 (unless the ``backed_size_oblivious`` option made the dynamic graph serve it).
 Those graphs run as one exact-shape graph: all non-parameter inputs copied, nothing padded
 (``static_graphs=False`` runs them eagerly instead); stats count their real rows. So does a
 batch-of-1 graph whose outputs lost the batch symbol (``batched_layout.py``), and it runs eagerly
@@ -45,8 +45,8 @@ from .budgets import BudgetConfig
 from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_BATCHED_MAX_BUDGET, VitGraphOptions
 from .planner import Segment
 from .runtime import EncoderCudaGraphManager
-from .specs import EncoderItemSpec
 from .errors import InvalidOptionError
+from .specs import EncoderItemSpec
 from .stats import GraphStats
 
 __all__ = ["PACKED_ONLY_OPTIONS", "BatchedGraphEncoder", "analyze_graph", "check_batched_options"]

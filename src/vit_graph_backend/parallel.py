@@ -81,10 +81,9 @@ class DataParallelEncoder(nn.Module):
         if len(specs) < world:
             return served(pixel_values, grid_thw)
         assignment = assign_items(specs, world)
-        rows = [int(t) * int(h) * int(w) for t, h, w in grid_thw.tolist()]
         starts = [0]
-        for n in rows:
-            starts.append(starts[-1] + n)
+        for spec in specs:   # an item's patch rows are its spec's input_size (no host sync)
+            starts.append(starts[-1] + spec.input_size)
         mine = list(assignment.ranks[rank])
         local_pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
         local = served(local_pixels, grid_thw[mine])

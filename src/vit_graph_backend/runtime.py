@@ -302,7 +302,8 @@ class EncoderCudaGraphManager:
             copy_padded(entry.static, key, value)
         if not entry.written:  # the same keys every replay
             entry.written.update(values)
-        if entry.graph is not None:
+        graph = entry.graph is not None
+        if graph:
             entry.graph.replay()
             out = entry.output
         else:
@@ -321,7 +322,6 @@ class EncoderCudaGraphManager:
             entry.verified = True
             log.info("vitgraph: budget %d verified against eager (max relative error %.3g)",
                      budget, err)
-        graph = entry.graph is not None
         if self.exact_rows is None:
             self.stats.record_replay(budget, len(batch.segments), n, graph=graph)
         else:
