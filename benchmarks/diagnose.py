@@ -163,7 +163,7 @@ def qwen_section():
             call = timed(lambda: served(pv, grid), reps=30)
             tokens = n * n // 4
             budget = min(b for b in served.manager.token_budgets if b >= tokens)
-            entry = served.manager._graphs[budget]
+            entry = served.manager.graphs.entries[budget]
             floor = timed(entry.graph.replay, reps=30)
             out[side] = {"tokens": tokens, "budget": budget, "hf_eager_ms": eager,
                          "served_ms": call, "budget_graph_replay_ms": floor}

@@ -42,14 +42,13 @@ import torch
 
 from .batched_layout import GraphLayout, analyze_graph
 from .budgets import BudgetConfig
-from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_BATCHED_MAX_BUDGET, VitGraphOptions
+from .options import DEFAULT_BATCHED_MAX_BUDGET, PACKED_ONLY_OPTIONS, VitGraphOptions
 from .planner import Segment
 from .runtime import EncoderCudaGraphManager
-from .errors import InvalidOptionError
 from .specs import EncoderItemSpec
 from .stats import GraphStats
 
-__all__ = ["PACKED_ONLY_OPTIONS", "BatchedGraphEncoder", "analyze_graph", "check_batched_options"]
+__all__ = ["PACKED_ONLY_OPTIONS", "BatchedGraphEncoder", "analyze_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -159,31 +158,13 @@ class _GraphSet:
 
 
 #: Options of packed encoders only: a batched graph holds one call's rows, not items or frames.
-PACKED_ONLY_OPTIONS = ("max_items_per_graph", "max_frames_per_batch")
-
-
-def check_batched_options(options: VitGraphOptions) -> None:
-    """Reject options that a ``torch.compile`` graph (batched rows) cannot apply.
-
-    Raises:
-        InvalidOptionError: naming the option, its value and what to use instead.
-    """
-    for name in PACKED_ONLY_OPTIONS:
-        value = getattr(options, name)
-        if value is not None:
-            raise InvalidOptionError(
-                f"{name}={value!r} does not apply to torch.compile(backend='vitgraph'): a "
-                "batched encoder's graph holds the rows of one call, and budgets count rows "
-                "(bound them with max_budget). It is an option of packed encoders: "
-                f"serve(model, {name}={value!r})")
-
-
 class BatchedGraphEncoder:
     """The callable the ``vitgraph`` backend returns to Dynamo for a batched encoder graph."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                  options: VitGraphOptions, fn: Callable[..., Any]) -> None:
-        check_batched_options(options)
+        #: the row budgets of every graph set of this graph, resolved once, here, at compile time
+        self.config = options.resolve(batched=True)
         self.options, self.fn = options, fn
         self.layout = analyze_graph(gm, example_inputs)
         self.static_shape = self.layout.batch_symbol is None
@@ -263,11 +244,7 @@ class BatchedGraphEncoder:
             exact_rows = next((a.shape[0] for a in args if isinstance(a, torch.Tensor)
                                and not isinstance(a, torch.nn.Parameter) and a.dim() > 0), 1)
         else:
-            # A call is one item of B rows, so a graph has one slot (the backend rejects the
-            # packed-only max_items_per_graph and max_frames_per_batch, see backend.py)
-            config = self.options.budget_config((1, DEFAULT_BATCHED_MAX_BUDGET),
-                                                 DEFAULT_BATCHED_LADDER_STEPS)
-            config = BudgetConfig(config.budgets, 1)
+            config = self.config  # a call is one item of B rows: one slot per graph
         graph_set = _GraphSet(self.fn, self.layout, args, set(self._copied), self.static_shape,
                               config.max_budget)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)

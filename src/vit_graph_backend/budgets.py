@@ -6,15 +6,20 @@ into batches and each batch replays the graph of the smallest budget that holds 
 
 The central invariant, held on every configuration path::
 
-    max_batch_size <= min(budgets)
+    max_items_per_graph <= min(budgets)
 
-Each of the ``max_batch_size`` item slots of a captured graph then gets at least one token. Breaking
+``max_items_per_graph`` is the option's name everywhere a user meets it (options, CLI, docs,
+errors); inside :class:`BudgetConfig` and the encoder protocol the same number keeps vLLM's name,
+``max_batch_size``, so that code ported from vLLM's encoder CUDA graph manager reads the same.
+
+Each of the ``max_items_per_graph`` item slots of a captured graph then gets at least one token. Breaking
 it made vLLM size capture slots with ``budget // max_batch_size == 0`` tokens and crash in the patch
 embedding (vLLM PR #38040).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -27,7 +32,9 @@ __all__ = [
     "budget_ladder",
     "capture_layout",
     "ceil_div",
-    "check_steps_per_doubling",
+    "check_items_fit",
+    "check_ladder_steps",
+    "normalize_budgets",
     "smallest_fitting",
 ]
 
@@ -37,15 +44,28 @@ def ceil_div(total: int, parts: int) -> int:
     return -(-total // parts)
 
 
-#: Most budgets one doubling may be split into (``steps_per_doubling``); finer ladders add graphs
+#: Most budgets one doubling may be split into (``ladder_steps``); finer ladders add graphs
 #: (capture time, static buffers) faster than they cut padding.
-MAX_STEPS_PER_DOUBLING = 16
+MAX_LADDER_STEPS = 16
+
+#: Names of the first release, kept one release with a warning (module ``__getattr__`` below).
+_RENAMED = {"MAX_STEPS_PER_DOUBLING": "MAX_LADDER_STEPS",
+            "check_steps_per_doubling": "check_ladder_steps"}
 
 
-def budget_ladder(start: int, stop: int, steps_per_doubling: int = 1) -> tuple[int, ...]:
+def __getattr__(name: str) -> object:
+    if name in _RENAMED:
+        warnings.warn(f"vit_graph_backend.budgets.{name} is deprecated: use {_RENAMED[name]}",
+                      DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def budget_ladder(start: int, stop: int, ladder_steps: int = 1, *,
+                  steps_per_doubling: int | None = None) -> tuple[int, ...]:
     """Budgets growing from ``start`` and ending exactly at ``stop``.
 
-    With ``steps_per_doubling=1`` the ladder doubles: ``budget_ladder(64, 1000) == (64, 128, 256,
+    With ``ladder_steps=1`` the ladder doubles: ``budget_ladder(64, 1000) == (64, 128, 256,
     512, 1000)``; the last step may be less than a doubling, so the largest graph is exactly as
     large as the model allows and no larger. With ``k`` steps, each doubling ``b .. 2b`` is split
     at ``b * (1 + m / k)`` (rounded up), so a batch pads by less than ``1 / k`` of its budget's
@@ -53,19 +73,25 @@ def budget_ladder(start: int, stop: int, steps_per_doubling: int = 1) -> tuple[i
 
     Every step from ``a`` to the next budget is at most ``ceil(a / k)`` (so at most a doubling).
 
+    ``steps_per_doubling`` is the first release's name of ``ladder_steps`` (deprecated).
+
     Raises:
         InvalidOptionError: if either end is not a positive integer, ``start > stop``, or
-            ``steps_per_doubling`` is not an integer in ``1..MAX_STEPS_PER_DOUBLING``.
+            ``ladder_steps`` is not an integer in ``1..MAX_LADDER_STEPS``.
     """
+    if steps_per_doubling is not None:
+        warnings.warn("budget_ladder(steps_per_doubling=...) is deprecated: use ladder_steps=",
+                      DeprecationWarning, stacklevel=2)
+        ladder_steps = steps_per_doubling
     check_positive_int("ladder start", start)
     check_positive_int("ladder stop", stop)
-    check_steps_per_doubling("steps_per_doubling", steps_per_doubling)
+    check_ladder_steps("ladder_steps", ladder_steps)
     if start > stop:
         raise InvalidOptionError(
             f"ladder start={start} is larger than ladder stop={stop}: a budget ladder must "
             "start at or below its largest budget"
         )
-    k = steps_per_doubling
+    k = ladder_steps
     ladder = {start}
     base = start
     while base < stop:
@@ -75,12 +101,12 @@ def budget_ladder(start: int, stop: int, steps_per_doubling: int = 1) -> tuple[i
     return tuple(sorted(ladder))
 
 
-def check_steps_per_doubling(name: str, value: object) -> int:
-    """``value`` if it is an integer in ``1..MAX_STEPS_PER_DOUBLING``, else a clear error."""
+def check_ladder_steps(name: str, value: object) -> int:
+    """``value`` if it is an integer in ``1..MAX_LADDER_STEPS``, else a clear error."""
     check_positive_int(name, value)
-    if value > MAX_STEPS_PER_DOUBLING:  # type: ignore[operator]
+    if value > MAX_LADDER_STEPS:  # type: ignore[operator]
         raise InvalidOptionError(
-            f"{name}={value} is invalid: must be an integer in 1..{MAX_STEPS_PER_DOUBLING} "
+            f"{name}={value} is invalid: must be an integer in 1..{MAX_LADDER_STEPS} "
             "(1 doubles the budget at every step; k splits each doubling into k steps)"
         )
     return value  # type: ignore[return-value]
@@ -94,17 +120,37 @@ def smallest_fitting(budgets: tuple[int, ...], tokens: int) -> int | None:
     return None
 
 
-def _normalize_budgets(budgets: Iterable[int]) -> tuple[int, ...]:
+def normalize_budgets(budgets: Iterable[int], name: str = "budgets") -> tuple[int, ...]:
+    """User budgets as the sorted, de-duplicated tuple every resolved config holds.
+
+    Raises:
+        InvalidOptionError: if ``budgets`` is not a non-empty sequence of positive integers.
+    """
     if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Iterable):
         raise InvalidOptionError(
-            f"budgets={budgets!r} is invalid: must be a sequence of positive integers"
+            f"{name}={budgets!r} is invalid: must be a sequence of positive integers"
         )
     values = list(budgets)
     if not values:
-        raise InvalidOptionError("budgets=[] is invalid: give at least one positive integer")
+        raise InvalidOptionError(f"{name}=[] is invalid: give at least one positive integer")
     for i, value in enumerate(values):
-        check_positive_int(f"budgets[{i}]", value)
+        check_positive_int(f"{name}[{i}]", value)
     return tuple(sorted(set(values)))
+
+
+def check_items_fit(items: int, smallest_budget: int, name: str = "max_items_per_graph") -> None:
+    """The central invariant: ``items <= min(budgets)``, so each item slot of a graph gets a token.
+
+    ``name`` is the setting as the caller knows it: ``max_items_per_graph`` for options, the CLI
+    and docs; ``max_batch_size`` (vLLM's word, kept inside :class:`BudgetConfig`) for a config
+    built by hand.
+    """
+    if items > smallest_budget:
+        raise InvalidOptionError(
+            f"{name}={items} is larger than the smallest budget min(budgets)={smallest_budget}: "
+            f"every item slot of a graph needs at least one token; lower {name} or raise the "
+            "smallest budget"
+        )
 
 
 @dataclass(frozen=True)
@@ -125,7 +171,7 @@ class BudgetConfig:
     max_frames_per_batch: int | None = None
 
     def __post_init__(self) -> None:
-        if _normalize_budgets(self.budgets) != tuple(self.budgets):
+        if normalize_budgets(self.budgets) != tuple(self.budgets):
             raise InvalidOptionError(
                 f"budgets={self.budgets!r} is invalid: must be sorted, unique and positive; "
                 "use BudgetConfig.resolve() to normalize user budgets"
@@ -136,12 +182,7 @@ class BudgetConfig:
         check_positive_int("max_batch_size", self.max_batch_size)
         if self.max_frames_per_batch is not None:
             check_positive_int("max_frames_per_batch", self.max_frames_per_batch)
-        if self.max_batch_size > self.budgets[0]:
-            raise InvalidOptionError(
-                f"max_batch_size={self.max_batch_size} is larger than the smallest budget "
-                f"({self.budgets[0]}): every item slot of a graph needs at least one token; "
-                "lower max_batch_size or raise the smallest budget"
-            )
+        check_items_fit(self.max_batch_size, self.budgets[0], "max_batch_size")
 
     @property
     def max_budget(self) -> int:
@@ -157,6 +198,7 @@ class BudgetConfig:
         max_batch_size: int | None = None,
         max_frames_per_batch: int | None = None,
         ladder_steps: int = 1,
+        items_name: str = "max_batch_size",
     ) -> BudgetConfig:
         """Resolve user choices against the model's ``(min_budget, max_budget)`` range.
 
@@ -178,7 +220,9 @@ class BudgetConfig:
             budgets: user budgets, or ``None`` for the ladder.
             max_batch_size: items per graph, or ``None`` to derive it.
             max_frames_per_batch: frames per graph, or ``None`` for no frame cap.
-            ladder_steps: ``steps_per_doubling`` of the ladder (paths 2 and 4).
+            ladder_steps: how finely the ladder splits each doubling (paths 2 and 4).
+            items_name: how errors name ``max_batch_size`` (``"max_items_per_graph"`` when
+                resolving user options).
 
         Raises:
             InvalidOptionError: (a ``ValueError``) naming the bad value and the allowed range.
@@ -201,26 +245,22 @@ class BudgetConfig:
                 f"min_budget={min_budget} is larger than max_budget={max_budget}"
             )
         if max_batch_size is not None:
-            check_positive_int("max_batch_size", max_batch_size)
+            check_positive_int(items_name, max_batch_size)
         if max_frames_per_batch is not None:
             check_positive_int("max_frames_per_batch", max_frames_per_batch)
-        check_steps_per_doubling("ladder_steps", ladder_steps)
+        # ladder_steps is checked by budget_ladder, on the paths that build a ladder
 
         if budgets is not None:
-            resolved = _normalize_budgets(budgets)
+            resolved = normalize_budgets(budgets)
             if max_batch_size is None:  # path 3
                 max_batch_size = min(max_budget // min_budget, resolved[0])
-            elif max_batch_size > resolved[0]:  # path 1, violated
-                raise InvalidOptionError(
-                    f"max_batch_size={max_batch_size} is larger than the smallest budget "
-                    f"min(budgets)={resolved[0]}: every item slot of a graph needs at least one "
-                    "token; lower max_batch_size or raise the smallest budget"
-                )
+            else:  # path 1
+                check_items_fit(max_batch_size, resolved[0], items_name)
         elif max_batch_size is not None:  # path 2
             if max_batch_size > max_budget:
                 raise InvalidOptionError(
-                    f"max_batch_size={max_batch_size} is larger than max_budget={max_budget}: no "
-                    "budget can give every item slot a token; lower max_batch_size"
+                    f"{items_name}={max_batch_size} is larger than max_budget={max_budget}: no "
+                    f"budget can give every item slot a token; lower {items_name}"
                 )
             resolved = budget_ladder(max(min_budget, max_batch_size), max_budget, ladder_steps)
         else:  # path 4

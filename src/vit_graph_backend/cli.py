@@ -24,7 +24,8 @@ from typing import Any
 
 from ._version import __version__
 from .benchmarking.modes import MODES as _MODES
-from .budgets import MAX_STEPS_PER_DOUBLING
+from .budgets import MAX_LADDER_STEPS
+from .options import DEFAULT_BATCHED_MAX_BUDGET
 from .planner import POLICIES
 
 __all__ = ["build_parser", "main"]
@@ -73,9 +74,9 @@ def _positive_int(text: str) -> int:
 
 def _ladder_steps(text: str) -> int:
     value = _positive_int(text)
-    if value > MAX_STEPS_PER_DOUBLING:
+    if value > MAX_LADDER_STEPS:
         raise argparse.ArgumentTypeError(
-            f"invalid ladder steps: {text!r} (must be 1..{MAX_STEPS_PER_DOUBLING})")
+            f"invalid ladder steps: {text!r} (must be 1..{MAX_LADDER_STEPS})")
     return value
 
 
@@ -202,22 +203,24 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                       help="image sizes in pixels, e.g. 448x448,224x336 (with --patch, --merge)")
     p.add_argument("--budgets", type=_int_list, metavar="LIST", help="explicit budgets")
     p.add_argument("--min-budget", type=_positive_int,
-                   help=f"ladder start without --budgets (default {PLAN_BUDGET_RANGE[0]}, or "
-                   "--max-budget when that is smaller)")
+                   help=f"ladder start without --budgets (default {PLAN_BUDGET_RANGE[0]}, 1 "
+                   "with --chunk, or --max-budget when that is smaller)")
     p.add_argument("--max-budget", type=_positive_int,
-                   help=f"ladder end without --budgets (default {PLAN_BUDGET_RANGE[1]}, or "
-                   "--min-budget when that is larger)")
+                   help=f"ladder end without --budgets (default {PLAN_BUDGET_RANGE[1]}, "
+                   f"{DEFAULT_BATCHED_MAX_BUDGET} with --chunk, or --min-budget when larger)")
     p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
                    help="split each doubling of the ladder into K steps, 1..16 (default 2, the "
                    "packed runtime's; 4 with --chunk, the batched runtime's)")
     p.add_argument("--max-items-per-graph", type=_positive_int,
-                   help="items per graph (default: derived, never above the smallest budget)")
+                   help="items per graph (default: derived, never above the smallest budget; "
+                   "packed only)")
     _renamed(p, "--max-items", "--max-items-per-graph", _positive_int)
     p.add_argument("--patch", type=_positive_int, default=14, help="patch side (default 14)")
     p.add_argument("--merge", type=_positive_int, default=2, help="spatial merge (default 2)")
     p.add_argument("--policy", choices=POLICIES, default="baseline")
     p.add_argument("--chunk", action="store_true",
-                   help="batched layout: cut items above the largest budget into chunks")
+                   help="batched layout, as torch.compile graphs: each item is a call of rows, "
+                   "one per graph, cut into chunks above the largest budget")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(subparser=p)
     return p
@@ -244,10 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .benchmarking.routing import format_plan, plan_to_dict
-    from .budgets import BudgetConfig
     from .errors import InvalidOptionError
-    from .options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_LADDER_STEPS, VitGraphOptions
+    from .options import VitGraphOptions
+    from .plan_preview import format_plan, plan_to_dict
     from .planner import plan_batches
     from .specs import EncoderItemSpec
 
@@ -267,15 +269,13 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             specs.append(EncoderItemSpec(gh * gw, (gh // args.merge) * (gw // args.merge)))
             labels.append(f"{h}x{w} px -> {gh * gw} patches -> {specs[-1].output_tokens} tokens")
     try:
-        steps = args.ladder_steps or (DEFAULT_BATCHED_LADDER_STEPS if args.chunk
-                                      else DEFAULT_LADDER_STEPS)
-        # The ends of the ladder as the runtime derives them from the same two options (a lone
-        # --max-budget below the default start lowers the start, and the other way round): the
-        # options' own resolution, whose ladder starts and ends exactly at those ends.
-        ladder = VitGraphOptions(min_budget=args.min_budget, max_budget=args.max_budget,
-                                 ladder_steps=steps).budget_config(PLAN_BUDGET_RANGE).budgets
-        config = BudgetConfig.resolve((ladder[0], ladder[-1]), budgets=args.budgets,
-                                      max_batch_size=args.max_items_per_graph, ladder_steps=steps)
+        # the runtime's own resolution: packed against PLAN_BUDGET_RANGE, --chunk as a batched
+        # torch.compile graph (rows, one call per graph); so plan and runtime cannot disagree
+        options = VitGraphOptions(budgets=args.budgets, min_budget=args.min_budget,
+                                  max_budget=args.max_budget, ladder_steps=args.ladder_steps,
+                                  max_items_per_graph=args.max_items_per_graph)
+        config = (options.resolve(batched=True) if args.chunk
+                  else options.resolve(PLAN_BUDGET_RANGE))
         plan = plan_batches(specs, config, policy=args.policy, chunk=args.chunk)
     except InvalidOptionError as exc:
         parser.error(f"invalid --budgets/--min-budget/--max-budget/--max-items-per-graph: {exc}")

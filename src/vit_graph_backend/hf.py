@@ -33,9 +33,8 @@ import torch
 from torch import nn
 
 from .adapters import adapter_for, supported_classes
-from .batched import PACKED_ONLY_OPTIONS, check_batched_options
 from .errors import InvalidOptionError, UnsupportedModelError
-from .options import VitGraphOptions
+from .options import PACKED_ONLY_OPTIONS, VitGraphOptions
 from .packed import PackedGraphEncoder, serve
 
 __all__ = ["BATCHED_TOWERS", "DEFAULT_VIDEO_FRAMES", "restore_vision_", "serve_vision_",
@@ -154,7 +153,7 @@ def _batched_options(options: VitGraphOptions | None, kwargs: dict[str, Any],
         options = VitGraphOptions.from_dict({k: v for k, v in kwargs.items() if k in fields})
     if has_packed:
         options = dataclasses.replace(options, **{k: None for k in PACKED_ONLY_OPTIONS})
-    check_batched_options(options)
+    options.resolve(batched=True)  # raises here, before any tower changes
     default = VitGraphOptions().to_dict()
     changed = {k: v for k, v in options.to_dict().items() if v != default[k]}
     return changed or None

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from .budgets import BudgetConfig, check_steps_per_doubling
+from .budgets import BudgetConfig, check_items_fit, check_ladder_steps, normalize_budgets
 from .errors import InvalidOptionError, MissingDependencyError
 from .planner import POLICIES
 from .specs import check_positive_int
 
-__all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_LADDER_STEPS", "INNER_COMPILERS", "MODES",
-           "VitGraphOptions"]
+__all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAULT_LADDER_STEPS",
+           "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS", "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
@@ -53,6 +54,9 @@ DEFAULT_LADDER_STEPS = 2
 #: sizes 1..32 against 23 % for the doubling ladder (planner figures; 4.9 % measured over the
 #: ViT-B/16 stream, whose 18 graphs captured in 0.27 s on an H100).
 DEFAULT_BATCHED_LADDER_STEPS = 4
+
+#: Options only a packed encoder can apply: a batched graph holds the rows of one call.
+PACKED_ONLY_OPTIONS: tuple[str, ...] = ("max_items_per_graph", "max_frames_per_batch")
 
 
 @dataclass(frozen=True)
@@ -124,22 +128,13 @@ class VitGraphOptions:
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
-            if isinstance(self.budgets, (str, bytes)) or not hasattr(self.budgets, "__iter__"):
-                raise InvalidOptionError(
-                    f"budgets={self.budgets!r} is invalid: must be a list of positive integers"
-                )
-            values = list(self.budgets)
-            if not values:
-                raise InvalidOptionError("budgets=[] is invalid: give at least one positive integer")
-            for i, value in enumerate(values):
-                check_positive_int(f"budgets[{i}]", value)
-            object.__setattr__(self, "budgets", tuple(sorted(set(values))))
+            object.__setattr__(self, "budgets", normalize_budgets(self.budgets))
         for name in ("min_budget", "max_budget", "max_items_per_graph", "max_frames_per_batch"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_positive_int("max_graph_sets", self.max_graph_sets)
         if self.ladder_steps is not None:
-            check_steps_per_doubling("ladder_steps", self.ladder_steps)
+            check_ladder_steps("ladder_steps", self.ladder_steps)
         if isinstance(self.warmup_iters, bool) or not isinstance(self.warmup_iters, int) or (
             self.warmup_iters < 0
         ):
@@ -166,13 +161,8 @@ class VitGraphOptions:
             raise InvalidOptionError(
                 f"min_budget={self.min_budget} is larger than max_budget={self.max_budget}"
             )
-        if (self.budgets is not None and self.max_items_per_graph is not None
-                and self.max_items_per_graph > self.budgets[0]):
-            raise InvalidOptionError(
-                f"max_items_per_graph={self.max_items_per_graph} is larger than the smallest "
-                f"budget min(budgets)={self.budgets[0]}: every item slot of a graph needs at least "
-                "one token; lower max_items_per_graph or raise the smallest budget"
-            )
+        if self.budgets is not None and self.max_items_per_graph is not None:
+            check_items_fit(self.max_items_per_graph, self.budgets[0])
         if self.backed_size_oblivious and self.inner_compiler != "eager":
             raise InvalidOptionError(
                 f"backed_size_oblivious=True is invalid with inner_compiler="
@@ -236,24 +226,62 @@ class VitGraphOptions:
             data["budgets"] = list(data["budgets"])
         return data
 
-    def budget_config(self, model_range: tuple[int, int],
-                      default_ladder_steps: int = DEFAULT_LADDER_STEPS) -> BudgetConfig:
-        """Resolve these options against a model's ``(min_budget, max_budget)`` range;
-        ``default_ladder_steps`` applies when ``ladder_steps`` is ``None``."""
+    def resolve(self, model_range: tuple[int, int] | None = None, *,
+                batched: bool = False) -> BudgetConfig:
+        """The one resolution of these options into budgets and per-graph caps.
+
+        Every consumer goes through here: the runtime for a packed encoder (against its
+        ``get_encoder_cudagraph_budget_range()``), the backend for ``torch.compile`` graphs
+        (``batched=True``), ``vitgraph plan`` and ``vitgraph bench``; so the plan a user previews
+        is the plan the runtime replays.
+
+        Args:
+            model_range: the model's ``(min_budget, max_budget)``; ``min_budget``/``max_budget``
+                given here override its ends (a lone one past the other end moves that end too).
+                ``None`` with ``batched=True``: ``(1, DEFAULT_BATCHED_MAX_BUDGET)`` rows.
+            batched: a batched ``[B, C, H, W]`` graph: budgets count rows, a call is one item
+                (one slot per graph), the ladder defaults to ``DEFAULT_BATCHED_LADDER_STEPS``.
+
+        Raises:
+            InvalidOptionError: a packed-only option on a batched graph, or a combination the
+                model's range makes impossible (see :meth:`BudgetConfig.resolve`).
+        """
+        if batched:
+            for name in PACKED_ONLY_OPTIONS:
+                value = getattr(self, name)
+                if value is not None:
+                    raise InvalidOptionError(
+                        f"{name}={value!r} does not apply to torch.compile(backend='vitgraph'): "
+                        "a batched encoder's graph holds the rows of one call, and budgets count "
+                        "rows (bound them with max_budget). It is an option of packed encoders: "
+                        f"serve(model, {name}={value!r})")
+            model_range = model_range or (1, DEFAULT_BATCHED_MAX_BUDGET)
+        elif model_range is None:
+            raise InvalidOptionError("a packed encoder's options resolve against its "
+                                     "model_range=(min_budget, max_budget); none was given")
         lo = self.min_budget if self.min_budget is not None else model_range[0]
         hi = self.max_budget if self.max_budget is not None else model_range[1]
         if self.min_budget is not None and self.max_budget is None and lo > hi:
             hi = lo
         if self.max_budget is not None and self.min_budget is None and lo > hi:
             lo = hi
+        default_steps = DEFAULT_BATCHED_LADDER_STEPS if batched else DEFAULT_LADDER_STEPS
         return BudgetConfig.resolve(
             (lo, hi),
             budgets=self.budgets,
-            max_batch_size=self.max_items_per_graph,
+            max_batch_size=1 if batched else self.max_items_per_graph,
             max_frames_per_batch=self.max_frames_per_batch,
-            ladder_steps=(self.ladder_steps if self.ladder_steps is not None
-                          else default_ladder_steps),
+            ladder_steps=self.ladder_steps if self.ladder_steps is not None else default_steps,
+            items_name="max_items_per_graph",
         )
+
+    def budget_config(self, model_range: tuple[int, int],
+                      default_ladder_steps: int = DEFAULT_LADDER_STEPS) -> BudgetConfig:
+        """Deprecated: :meth:`resolve` (``batched=True`` for the batched defaults)."""
+        warnings.warn("VitGraphOptions.budget_config() is deprecated: use resolve(model_range)",
+                      DeprecationWarning, stacklevel=2)
+        steps = self.ladder_steps if self.ladder_steps is not None else default_ladder_steps
+        return replace(self, ladder_steps=steps).resolve(model_range)
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -11,7 +11,8 @@ call it asks the encoder for item specs, plans batches (``planner``), and runs e
 
 Budgets are captured **largest first into one graph pool**, so smaller graphs reuse the largest
 one's intermediates; each capture is measured and bounded first, and a failed capture does not
-take the smaller budgets with it (``graph_capture.py``).
+take the smaller budgets with it (``graph_capture.py``). Which budgets are served, why the others
+are not, and the cached plans over them: ``served_budgets.py``. This module replays.
 
 **Threads and streams.** Host state is guarded by this manager's lock. The GPU work of each call
 (copies into the static buffers, replays, output copies, eager batches) is ordered after the
@@ -28,7 +29,6 @@ one of independent rows may add ``prepare_encoder_cudagraph_replay_segments`` an
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -42,20 +42,17 @@ from .budgets import BudgetConfig
 from .errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError
 from .graph_capture import BudgetGraphs, mib
 from .options import VitGraphOptions
-from .planner import Batch, Plan, Segment, eager_reason, plan_batches
+from .planner import Batch, Plan, Segment
 from .replay_io import (assemble, copy_padded, infer_device_dtype, map_output, max_rel_error,
                         needs_grad, split_rows, verify_tolerance)
 from .protocol import SupportsEncoderCudaGraph
-from .specs import EncoderItemSpec
+from .served_budgets import ServedBudgets
 from .stats import GraphStats
 from .stream_order import order_for
 
 __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
 
 log = logging.getLogger(__name__)
-
-_PLAN_CACHE_SIZE = 1024
-
 
 class EncoderCudaGraphManager:
     """Serve an encoder's calls from one CUDA graph per token budget.
@@ -90,7 +87,7 @@ class EncoderCudaGraphManager:
     ) -> None:
         self.model = model
         self.options = options if options is not None else VitGraphOptions()
-        self.config = budget_config or self.options.budget_config(
+        self.config = budget_config or self.options.resolve(
             model.get_encoder_cudagraph_budget_range())
         self.device, self.dtype = infer_device_dtype(model, device, dtype)
         self._segment_api = hasattr(model, "prepare_encoder_cudagraph_replay_segments")
@@ -106,13 +103,12 @@ class EncoderCudaGraphManager:
                                    self.config.max_batch_size, self.config.max_frames_per_batch,
                                    self.device, self.dtype)
         self._graphs = self.graphs.entries
-        self._disabled: dict[int, str] = {}
+        #: the budgets served now, why the others are not, and the plans over them
+        self.served = ServedBudgets(self.config, self.options.policy, chunk)
         self._off_reason: str | None = None
         self._all_budgets_failed = False   # graphs off only because every budget was disabled
         self._logged: set[str] = set()
         self._lock = threading.RLock()
-        self._plans: dict[tuple[EncoderItemSpec, ...], Plan] = {}
-        self._active = self.config
         #: orders this call's GPU work after the previous call's, on any stream (one per device)
         self.order = order_for(self.device)
         if self.device.type != "cuda":
@@ -130,7 +126,7 @@ class EncoderCudaGraphManager:
     @property
     def token_budgets(self) -> tuple[int, ...]:
         """Budgets still served by graphs (a budget whose capture failed is dropped)."""
-        return self._active.budgets if self._off_reason is None else ()
+        return self.served.budgets if self._off_reason is None else ()
 
     def get_num_graphs_to_capture(self) -> int:
         """Graphs :meth:`capture` would hold: one per budget, 0 without CUDA or with graphs off."""
@@ -167,7 +163,7 @@ class EncoderCudaGraphManager:
         """
         report = self.graphs.report()
         report["budgets"] = list(self.token_budgets)
-        report["disabled_budgets"] = dict(self._disabled)
+        report["disabled_budgets"] = dict(self.served.disabled)
         report["graphs_off_reason"] = self._off_reason
         return report
 
@@ -205,7 +201,7 @@ class EncoderCudaGraphManager:
                     torch.cuda.synchronize(self.device)
                 self._reenable_skipped()
                 self.graphs.clear()
-                self._plans.clear()
+                self.served.clear_plans()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
 
@@ -213,17 +209,8 @@ class EncoderCudaGraphManager:
         # memory may have been freed since: budgets skipped at capture get another try
         if not self.graphs.skipped:
             return
-        for budget in self.graphs.skipped:
-            self._disabled.pop(budget, None)
-        if self._serve_remaining() and self._all_budgets_failed:
+        if self.served.enable(list(self.graphs.skipped)) and self._all_budgets_failed:
             self._off_reason, self._all_budgets_failed = None, False
-
-    def _serve_remaining(self) -> bool:
-        """Plan over the budgets not disabled; False (config unchanged) if there are none."""
-        remaining = tuple(b for b in self.config.budgets if b not in self._disabled)
-        if remaining:
-            self._active = dataclasses.replace(self.config, budgets=remaining)
-        return bool(remaining)
 
     # ------------------------------------------------------------------------------------ calls
     def run(self, inputs: Any) -> list[Any]:
@@ -245,7 +232,7 @@ class EncoderCudaGraphManager:
                                        sum(s.frames for s in specs)),), len(specs),
                                 tuple(range(len(specs))))
                 else:
-                    plan = self._plan(specs)
+                    plan = self.served.plan(specs)
                 for batch in plan.batches:
                     outs = self._run_batch(inputs, batch, reason)
                     for seg, out in zip(batch.segments, outs):
@@ -254,21 +241,11 @@ class EncoderCudaGraphManager:
             finally:
                 self.order.exit(stream)
 
-    def _plan(self, specs: tuple[EncoderItemSpec, ...]) -> Plan:
-        plan = self._plans.get(specs)
-        if plan is None:
-            plan = plan_batches(specs, self._active, policy=self.options.policy,
-                                chunk=self.chunk)
-            if len(self._plans) >= _PLAN_CACHE_SIZE:
-                self._plans.clear()
-            self._plans[specs] = plan
-        return plan
-
     def _run_batch(self, inputs: Any, batch: Batch, reason: str | None) -> list[Any]:
         if batch.budget is None or reason is not None:
-            return self._eager(inputs, batch, reason or self._eager_reason(batch))
-        if batch.budget in self._disabled:
-            return self._eager(inputs, batch, self._disabled[batch.budget])
+            return self._eager(inputs, batch, reason or self.served.eager_reason(batch))
+        if batch.budget in self.served.disabled:
+            return self._eager(inputs, batch, self.served.disabled[batch.budget])
         try:
             outs = self._replay(inputs, batch)
         except InvalidInputError:  # the caller's input is wrong, not the graph: nothing disabled
@@ -282,7 +259,7 @@ class EncoderCudaGraphManager:
             self._disable_budget(batch.budget, why)
             return self._eager(inputs, batch, why)
         if outs is None:  # verification failed, budget now disabled
-            return self._eager(inputs, batch, self._disabled[batch.budget])
+            return self._eager(inputs, batch, self.served.disabled[batch.budget])
         return outs
 
     def _replay(self, inputs: Any, batch: Batch) -> list[Any] | None:
@@ -292,8 +269,8 @@ class EncoderCudaGraphManager:
         if entry is None:
             if self.uses_cuda_graphs:
                 self._capture_budget(budget)
-                if budget in self._disabled:
-                    return self._eager(inputs, batch, self._disabled[budget])
+                if budget in self.served.disabled:
+                    return self._eager(inputs, batch, self.served.disabled[budget])
                 entry = self._graphs[budget]
             else:
                 entry = self.graphs.entry_without_graph(budget)
@@ -328,15 +305,6 @@ class EncoderCudaGraphManager:
             self.stats.record_exact(self.exact_rows, graph=graph)
         return split_rows(real, batch.segments)
 
-    def _eager_reason(self, batch: Batch) -> str:
-        reason = eager_reason(batch, self._active)
-        if batch.tokens > self._active.max_budget:
-            skipped = [b for b in self._disabled if b >= batch.tokens]
-            if skipped:
-                return (f"item exceeds the largest captured budget ({self._active.max_budget}); "
-                        f"budget {min(skipped)} is not served: {self._disabled[min(skipped)]}")
-        return reason
-
     def _eager(self, inputs: Any, batch: Batch, reason: str) -> list[Any]:
         self.stats.record_eager(len(batch.segments), reason)
         # once per kind of reason (the text before its first colon), then at DEBUG
@@ -368,10 +336,8 @@ class EncoderCudaGraphManager:
             self._disable_budget(budget, outcome.skipped, warn=outcome.failed and not outcome.oom)
 
     def _disable_budget(self, budget: int, reason: str, warn: bool = False) -> None:
-        self._disabled[budget] = reason
         self._graphs.pop(budget, None)
-        self._plans.clear()
-        if not self._serve_remaining():
+        if not self.served.disable(budget, reason):
             self._all_budgets_failed = True
             self.disable_graphs("every budget failed: " + reason)
         message = f"vitgraph: budget {budget} falls back to eager: {reason}"

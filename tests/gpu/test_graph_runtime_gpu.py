@@ -54,7 +54,7 @@ def test_one_graph_per_budget_in_supplied_pool_and_clear_frees_it():
     mgr.capture(pool)
     assert mgr.graph_pool is pool
     assert mgr.num_graphs == 7
-    assert all(e.graph.pool() == pool for e in mgr._graphs.values())
+    assert all(e.graph.pool() == pool for e in mgr.graphs.entries.values())
     report = mgr.memory_report()
     print("memory report", report)
     assert report["pool_bytes"] == _compat.graph_pool_bytes(pool) > 0
@@ -99,7 +99,7 @@ def test_nan_poisoned_static_buffers_do_not_change_outputs():
     mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
     inputs = _inputs([5, 11, 3])
     clean = mgr.run(inputs)
-    for entry in mgr._graphs.values():
+    for entry in mgr.graphs.entries.values():
         for t in entry.static.values():
             if t.is_floating_point():
                 t.fill_(float("nan"))

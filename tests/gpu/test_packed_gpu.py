@@ -98,7 +98,7 @@ def test_many_mixed_calls_share_one_pool_without_nan():
         out = served(pv, grid)
         assert torch.isfinite(out).all()
     mgr = served.manager
-    pools = {e.graph.pool() for e in mgr._graphs.values()}
+    pools = {e.graph.pool() for e in mgr.graphs.entries.values()}
     assert len(pools) == 1
     print("mixed calls stats", mgr.stats.as_dict())
     assert mgr.stats.eager_items > 0  # items over 128 tokens run eagerly, counted

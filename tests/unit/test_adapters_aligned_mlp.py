@@ -62,12 +62,12 @@ def test_padded_mlp_matches_the_hf_tower_and_holds_the_expected_bytes():
     # per block: gate and up (48 x 32 weight + 48 bias each), down (32 x 48 weight + 32 bias)
     per_block = 2 * (48 * HIDDEN + 48) + (HIDDEN * 48 + HIDDEN)
     assert adapter.aligned_mlp_bytes == DEPTH * per_block * 4
-    for weights in adapter._aligned.weights:  # the padding itself is zero
+    for weights in adapter.kernels.aligned.weights:  # the padding itself is zero
         for weight, bias in weights.ins:
             assert not weight[WIDTH:].any() and not bias[WIDTH:].any()
         assert not weights.out_weight[:, WIDTH:].any()
     # the adapter really reads the copies: nudge one (the tower is unchanged, so no refresh)
-    adapter._aligned.weights[0].out_bias.add_(1.0)
+    adapter.kernels.aligned.weights[0].out_bias.add_(1.0)
     assert not torch.allclose(adapter(pv, grid), hf(pv, grid).pooler_output, atol=1e-2)
 
 
@@ -88,13 +88,13 @@ def test_copies_follow_in_place_writes_and_replaced_parameters_without_moving():
     adapter = adapt(hf, align_mlp=True)
     pv, grid = _call(GRIDS)
     adapter(pv, grid)
-    pointers = [w.out_weight.data_ptr() for w in adapter._aligned.weights]
+    pointers = [w.out_weight.data_ptr() for w in adapter.kernels.aligned.weights]
     hf.blocks[0].mlp.gate_proj.weight.mul_(-2.0)                          # written in place
     hf.blocks[1].mlp.down_proj.weight = torch.nn.Parameter(                # replaced
         torch.randn(HIDDEN, WIDTH) * 0.2)
     hf.blocks[1].mlp.up_proj.bias.add_(0.5)
     torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
-    assert [w.out_weight.data_ptr() for w in adapter._aligned.weights] == pointers
+    assert [w.out_weight.data_ptr() for w in adapter.kernels.aligned.weights] == pointers
 
 
 @torch.no_grad()
@@ -107,7 +107,7 @@ def test_served_graph_path_uses_the_padded_weights_and_follows_new_weights():
     assert stats.graph_items + stats.no_graph_items == len(GRIDS)
     hf.blocks[0].mlp.down_proj.bias.mul_(3.0)
     torch.testing.assert_close(served(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
-    served.encoder._aligned.weights[1].ins[0][1].add_(1.0)  # the graph path reads the copies
+    served.encoder.kernels.aligned.weights[1].ins[0][1].add_(1.0)  # the graph path reads the copies
     assert not torch.allclose(served(pv, grid), hf(pv, grid).pooler_output, atol=1e-2)
 
 

@@ -95,7 +95,7 @@ def test_static_offsets_cover_every_row(adapters, grids, max_batch_size, frame_c
                 buf[:n].copy_(replay[key])
                 buf[n:].zero_()
             rows = static["pixel_values"].shape[0]
-            full, window = adapter._segments(static, None)
+            full, window = adapter.packer.segments(static, None)
             assert full.max_seqlen == rows and full.host_offsets is None
             _check_offsets(full, rows, replay["frame_seqlens"].tolist())
             if window is not None:

@@ -349,7 +349,7 @@ def test_metadata_matches_hf_helpers(towers, grids):
 
     grid_thw = torch.tensor(grids)
     hf, adapter = towers["qwen2_5"]
-    meta = adapter._pack(grids, range(len(grids)))
+    meta = adapter.packer.pack(grids, range(len(grids)))
     window_index, cu_window = get_vision_window_index(
         grid_thw, MERGE, hf.config.window_size, PATCH)
     unit = MERGE * MERGE
@@ -517,7 +517,7 @@ def test_fused_graph_path_matches_hf_and_compiles_each_function_once(towers, fam
     """``fuse=True``: the graph path calls the compiled block functions (a counting backend
     stands in for Inductor), once compiled for every budget; the eager path never calls them;
     outputs equal HF's."""
-    from vit_graph_backend.adapters import _fused, qwen_vl
+    from vit_graph_backend.adapters import _fused, _qwen_kernels
 
     compiles: list[str] = []
 
@@ -527,7 +527,7 @@ def test_fused_graph_path_matches_hf_and_compiles_each_function_once(towers, fam
 
     torch.compiler.reset()
     compiled = _fused.Ops(compiled=True, backend=backend)
-    monkeypatch.setattr(qwen_vl, "ops", lambda on: compiled if on else _fused.ops(False))
+    monkeypatch.setattr(_qwen_kernels, "ops", lambda on: compiled if on else _fused.ops(False))
     hf, _ = towers[family]
     adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, fuse=True)
     manager = _serve_mixed_call(hf, adapter)

@@ -28,10 +28,11 @@ import vit_graph_backend
 SRC = Path(vit_graph_backend.__file__).resolve().parent
 PACKAGE = "vit_graph_backend"
 
-_CORE = {"errors", "specs", "budgets", "stats", "planner", "assignment", "options", "protocol"}
+_CORE = {"errors", "specs", "budgets", "stats", "planner", "plan_preview", "assignment", "options",
+         "protocol"}
 #: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
-#: its memory book, and the tensor helpers of a replay.
-_GRAPH_PARTS = {"stream_order", "graph_capture", "replay_io", "graph_report"}
+#: its memory book, the book of served budgets and their plans, and the tensor helpers of a replay.
+_GRAPH_PARTS = {"stream_order", "graph_capture", "replay_io", "graph_report", "served_budgets"}
 _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
@@ -47,6 +48,8 @@ LAYERS: dict[str, set[str]] = {
     "budgets": {"specs", "errors"},
     "stats": set(),
     "planner": {"budgets", "specs", "errors"},
+    # What the planner does with a call or a stream, for `vitgraph plan` and the bench: pure.
+    "plan_preview": {"budgets", "planner", "specs", "stats"},
     # Which rank encodes which item (data parallelism): pure, like the planner.
     "assignment": {"specs", "errors"},
     "options": {"budgets", "specs", "planner", "errors"},
@@ -57,6 +60,7 @@ LAYERS: dict[str, set[str]] = {
     "graph_capture": {"_compat"},
     "replay_io": {"planner"},
     "graph_report": {"stats"},
+    "served_budgets": {"budgets", "planner", "specs"},
     "runtime": _RUNTIME_DEPS,
     # The batched [B, C, H, W] layout: pads the batch axis and drives the runtime's graphs.
     "batched": _RUNTIME_DEPS | {"runtime", "batched_layout"},
@@ -82,7 +86,8 @@ THIRD_PARTY: dict[str, set[str]] = {
     "benchmarks": set(),
 }
 #: Layers that never import torch; ``protocol`` may, under ``TYPE_CHECKING`` only.
-NO_TORCH = {"errors", "_version", "specs", "budgets", "stats", "planner", "assignment", "options",
+NO_TORCH = {"errors", "_version", "specs", "budgets", "stats", "planner", "plan_preview", "assignment",
+            "options",
             "protocol"}
 TORCH_UNDER_TYPE_CHECKING = {"protocol"}
 #: Optional dependencies imported only lazily, inside a function, and only by these layers.

@@ -262,9 +262,9 @@ def test_budgets_share_one_row_buffer_and_memory_counts_it_once():
         for b in (2, 3, 7, 5, 9, 32):  # static first call, then the dynamic graph's budgets
             x = torch.randn(b, 6)
             torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=0)
-    dynamic = [e for e in vitgraph._encoders if not e.static_shape]
+    dynamic = [e for e in vitgraph.encoders if not e.static_shape]
     (manager,) = dynamic[0].managers
-    rows = {b: g.static for b, g in manager._graphs.items()}
+    rows = {b: g.static for b, g in manager.graphs.entries.items()}
     assert len(rows) >= 3, rows.keys()
     storages = {t.untyped_storage().data_ptr() for s in rows.values() for t in s.values()}
     assert len(storages) == 1, "every budget's row buffer is a view of one buffer"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +26,9 @@ from vit_graph_backend.benchmarking import (
     validate,
 )
 from vit_graph_backend.benchmarking.models import availability, build_model, call_specs
-from vit_graph_backend.benchmarking.routing import (
-    default_batched_budgets,
-    default_packed_budgets,
-    plan_stream,
-    summarize_plans,
-)
+from vit_graph_backend.benchmarking.runner import stream_budget_range
+from vit_graph_backend.options import VitGraphOptions
+from vit_graph_backend.plan_preview import plan_stream, summarize_plans
 from vit_graph_backend.benchmarking.timing import percentile, summarize
 from vit_graph_backend.benchmarking.workloads import make_stream, resolve_modality
 from vit_graph_backend.budgets import BudgetConfig
@@ -109,9 +107,13 @@ def test_items_per_graph_default_follows_the_modality(modality, items):
 def test_batched_budgets_count_rows_and_cover_the_stream():
     run = resolve(BenchConfig(model="vit-micro", max_batch=6), cuda_available=False)
     # the runtime's batched default splits each doubling into 4 steps
-    assert run.budgets.budgets == (1, 2, 3, 4, 5, 6) == default_batched_budgets(6)
+    assert run.budgets.budgets == (1, 2, 3, 4, 5, 6)
     assert run.vitgraph_options == {"budgets": [1, 2, 3, 4, 5, 6], "policy": "baseline"}
-    assert default_batched_budgets(6, max_budget=32, steps=1) == (1, 2, 4, 8, 16, 32)
+    # the bench resolves as torch.compile's backend does: the same config for the same options
+    assert run.budgets == VitGraphOptions(max_budget=6).resolve(batched=True)
+    run = resolve(BenchConfig(model="vit-micro", max_batch=6, max_budget=32, ladder_steps=1),
+                  cuda_available=False)
+    assert run.budgets.budgets == (1, 2, 4, 8, 16, 32)
     run = resolve(BenchConfig(model="vit-micro", max_batch=6, ladder_steps=1),
                   cuda_available=False)
     assert run.budgets.budgets == (1, 2, 4, 6)
@@ -119,12 +121,24 @@ def test_batched_budgets_count_rows_and_cover_the_stream():
         resolve(BenchConfig(model="vit-micro", ladder_steps=0), cuda_available=False)
 
 
-def test_packed_default_budgets_fit_every_call():
+def test_packed_stream_range_fits_every_call():
     calls = [[64, 256], [100], [1024, 300, 16]]
-    assert default_packed_budgets(calls, 1, steps=1) == (16, 32, 64, 128, 256, 512, 1024)
-    assert default_packed_budgets(calls, 1)[:5] == (16, 24, 32, 48, 64)  # packed default: 2
-    assert default_packed_budgets(calls, 2)[-1] == 1024 + 300  # two largest items of a call
-    assert default_packed_budgets([[3]], 4) == (3,)  # start never above stop
+    assert stream_budget_range(calls, 1) == (16, 1024)  # power of two under the smallest item
+    assert stream_budget_range(calls, 2) == (16, 1024 + 300)  # two largest items of a call
+    assert stream_budget_range(calls, 32) == (32, 1024 + 300 + 16)  # a token per item slot
+    assert stream_budget_range([[3]], 4) == (3, 3)  # start never above stop
+    with pytest.raises(ValueError, match="no items"):
+        stream_budget_range([[]], 1)
+
+
+def test_packed_bench_budgets_are_the_options_resolution_over_the_stream_range():
+    run = resolve(BenchConfig(model="qwen2-vl-tiny", workload="multi-image", ladder_steps=1),
+                  cuda_available=False)
+    calls = [[s.output_tokens for s in call_specs(run.entry, c)] for c in run.stream]
+    expected = VitGraphOptions(max_items_per_graph=1, ladder_steps=1).resolve(
+        stream_budget_range(calls, 1))
+    assert run.budgets == expected
+    assert run.budgets.budgets[0] & (run.budgets.budgets[0] - 1) == 0  # doubling from 2**k
 
 
 def test_planned_totals_are_counted_like_the_backend():
@@ -288,3 +302,29 @@ def test_harness_modules_import_torch_only_inside_functions():
             heavy = [n for n in names if n.split(".")[0] in
                      {"torch", "timm", "transformers", "matplotlib", "tqdm", "numpy"}]
             assert not heavy, f"{path.name} imports {heavy} at module level"
+
+
+def test_the_first_release_routing_module_warns_and_reexports_the_preview():
+    import importlib
+    import sys
+
+    from vit_graph_backend import plan_preview
+
+    sys.modules.pop("vit_graph_backend.benchmarking.routing", None)
+    with pytest.warns(DeprecationWarning, match="use vit_graph_backend.plan_preview"):
+        routing = importlib.import_module("vit_graph_backend.benchmarking.routing")
+    assert routing.plan_stream is plan_preview.plan_stream
+    assert routing.__all__ == plan_preview.__all__
+
+
+def test_without_timm_the_default_bench_runs_the_same_shape_from_transformers(monkeypatch):
+    """timm is an extra of its own (it pulls torchvision, which pins torch): the README's first
+    command must still run, on a model the bench extra provides, and say so."""
+    monkeypatch.setitem(sys.modules, "timm", None)  # find_spec("timm") is None: not installed
+    run = resolve(BenchConfig(), cuda_available=False)
+    assert run.config.model == "clip-tiny"
+    (note,) = run.notes
+    assert note.startswith("default model vit-micro unavailable (timm is not installed")
+    assert note.endswith("ran clip-tiny instead")
+    run = resolve(BenchConfig(model="vit-micro"), cuda_available=False)  # asked for: kept
+    assert run.config.model == "vit-micro" and run.notes == ()

@@ -85,7 +85,7 @@ def test_finer_ladder_examples():
     assert budget_ladder(1, 32, 2) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     assert budget_ladder(1, 32, 4) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
     assert budget_ladder(64, 1000, 2) == (64, 96, 128, 192, 256, 384, 512, 768, 1000)
-    with pytest.raises(InvalidOptionError, match=r"^steps_per_doubling=17 is invalid: must be an "
+    with pytest.raises(InvalidOptionError, match=r"^ladder_steps=17 is invalid: must be an "
                                                  r"integer in 1\.\.16"):
         budget_ladder(1, 8, 17)
     with pytest.raises(InvalidOptionError, match=r"^ladder_steps=0 is invalid"):
@@ -250,7 +250,7 @@ BAD_BUDGETS = [
     (lambda: BudgetConfig((64,), 8, 0), r"^max_frames_per_batch=0 is invalid"),
     (
         lambda: BudgetConfig((64, 128), 65),
-        r"^max_batch_size=65 is larger than the smallest budget \(64\): every item slot of a graph "
+        r"^max_batch_size=65 is larger than the smallest budget min\(budgets\)=64: every item slot of a graph "
         r"needs at least one token; lower max_batch_size or raise the smallest budget$",
     ),
     (lambda: capture_layout(0, 1), r"^budget=0 is invalid: must be a positive integer"),
@@ -341,3 +341,35 @@ def test_floor_division_would_under_allocate():
 def test_docstring_examples():
     result = doctest.testmod(budgets, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_first_release_ladder_names_still_work_with_a_warning():
+    import vit_graph_backend.budgets as budgets
+
+    with pytest.warns(DeprecationWarning, match="use ladder_steps="):
+        assert budget_ladder(1, 32, steps_per_doubling=2) == budget_ladder(1, 32, 2)
+    with pytest.warns(DeprecationWarning, match="use check_ladder_steps"):
+        assert budgets.check_steps_per_doubling("k", 3) == 3
+    with pytest.warns(DeprecationWarning, match="use MAX_LADDER_STEPS"):
+        assert budgets.MAX_STEPS_PER_DOUBLING == budgets.MAX_LADDER_STEPS == 16
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        budgets.nope  # noqa: B018
+
+
+def test_one_message_for_the_items_invariant_under_each_name():
+    """Options, BudgetConfig.resolve and a hand-built BudgetConfig raise the same sentence, each
+    with the name its caller knows."""
+    from vit_graph_backend import VitGraphOptions
+
+    expected = ("max_items_per_graph=8 is larger than the smallest budget min(budgets)=4: every "
+                "item slot of a graph needs at least one token; lower max_items_per_graph or raise "
+                "the smallest budget")
+    with pytest.raises(InvalidOptionError) as opt:
+        VitGraphOptions(budgets=(4, 16), max_items_per_graph=8)
+    with pytest.raises(InvalidOptionError) as res:
+        BudgetConfig.resolve((1, 16), budgets=(4, 16), max_batch_size=8,
+                             items_name="max_items_per_graph")
+    assert str(opt.value) == str(res.value) == expected
+    with pytest.raises(InvalidOptionError) as hand:
+        BudgetConfig((4, 16), 8)
+    assert str(hand.value) == expected.replace("max_items_per_graph", "max_batch_size")

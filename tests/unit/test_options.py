@@ -91,18 +91,38 @@ def test_round_trip_through_dict(budgets, verify, policy, inner, sets):
         assert opts.budgets == tuple(sorted(set(budgets)))
 
 
-def test_budget_config_uses_model_range_unless_overridden():
+def test_resolve_uses_model_range_unless_overridden():
     # default: each doubling split in two
-    assert VitGraphOptions().budget_config((64, 1024)).budgets == (
+    assert VitGraphOptions().resolve((64, 1024)).budgets == (
         64, 96, 128, 192, 256, 384, 512, 768, 1024)
-    assert VitGraphOptions(ladder_steps=1).budget_config((64, 1024)).budgets == (
+    assert VitGraphOptions(ladder_steps=1).resolve((64, 1024)).budgets == (
         64, 128, 256, 512, 1024)
-    assert VitGraphOptions().budget_config((64, 1024), default_ladder_steps=1).budgets == (
-        64, 128, 256, 512, 1024)
-    assert VitGraphOptions(ladder_steps=1, max_budget=256).budget_config(
+    assert VitGraphOptions(ladder_steps=1, max_budget=256).resolve(
         (64, 1024)).budgets == (64, 128, 256)
-    cfg = VitGraphOptions(max_items_per_graph=8).budget_config((64, 1024))
+    cfg = VitGraphOptions(max_items_per_graph=8).resolve((64, 1024))
     assert cfg.max_batch_size == 8 and cfg.budgets[0] == 64
+    with pytest.raises(InvalidOptionError, match=r"resolve against its model_range"):
+        VitGraphOptions().resolve()
+
+
+def test_resolve_batched_counts_rows_one_call_per_graph():
+    # rows 1..32, each doubling split in four, one slot: written out, not derived
+    cfg = VitGraphOptions().resolve(batched=True)
+    assert cfg.budgets == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
+    assert (cfg.max_batch_size, cfg.max_frames_per_batch) == (1, None)
+    assert VitGraphOptions(max_budget=8, ladder_steps=1).resolve(batched=True).budgets == (
+        1, 2, 4, 8)
+    assert VitGraphOptions(budgets=(4, 16)).resolve(batched=True).budgets == (4, 16)
+    for name in ("max_items_per_graph", "max_frames_per_batch"):
+        with pytest.raises(InvalidOptionError, match=rf"^{name}=2 does not apply to torch\.compile"):
+            VitGraphOptions(**{name: 2}).resolve(batched=True)
+
+
+def test_budget_config_is_a_deprecated_alias_of_resolve():
+    with pytest.warns(DeprecationWarning, match=r"use resolve\(model_range\)"):
+        cfg = VitGraphOptions().budget_config((64, 1024), default_ladder_steps=1)
+    assert cfg == VitGraphOptions(ladder_steps=1).resolve((64, 1024))
+    assert cfg.budgets == (64, 128, 256, 512, 1024)
 
 
 @pytest.mark.parametrize("value", [1, 2**30, 0.5, 1.0, None])

@@ -80,7 +80,7 @@ def test_nan_poisoned_static_buffers_leave_outputs_equal():
     model, mgr = _setup()
     inputs = _call([5, 11, 3])
     clean = mgr.run(inputs)
-    for entry in mgr._graphs.values():
+    for entry in mgr.graphs.entries.values():
         for t in entry.static.values():
             if t.is_floating_point():
                 t.fill_(float("nan"))
@@ -112,7 +112,7 @@ def test_verify_passes_a_correct_encoder_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mgr.run(_call([5, 9]))
-    assert all(e.verified for e in mgr._graphs.values())
+    assert all(e.verified for e in mgr.graphs.entries.values())
 
 
 def test_grad_required_runs_eagerly():

@@ -11,7 +11,7 @@ Buffer design (why lengths, not offsets):
 
 - Attention segments are stored as **lengths** (``frame_seqlens``, ``window_seqlens``), not
   cumulative offsets. The captured function turns them into offsets with one ``cumsum`` and
-  appends the padding segment itself (see ``qwen_vl._segments``). A replay buffer shorter than
+  appends the padding segment itself (see ``QwenPacker.segments`` in ``_qwen_packing``). A replay buffer shorter than
   the capture buffer is then correct as the runtime pads it: the zeroed tail is a run of
   zero-length segments, which is exactly "repeat the last offset". Offsets frozen at capture
   cannot happen, and the adapter needs no per-budget state to size a replay buffer.

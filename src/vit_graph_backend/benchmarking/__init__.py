@@ -5,7 +5,6 @@ Layout:
     - :mod:`.workloads`: named, seeded request streams;
     - :mod:`.modes`: eager, ``torch.compile`` peers and the vitgraph modes;
     - :mod:`.timing`: per-call timing (CUDA events / ``perf_counter``), percentiles, progress bars;
-    - :mod:`.routing`: the planner preview shared with ``vitgraph plan`` (no torch);
     - :mod:`.runner`: the benchmark protocol; :mod:`.report`: JSON schema, table and plot;
     - :mod:`.environment`: versions and device, shared with ``vitgraph info``.
 

@@ -81,7 +81,11 @@ def availability(entry: ModelEntry) -> str | None:
     for need in entry.requires:
         module, _, attr = need.partition(":")
         if importlib.util.find_spec(module.split(".")[0]) is None:
-            return f"{module.split('.')[0]} is not installed (pip install 'vit-graph-backend[bench]')"
+            top = module.split(".")[0]
+            if top == "timm":  # torchvision, which timm needs, pins torch: the README's Set-up
+                return ("timm is not installed (it needs torchvision, which pins one torch: "
+                        "install it holding yours, as the README's Set-up shows)")
+            return f"{top} is not installed (pip install 'vit-graph-backend[bench]')"
         if attr:
             try:
                 found = hasattr(importlib.import_module(module), attr)

@@ -57,7 +57,7 @@ STATS = {  # GraphStats.as_dict(): planned (routing) or measured (backend report
     "exact_shape_batches": int, "real_tokens": int, "padded_tokens": int, "hit_rate": NUMBER,
     "padding_ratio": NUMBER, "batches_per_budget": MapOf(int), "fallback_reasons": MapOf(int),
 }
-PLAN = {  # routing.plan_to_dict() plus the call index
+PLAN = {  # plan_preview.plan_to_dict() plus the call index
     "call": int,
     "items": ListOf({"input_size": int, "output_tokens": int, "frames": int}),
     "batches": ListOf({"budget": Nullable(int), "items": ListOf(int), "tokens": int,
@@ -217,7 +217,7 @@ def _budget_counts(counts: Mapping[str, int]) -> str:
 
 
 def _routing_lines(doc: Mapping[str, Any]) -> list[str]:
-    from .routing import plan_line
+    from ..plan_preview import plan_line
 
     r, unit = doc["routing"], doc["routing"]["unit"]
     p = r["planned"]

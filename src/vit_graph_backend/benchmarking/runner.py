@@ -14,7 +14,7 @@ Protocol, per mode:
    counts cover both passes.
 
 A mode that raises is reported as failed with its error and the run goes on. The routing preview
-(:mod:`.routing`) is computed from the planner alone, so it shows on any machine, even while the
+(:mod:`vit_graph_backend.plan_preview`) is computed from the planner alone, so it shows on any machine, even while the
 backend is missing.
 
 Defaults depend on the device: on CPU a tiny model, 24 calls, modes ``eager,vitgraph``, fp32 (well
@@ -29,9 +29,9 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..budgets import BudgetConfig, check_steps_per_doubling
-from ..options import DEFAULT_BATCHED_LADDER_STEPS, DEFAULT_LADDER_STEPS
-from . import routing
+from .. import plan_preview
+from ..budgets import BudgetConfig
+from ..options import VitGraphOptions
 from .models import MODELS, ModelEntry, availability, call_specs, primary_output
 from .modes import MODES, backend_report, prepare_mode, reset
 from .report import SCHEMA_VERSION
@@ -79,6 +79,7 @@ class Resolved:
     entry: ModelEntry
     stream: list[Call]
     budgets: BudgetConfig
+    notes: tuple[str, ...] = ()  # what resolution chose for the user, said in the report
 
     @property
     def vitgraph_options(self) -> dict[str, Any]:
@@ -97,18 +98,26 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
 
     Raises:
         ValueError: naming the bad value (unknown model, workload or mode, a clash of modality
-            and model, budgets that break ``max_items_per_graph <= min(budgets)``, ...).
+            and model); budget options raise ``InvalidOptionError`` (a ``ValueError``) from
+            ``VitGraphOptions``, as ``serve`` and ``torch.compile`` would.
     """
     device = config.device or ("cuda" if cuda_available else "cpu")
     cuda = device.startswith("cuda")
     if cuda and not cuda_available:
         raise ValueError(f"device={device!r} is invalid: CUDA is not available on this machine")
-    model = config.model or ("vit-b16" if cuda else "vit-micro")
+    model, notes = config.model, []
+    if model is None:
+        model = "vit-b16" if cuda else "vit-micro"
+        missing = availability(MODELS[model])
+        if missing is not None:
+            # timm needs torchvision, which pins one torch, so the extras leave it out (README,
+            # "Set-up"); the same ViT shape from transformers keeps the default job running
+            model = "clip-b16" if cuda else "clip-tiny"
+            notes.append(f"default model {'vit-b16' if cuda else 'vit-micro'} unavailable "
+                         f"({missing}): ran {model} instead")
     if model not in MODELS:
         raise ValueError(f"model={model!r} is invalid: choose from {', '.join(MODELS)}")
     entry = MODELS[model]
-    if config.ladder_steps is not None:
-        check_steps_per_doubling("ladder_steps", config.ladder_steps)
     if config.workload not in WORKLOADS:
         raise ValueError(
             f"workload={config.workload!r} is invalid: choose from {', '.join(WORKLOADS)}")
@@ -120,52 +129,68 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: choose from {', '.join(DTYPES)}")
     modality = resolve_modality(config.workload, config.modality, packed=entry.packed)
-    if not entry.packed and (config.max_items_per_graph or config.max_frames_per_batch):
-        raise ValueError(
-            f"max_items_per_graph/max_frames_per_batch apply to packed models; {model!r} is batched: "
-            "its budgets count rows (use budgets or max_budget)")
     max_batch = config.max_batch or (4 if entry.packed else (32 if cuda else 8))
     calls = config.calls or ((60 if entry.packed else 120) if cuda else 24)
     stream = make_stream(config.workload, modality, entry.space, calls=calls, seed=config.seed,
                          max_batch=max_batch)
     specs = [call_specs(entry, call) for call in stream]
-    if entry.packed:
-        items = config.max_items_per_graph or (2 if modality == "image+video" else 1)
-        budgets = config.budgets or routing.default_packed_budgets(
-            [[s.output_tokens for s in call] for call in specs], items, config.max_budget,
-            config.ladder_steps or DEFAULT_LADDER_STEPS)
-        frames = config.max_frames_per_batch
-        if frames is None and modality != "image":
-            # Capture sizes frame-dependent buffers (e.g. Qwen2.5-VL windows) for a frame cap;
-            # without one it assumes a frame per item and video batches fall back to eager.
-            frames = max(sum(sorted(s.frames for s in call)[-items:]) for call in specs)
-        budget_config = BudgetConfig.resolve(
-            (min(budgets), max(budgets)), budgets=budgets, max_batch_size=items,
-            max_frames_per_batch=frames)
-    else:
-        rows = max(s.output_tokens for call in specs for s in call)
-        budgets = config.budgets or routing.default_batched_budgets(
-            rows, config.max_budget, config.ladder_steps or DEFAULT_BATCHED_LADDER_STEPS)
-        budget_config = routing.batched_budget_config(budgets)
+    budget_config = _resolve_budgets(config, entry, modality, specs)  # InvalidOptionError
     resolved = replace(config, model=model, modality=modality, modes=tuple(modes), calls=calls,
                        max_batch=max_batch, device=device, dtype=dtype,
                        budgets=budget_config.budgets,
                        max_items_per_graph=budget_config.max_batch_size if entry.packed else None)
-    return Resolved(resolved, entry, stream, budget_config)
+    return Resolved(resolved, entry, stream, budget_config, tuple(notes))
+
+
+def stream_budget_range(calls: list[list[int]], max_items_per_graph: int) -> tuple[int, int]:
+    """The budget range a packed stream needs, standing in for a model range: from the largest
+    power of two not above the smallest item (at least ``max_items_per_graph``, so every slot
+    gets a token) to the largest sum of ``max_items_per_graph`` items of one call, so that every
+    item fits a graph."""
+    tokens = [t for call in calls for t in call]
+    if not tokens:
+        raise ValueError("the stream has no items")
+    stop = max(sum(sorted(call)[-max_items_per_graph:]) for call in calls if call)
+    start = min(max(1 << (min(tokens).bit_length() - 1), max_items_per_graph), stop)
+    return start, stop
+
+
+def _resolve_budgets(config: BenchConfig, entry: ModelEntry, modality: str,
+                     specs: list[list[Any]]) -> BudgetConfig:
+    """The bench's options, resolved as the runtime resolves them (``VitGraphOptions.resolve``);
+    only the range comes from the stream, since the bench's models stand in for real ones."""
+    if not entry.packed:
+        rows = max(s.output_tokens for call in specs for s in call)
+        options = VitGraphOptions(budgets=config.budgets, max_budget=config.max_budget or rows,
+                                  ladder_steps=config.ladder_steps,
+                                  max_items_per_graph=config.max_items_per_graph,
+                                  max_frames_per_batch=config.max_frames_per_batch)
+        return options.resolve(batched=True)  # refuses the packed-only options
+    items = config.max_items_per_graph or (2 if modality == "image+video" else 1)
+    frames = config.max_frames_per_batch
+    if frames is None and modality != "image":
+        # Capture sizes frame-dependent buffers (e.g. Qwen2.5-VL windows) for a frame cap;
+        # without one it assumes a frame per item and video batches fall back to eager.
+        frames = max(sum(sorted(s.frames for s in call)[-items:]) for call in specs)
+    options = VitGraphOptions(budgets=config.budgets, max_budget=config.max_budget,
+                              ladder_steps=config.ladder_steps, max_items_per_graph=items,
+                              max_frames_per_batch=frames)
+    return options.resolve(stream_budget_range(
+        [[s.output_tokens for s in call] for call in specs], items))
 
 
 def _routing_section(run: Resolved) -> dict[str, Any]:
     entry, cfg = run.entry, run.config
     specs = [call_specs(entry, call) for call in run.stream]
-    plans = routing.plan_stream(specs, run.budgets, policy=cfg.policy, chunk=not entry.packed)
+    plans = plan_preview.plan_stream(specs, run.budgets, policy=cfg.policy, chunk=not entry.packed)
     return {
         "unit": "tokens" if entry.packed else "rows",
         "budgets": list(run.budgets.budgets),
         "max_items_per_graph": run.budgets.max_batch_size if entry.packed else None,
         "max_frames_per_batch": run.budgets.max_frames_per_batch,
         "policy": cfg.policy,
-        "planned": routing.summarize_plans(plans, run.budgets),
-        "sample_plans": [{"call": i, **routing.plan_to_dict(plans[i], specs[i])}
+        "planned": plan_preview.summarize_plans(plans, run.budgets),
+        "sample_plans": [{"call": i, **plan_preview.plan_to_dict(plans[i], specs[i])}
                          for i in range(min(3, len(plans)))],
     }
 
@@ -265,7 +290,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         refs = [primary_output(built.module(*args)).detach().float().cpu()
                 for args in inputs[: cfg.check_calls]]
 
-    notes = [] if timer.cuda else [CPU_NOTE]
+    notes = list(run.notes) + ([] if timer.cuda else [CPU_NOTE])
     modes = [_run_mode(name, run, built, inputs, refs, timer) for name in cfg.modes]
     eager = next((m for m in modes if m["mode"] == "eager" and m["status"] == "ok"), None)
     for m in modes:

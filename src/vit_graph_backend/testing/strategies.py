@@ -31,7 +31,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from ..budgets import BudgetConfig, budget_ladder, ceil_div, check_steps_per_doubling
+from ..budgets import BudgetConfig, budget_ladder, ceil_div, check_ladder_steps
 from ..errors import InvalidOptionError
 from ..options import CAPTURE_MODES, INNER_COMPILERS, VitGraphOptions
 from ..planner import POLICIES
@@ -207,12 +207,12 @@ def budget_ladders(
     Args:
         min_value: the smallest start drawn; a positive integer.
         max_value: the largest stop drawn; ``>= min_value``.
-        max_steps: the most ``steps_per_doubling`` drawn, ``1..16``.
+        max_steps: the most ``ladder_steps`` drawn, ``1..16``.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
     """
-    check_steps_per_doubling("max_steps", max_steps)
+    check_ladder_steps("max_steps", max_steps)
     return st.tuples(budget_ranges(min_value, max_value), st.integers(1, max_steps)).map(
         lambda r: budget_ladder(*r[0], r[1]))
 

@@ -1,0 +1,92 @@
+"""Which kernels a Qwen-VL adapter's graphs run: zero-padded MLP weights and Inductor-fused ops.
+
+One of the three parts of the adapter (``qwen_vl.py``): this one decides kernels, ``_qwen_packing``
+lays out inputs and metadata, the adapter class runs the blocks. The choices are made outside the
+graph, before every capture, replay and eager batch, so a captured graph always reads weights that
+are up to date (see ``_aligned_mlp``) and never holds Python state that Dynamo would guard on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidOptionError
+from ._aligned_mlp import AlignedMLPs
+from ._fused import Ops, fusion_available, ops
+
+__all__ = ["KernelChoices"]
+
+
+class KernelChoices:
+    """The ``align_mlp`` and ``fuse`` settings of one adapter, and what they resolve to per device.
+
+    Args:
+        mlps: the tower's MLP modules, one per block.
+        align_mlp: ``None`` pads misaligned MLP weights on CUDA only; ``True`` everywhere;
+            ``False`` never.
+        fuse: ``None`` fuses the graph path's elementwise ops where Triton is available;
+            ``True`` everywhere (Inductor's C++ code on CPU); ``False`` never.
+
+    Raises:
+        InvalidOptionError: for a value other than ``True``, ``False`` or ``None``.
+    """
+
+    def __init__(self, mlps: list[nn.Module], align_mlp: bool | None, fuse: bool | None) -> None:
+        if align_mlp is not None and not isinstance(align_mlp, bool):
+            raise InvalidOptionError(
+                f"align_mlp={align_mlp!r} is invalid: must be True, False or None (auto: pad on "
+                "CUDA when the MLP width is not a multiple of 8)")
+        if fuse is not None and not isinstance(fuse, bool):
+            raise InvalidOptionError(
+                f"fuse={fuse!r} is invalid: must be True, False or None (auto: fuse on CUDA "
+                "when Triton is installed)")
+        self.align_mlp, self.fuse = align_mlp, fuse
+        #: the zero-padded weight copies, or ``None`` when every MLP width is aligned already
+        self.aligned = AlignedMLPs(mlps) if AlignedMLPs.needed(mlps) else None
+        self.use_aligned = False
+        self._fusion_reason: dict[str, str | None] = {}
+
+    def sync(self, device: torch.device) -> None:
+        """Decide whether the padded MLP weights are used on ``device`` and bring them up to
+        date (a copy only after the tower's MLP parameters changed)."""
+        if self.aligned is None:
+            return
+        use = self.align_mlp if self.align_mlp is not None else torch.device(device).type == "cuda"
+        self.use_aligned = use
+        if use:
+            self.aligned.refresh()
+
+    def mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Block ``layer``'s MLP: from the padded copies when in use, else the tower's own."""
+        if self.use_aligned and self.aligned is not None:
+            return self.aligned.forward(layer, x, fns.silu_mul)
+        return block.mlp(x)
+
+    def ops_for(self, device: torch.device, graph: bool) -> Ops:
+        """The compiled fused ops for the graph path where ``fuse`` allows, else plain ops."""
+        # inside an inner compiler's trace, the compiler fuses the plain ops itself (and state
+        # read here would become guards)
+        if not graph or self.fuse is False or torch.compiler.is_compiling():
+            return ops(False)
+        if self.fuse is None:
+            kind = torch.device(device).type
+            if kind not in self._fusion_reason:
+                self._fusion_reason[kind] = fusion_available(device)
+            if self._fusion_reason[kind] is not None:
+                return ops(False)
+        return ops(True)
+
+    @property
+    def aligned_bytes(self) -> int:
+        """Bytes held by the zero-padded MLP weight copies (0 when not in use)."""
+        return self.aligned.nbytes if self.aligned is not None and self.use_aligned else 0
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """``fuse`` as given, the reason fusion is off per device type seen (``None``: on), and
+        compile failures (functions then run unfused)."""
+        return {"fuse": self.fuse, "unavailable": dict(self._fusion_reason),
+                "compile_failures": ops(True).failures() if self.fuse is not False else {}}

@@ -1,0 +1,167 @@
+"""How a Qwen-VL adapter lays out a batch: checked inputs, packed metadata, static buffers and
+attention segments.
+
+One of the three parts of the adapter (``qwen_vl.py``): this one turns a call's
+``pixel_values``/``grid_thw`` and a planner batch into the tensors a graph reads, with no
+knowledge of the blocks that read them. Static buffers and how padding works: ``_qwen_metadata``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..budgets import capture_layout, ceil_div
+from ..errors import UnsupportedGraphError
+from ..specs import EncoderItemSpec
+from ._packed_attention import Segments
+from ._packed_inputs import PackedInputs, check_packed_inputs
+from ._qwen_metadata import (
+    Grid,
+    MetadataCache,
+    PackedMetadata,
+    QwenLayout,
+    SegmentSlots,
+    pack_metadata,
+    segment_slots,
+)
+
+__all__ = ["QwenPacker"]
+
+
+class QwenPacker:
+    """Inputs to graph buffers for one tower.
+
+    Args:
+        layout: the merge and window geometry the metadata depends on.
+        patch_dim: columns of ``pixel_values`` (``C * temporal_patch * patch**2``).
+        item_extras: a family's extra per-item buffers (Qwen3-VL's position interpolation).
+    """
+
+    def __init__(self, layout: QwenLayout, patch_dim: int,
+                 item_extras: Callable[[Grid], dict[str, torch.Tensor]]) -> None:
+        self.layout, self.merge, self.patch_dim = layout, layout.merge, patch_dim
+        self.metadata = MetadataCache(layout, item_extras)
+        #: the segment buffer lengths each captured budget holds (checked at replay)
+        self.captured_slots: dict[int, SegmentSlots] = {}
+
+    def check(self, inputs: Mapping[str, object]) -> PackedInputs:
+        """The one input check of specs, eager and replay (see ``_packed_inputs``)."""
+        return check_packed_inputs(inputs, merge=self.merge, patch_dim=self.patch_dim)
+
+    def item_specs(self, inputs: Mapping[str, torch.Tensor]) -> list[EncoderItemSpec]:
+        """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``."""
+        m = self.merge
+        return [EncoderItemSpec(t * h * w, t * (h // m) * (w // m), t)
+                for t, h, w in self.check(inputs).grids]
+
+    def pack(self, grids: Sequence[Grid], indices: Sequence[int],
+             slots: SegmentSlots | None = None) -> PackedMetadata:
+        """Metadata of items ``indices`` of ``grids``, back to back (their pixel rows start
+        where the earlier grids' rows end)."""
+        starts, row = [], 0
+        for t, h, w in grids:
+            starts.append(row)
+            row += t * h * w
+        return pack_metadata([self.metadata(grids[i]) for i in indices], self.layout,
+                             [starts[i] for i in indices], slots)
+
+    def capture_values(self, budget: int, max_batch_size: int,
+                       max_frames_per_batch: int | None, device: torch.device,
+                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Static buffers of ``budget``'s graph: ``max_batch_size`` slots of
+        ``ceil(budget / max_batch_size)`` tokens (one ``1 x m*tokens`` strip of patches per
+        slot), and segment buffers for ``max_frames_per_batch`` frames (one per slot if
+        ``None``)."""
+        layout = capture_layout(budget, max_batch_size, max_frames_per_batch)
+        m = self.merge
+        grids = [(1, m, m * layout.tokens_per_slot)] * layout.slots
+        slots = segment_slots(self.layout, layout.capacity, layout.slots * layout.frames_per_slot)
+        meta = self.pack(grids, range(len(grids)), slots)
+        self.captured_slots[budget] = slots
+        values = {key: value.to(device) for key, value in meta.values.items()}
+        values["pixel_values"] = torch.zeros(meta.rows, self.patch_dim, device=device, dtype=dtype)
+        return values
+
+    def replay_values(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int],
+                      budget: int) -> dict[str, torch.Tensor]:
+        """The items' rows and metadata, back to back, unpadded.
+
+        Raises:
+            UnsupportedGraphError: the items hold more tokens, frames or windows than
+                ``budget``'s graph was captured for (the runtime then runs them eagerly).
+        """
+        meta, pixels = self.batch(inputs, item_indices)
+        if meta.tokens > budget:
+            raise UnsupportedGraphError(
+                f"items {list(item_indices)} have {meta.tokens} tokens, more than budget {budget}")
+        slots = self.captured_slots.get(budget)
+        if slots is not None:
+            frames = meta.values["frame_seqlens"].numel()
+            windows = meta.values["window_seqlens"].numel() if self.layout.window else 0
+            if frames > slots.frames or windows > slots.windows:
+                raise UnsupportedGraphError(
+                    f"items {list(item_indices)} have {frames} frames and {windows} windows; "
+                    f"budget {budget} was captured for {slots.frames} frames and "
+                    f"{slots.windows} windows: set max_frames_per_batch so the planner caps the "
+                    "frames of a batch (without it, capture assumes one frame per item)")
+        return self._on_device(meta, pixels)
+
+    def eager_values(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
+                     ) -> tuple[dict[str, torch.Tensor], PackedMetadata]:
+        """The items' buffers with exact lengths, and the metadata the eager run needs."""
+        meta, pixels = self.batch(inputs, item_indices)
+        return self._on_device(meta, pixels), meta
+
+    def batch(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
+              ) -> tuple[PackedMetadata, torch.Tensor]:
+        """The items' metadata and their pixel rows in graph order (a view when contiguous)."""
+        checked = self.check(inputs)
+        grids, pixels = checked.grids, checked.pixel_values
+        meta = self.pack(grids, list(item_indices))
+        index = meta.row_index
+        if not self.layout.window and index.numel() and bool(
+                (index == torch.arange(int(index[0]), int(index[0]) + index.numel())).all()):
+            gathered = pixels.narrow(0, int(index[0]), index.numel())
+        else:
+            gathered = pixels.index_select(0, index.to(pixels.device))
+        return meta, gathered
+
+    @staticmethod
+    def _on_device(meta: PackedMetadata, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = {key: value.to(pixels.device) for key, value in meta.values.items()}
+        values["pixel_values"] = pixels
+        return values
+
+    def segments(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None
+                 ) -> tuple[Segments, Segments | None]:
+        """Offsets for full and window attention. The padding rows after the real ones form
+        one segment (full attention) or window-sized chunks (window attention, so that the
+        window ``max_seqlen`` stays one window), computed from the static row count."""
+        rows = values["pixel_values"].shape[0]
+        lengths = values["frame_seqlens"].cumsum(0, dtype=torch.int32)
+        # the padding segment ends at the static row count; built with a tensor op, not
+        # F.pad(value=rows), which would specialize a symbolic row count (one trace per budget)
+        end = torch.full((1,), rows, dtype=lengths.dtype, device=lengths.device)
+        full_offsets = torch.cat([F.pad(lengths, (1, 0)), end])
+        if meta is not None:
+            full = Segments(full_offsets, max(meta.max_frame_rows, 1), meta.frame_offsets)
+        else:
+            full = Segments(full_offsets, rows)
+        if not self.layout.window:
+            return full, None
+        wins = F.pad(values["window_seqlens"].cumsum(0, dtype=torch.int32), (1, 0))
+        if meta is not None:
+            return full, Segments(wins, max(meta.max_window_rows, 1), meta.window_offsets)
+        chunk = self.layout.window_rows
+        # ceil(rows / chunk) + 1 chunk ends (the surplus ones clamp to rows: zero-length
+        # segments). The +1 keeps the count >= 2 for every budget: with a symbolic row count,
+        # Dynamo guards elementwise ops on whether such a size is 1, and a count that is 1 for
+        # the smallest budget only would cost a second trace.
+        steps = torch.arange(1, ceil_div(rows, chunk) + 2, device=wins.device, dtype=torch.int32)
+        pad_offsets = torch.clamp(wins[-1] + chunk * steps, max=rows)
+        # max_seqlen: one window's rows (an upper bound even when the buffer is shorter; a
+        # Python min() with the row count would make Dynamo specialize on the comparison)
+        return full, Segments(torch.cat([wins, pad_offsets]), chunk)
