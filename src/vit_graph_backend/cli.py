@@ -62,14 +62,21 @@ def _renamed(p: argparse.ArgumentParser, old: str, new: str, type: Any) -> None:
                    new=new)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid positive integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid positive integer: {text!r} (must be >= 1)")
-    return value
+def _int_from(low: int) -> Any:
+    word = "positive integer" if low == 1 else "integer"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {word}: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"invalid {word}: {text!r} (must be >= {low})")
+        return value
+    return parse
+
+
+_positive_int, _non_negative_int = _int_from(1), _int_from(0)
 
 
 def _ladder_steps(text: str) -> int:
@@ -77,16 +84,6 @@ def _ladder_steps(text: str) -> int:
     if value > MAX_LADDER_STEPS:
         raise argparse.ArgumentTypeError(
             f"invalid ladder steps: {text!r} (must be 1..{MAX_LADDER_STEPS})")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"invalid integer: {text!r} (must be >= 0)")
     return value
 
 
@@ -183,6 +180,8 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
                    help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--json", metavar="PATH", help="write the result document (versioned JSON schema)")
     p.add_argument("--plot", metavar="PATH", help="write the latency distribution as a PNG")
+    p.add_argument("--data-parallel", action="store_true", help="under torchrun: each vitgraph "
+                   "mode also runs data-parallel over the ranks, as <mode>+dp (rank 0 reports)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--strict", action="store_true", help="exit 1 if any mode failed")
     p.add_argument("--list", action="store_true", help="list models, workloads and modes")
@@ -334,9 +333,7 @@ def _list_bench() -> int:
     for entry in MODELS.values():
         status = availability(entry) or "available"
         print(f"  {entry.name:<16} {entry.layout:<8} {entry.description} [{status}]")
-    print("workloads:")
-    for w in WORKLOADS.values():
-        print(f"  {w.name:<16} {w.description}")
+    print("workloads:\n" + "\n".join(f"  {w.name:<16} {w.description}" for w in WORKLOADS.values()))
     print(f"modes: {', '.join(_MODES)}")
     return 0
 
@@ -357,6 +354,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     import torch
 
     from .benchmarking import format_text, write_json, write_plot
+    from .benchmarking.distributed import is_rank_zero
     from .benchmarking.models import MODELS, availability
     from .benchmarking.runner import BenchConfig, resolve, run_benchmark
     from .errors import InvalidOptionError
@@ -367,7 +365,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         max_budget=args.max_budget, ladder_steps=args.ladder_steps,
         max_items_per_graph=args.max_items_per_graph,
         max_frames_per_batch=args.max_frames_per_batch, policy=args.policy, device=args.device,
-        dtype=args.dtype, check_calls=args.check_calls,
+        dtype=args.dtype, check_calls=args.check_calls, data_parallel=args.data_parallel,
         progress=not args.no_progress and sys.stderr.isatty())
     try:
         run = resolve(config, cuda_available=torch.cuda.is_available())
@@ -377,6 +375,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if reason is not None:
         parser.error(f"argument --model: {run.config.model!r} is unavailable here: {reason}")
     doc = run_benchmark(run.config)
+    if not is_rank_zero():  # --data-parallel: every rank ran the stream, rank 0 reports
+        return 0
     print(format_text(doc))
     if args.json:
         print(f"wrote {write_json(doc, args.json)}")

@@ -21,6 +21,7 @@ with a world of 1, the wrapper calls the encoder as it is.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,25 +35,70 @@ from .packed import PackedGraphEncoder
 __all__ = ["DataParallelEncoder", "data_parallel"]
 
 
-def data_parallel(encoder: Callable[..., Any], group: Any = None) -> DataParallelEncoder:
+def data_parallel(encoder: Callable[..., Any], group: Any = None, *,
+                  record_busy: bool = False) -> DataParallelEncoder:
     """Wrap ``encoder`` so the ranks of ``group`` share each call's items (module docstring).
 
     Args:
         encoder: a served packed tower (``serve(...)``) or a batched encoder callable.
         group: a ``torch.distributed`` process group; ``None`` for the default group when
             ``torch.distributed`` is initialized, else no data parallelism.
+        record_busy: time this rank's own share of every call (CUDA events, no sync per call),
+            for :meth:`DataParallelEncoder.busy_seconds`: the ranks' imbalance.
     """
-    return DataParallelEncoder(encoder, group)
+    return DataParallelEncoder(encoder, group, record_busy=record_busy)
 
 
 class DataParallelEncoder(nn.Module):
     """See :func:`data_parallel`."""
 
-    def __init__(self, encoder: Callable[..., Any], group: Any = None) -> None:
+    def __init__(self, encoder: Callable[..., Any], group: Any = None, *,
+                 record_busy: bool = False) -> None:
         super().__init__()
         self.encoder = encoder
         self.group = group
         self.packed = isinstance(encoder, PackedGraphEncoder)
+        self.record_busy = record_busy
+        self._spans: list[tuple[Any, Any]] = []   # (start, end): CUDA events or perf_counter
+        self._busy_s = 0.0
+
+    def busy_seconds(self) -> float:
+        """Seconds this rank spent encoding its own shares since the last call of this method
+        (the collectives' waits excluded); synchronizes once. Needs ``record_busy=True``."""
+        if not self.record_busy:
+            raise RuntimeError("busy_seconds() needs data_parallel(..., record_busy=True)")
+        self._fold(len(self._spans))
+        busy, self._busy_s = self._busy_s, 0.0
+        return busy
+
+    def _fold(self, n: int) -> None:
+        for start, end in self._spans[:n]:
+            if isinstance(start, float):
+                self._busy_s += end - start
+            else:
+                end.synchronize()
+                self._busy_s += start.elapsed_time(end) / 1e3
+        del self._spans[:n]
+
+    def _local(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's share through the wrapped encoder, timed when ``record_busy``."""
+        if not self.record_busy:
+            return self.encoder(*args, **kwargs)
+        cuda = next((a.device for a in list(args) + list(kwargs.values())
+                     if isinstance(a, torch.Tensor) and a.is_cuda), None)
+        if cuda is None:
+            start = time.perf_counter()
+            out = self.encoder(*args, **kwargs)
+            self._spans.append((start, time.perf_counter()))
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(cuda))
+        out = self.encoder(*args, **kwargs)
+        end.record(torch.cuda.current_stream(cuda))
+        self._spans.append((start, end))
+        if len(self._spans) > 4096:  # a long stream never read: fold the oldest, long finished
+            self._fold(2048)
+        return out
 
     def _world(self) -> tuple[int, int]:
         import torch.distributed as dist
@@ -64,7 +110,7 @@ class DataParallelEncoder(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         rank, world = self._world()
         if world == 1:
-            return self.encoder(*args, **kwargs)
+            return self._local(*args, **kwargs)
         if self.packed:
             return self._packed(rank, world, *args, **kwargs)
         return self._batched(rank, world, *args, **kwargs)
@@ -79,14 +125,14 @@ class DataParallelEncoder(nn.Module):
         inputs = {"pixel_values": pixel_values, "grid_thw": grid_thw}
         specs = served.manager.model.get_encoder_cudagraph_item_specs(inputs)  # checks inputs
         if len(specs) < world:
-            return served(pixel_values, grid_thw)
+            return self._local(pixel_values, grid_thw)
         assignment = assign_items(specs, world)
         starts = [0]
         for spec in specs:   # an item's patch rows are its spec's input_size (no host sync)
             starts.append(starts[-1] + spec.input_size)
         mine = list(assignment.ranks[rank])
         local_pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
-        local = served(local_pixels, grid_thw[mine])
+        local = self._local(local_pixels, grid_thw[mine])
         tokens = [s.output_tokens for s in specs]
         gathered = [_gather_rows(t, [sum(tokens[i] for i in items) for items in assignment.ranks],
                                  self.group) for t in _as_tuple(local)]
@@ -98,7 +144,7 @@ class DataParallelEncoder(nn.Module):
         batch = next((a for a in list(args) + list(kwargs.values())
                       if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         if batch is None or batch.shape[0] < world:
-            return self.encoder(*args, **kwargs)
+            return self._local(*args, **kwargs)
         rows = batch.shape[0]
         # Equal chunks, the last padded with zero rows (rows are independent in a batched
         # encoder): every rank then sees the same shapes, so every rank makes the same decision
@@ -115,7 +161,7 @@ class DataParallelEncoder(nn.Module):
                 part = torch.cat([part, part.new_zeros((chunk - part.shape[0], *part.shape[1:]))])
             return part
 
-        local = self.encoder(*[mine(a) for a in args], **{k: mine(v) for k, v in kwargs.items()})
+        local = self._local(*[mine(a) for a in args], **{k: mine(v) for k, v in kwargs.items()})
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             if t.dim() == 0 or t.shape[0] != chunk:

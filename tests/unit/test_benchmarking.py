@@ -52,8 +52,9 @@ def test_streams_are_seeded_and_within_the_size_space(workload, model):
     kwargs = dict(calls=20, seed=3, max_batch=5)
     stream = make_stream(workload, modality, entry.space, **kwargs)
     assert stream == make_stream(workload, modality, entry.space, **kwargs)
+    one_shape = workload == "fixed-batch" or (workload == "gpu-bound" and not entry.packed)
     assert stream != make_stream(workload, modality, entry.space, **{**kwargs, "seed": 4}) or (
-        workload == "fixed-batch")
+        one_shape)  # gpu-bound with max_batch 5 < 8: every call has 5 images of the base size
     for call in stream:
         assert 1 <= len(call.items) <= 5
         for item in call.items:
@@ -121,6 +122,18 @@ def test_batched_budgets_count_rows_and_cover_the_stream():
         resolve(BenchConfig(model="vit-micro", ladder_steps=0), cuda_available=False)
 
 
+def test_gpu_bound_calls_are_large():
+    vit, qwen = MODELS["vit-micro"], MODELS["qwen2.5-vl-tiny"]
+    stream = make_stream("gpu-bound", "image", vit.space, calls=50, seed=0, max_batch=48)
+    assert {len(c.items) for c in stream} <= set(range(8, 49)) and len(
+        {len(c.items) for c in stream}) > 10
+    assert all(i.height == vit.space.base for c in stream for i in c.items)
+    stream = make_stream("gpu-bound", "image", qwen.space, calls=50, seed=0, max_batch=4)
+    assert qwen.space.sizes == (56, 84, 112, 140, 168)  # its largest third: 140 and 168 px
+    assert all(len(c.items) == 1 for c in stream)
+    assert {i.height for c in stream for i in c.items} == {140, 168}
+
+
 def test_packed_stream_range_fits_every_call():
     calls = [[64, 256], [100], [1024, 300, 16]]
     assert stream_budget_range(calls, 1) == (16, 1024)  # power of two under the smallest item
@@ -178,18 +191,20 @@ def test_percentile_interpolates_like_numpy():
 
 # -- JSON schema ---------------------------------------------------------------------------------
 
-#: Schema version 3, frozen here: changing the document's keys must bump SCHEMA_VERSION.
+#: Schema version 4, frozen here: changing the document's keys must bump SCHEMA_VERSION.
 #: (v2 = v1 plus config.ladder_steps; v3: the option names max_items_per_graph and
-#: max_frames_per_batch, and the stats of report()'s graph/no-graph counts.)
+#: max_frames_per_batch, and the stats of report()'s graph/no-graph counts; v4: the roofline,
+#: each mode's achieved TFLOP/s, fraction of peak and per-rank busy seconds, data parallelism.)
 V1_TOP = {"schema_version", "tool", "package_version", "created_utc", "environment", "config",
-          "routing", "notes", "modes"}
+          "routing", "notes", "modes", "roofline"}
 V1_MODE = {"mode", "status", "error", "traceback", "latency_ms", "per_call_ms", "stream_total_s",
            "first_pass_s", "peak_memory_bytes", "graphs_captured", "compiles", "hit_rate",
-           "padding_ratio", "max_abs_error", "speedup_vs_eager", "backend_report", "notes"}
+           "padding_ratio", "max_abs_error", "speedup_vs_eager", "backend_report", "notes",
+           "rank_busy_s", "achieved_tflops", "fraction_of_peak"}
 V1_CONFIG = {"model", "workload", "modality", "modes", "calls", "seed", "max_batch", "budgets",
              "max_budget", "ladder_steps", "max_items_per_graph", "max_frames_per_batch",
              "policy", "device", "dtype", "check_calls", "progress", "layout", "family",
-             "params", "items"}
+             "params", "items", "data_parallel", "world_size"}
 V1_ROUTING = {"unit", "budgets", "max_items_per_graph", "max_frames_per_batch", "policy",
               "planned", "sample_plans"}
 V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_graph_items",
@@ -198,8 +213,8 @@ V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_gra
             "fallback_reasons"}
 
 
-def test_schema_v3_is_pinned():
-    assert SCHEMA_VERSION == 3
+def test_schema_v4_is_pinned():
+    assert SCHEMA_VERSION == 4
     assert set(RESULT_SCHEMA["routing"]["planned"]) == V3_STATS
     assert set(RESULT_SCHEMA) == V1_TOP
     assert set(RESULT_SCHEMA["modes"].spec) == V1_MODE
@@ -328,3 +343,18 @@ def test_without_timm_the_default_bench_runs_the_same_shape_from_transformers(mo
     assert note.endswith("ran clip-tiny instead")
     run = resolve(BenchConfig(model="vit-micro"), cuda_available=False)  # asked for: kept
     assert run.config.model == "vit-micro" and run.notes == ()
+
+
+def test_data_parallel_needs_a_torchrun_launch_and_a_vitgraph_mode(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"needs a torchrun launch .* torchrun --nproc-per-node N"):
+        resolve(BenchConfig(data_parallel=True), cuda_available=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="modes eager have none"):
+        resolve(BenchConfig(data_parallel=True, modes=("eager",)), cuda_available=False)
+    run = resolve(BenchConfig(data_parallel=True, modes=("eager", "vitgraph", "vitgraph-inductor")),
+                  cuda_available=False)
+    assert run.config.modes == ("eager", "vitgraph", "vitgraph+dp", "vitgraph-inductor",
+                                "vitgraph-inductor+dp")

@@ -45,7 +45,7 @@ def test_bench_eager_writes_valid_json_and_a_png(tmp_path, capsys):
     assert "budgets (rows): 1 2 3 4" in out  # routing preview (batched default ladder)
     doc = json.loads(json_path.read_text())
     assert validate(doc) == []
-    assert doc["schema_version"] == SCHEMA_VERSION == 3
+    assert doc["schema_version"] == SCHEMA_VERSION == 4
     (eager,) = doc["modes"]
     assert eager["status"] == "ok" and len(eager["per_call_ms"]) == 4
     assert eager["max_abs_error"] == 0.0 and eager["speedup_vs_eager"] == pytest.approx(1.0)

@@ -6,7 +6,10 @@ schema version :data:`SCHEMA_VERSION`; any change to the keys or types bumps the
 pins the version; v2 added ``config.ladder_steps``; v3 renamed ``items_per_graph`` and
 ``max_frames_per_graph`` to the option names ``max_items_per_graph`` and ``max_frames_per_batch``,
 and the stats' ``replays_per_budget`` to ``batches_per_budget``, beside ``no_graph_batches``,
-``no_graph_items`` and ``exact_shape_batches``). :func:`validate` checks a document against it.
+``no_graph_items`` and ``exact_shape_batches``; v4 added ``roofline`` (stream FLOPs, matmul
+peak), each mode's ``achieved_tflops``, ``fraction_of_peak`` and ``rank_busy_s``, and
+``config.data_parallel`` and ``config.world_size``). :func:`validate` checks a document against
+it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 __all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "latency_figure", "validate",
            "write_json", "write_plot"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class Nullable:
@@ -75,7 +78,8 @@ MODE = {
     "graphs_captured": Nullable(int), "compiles": Nullable(int), "hit_rate": Nullable(NUMBER),
     "padding_ratio": Nullable(NUMBER), "max_abs_error": Nullable(NUMBER),
     "speedup_vs_eager": Nullable(NUMBER), "backend_report": Nullable(dict),
-    "notes": ListOf(str),
+    "rank_busy_s": Nullable(ListOf(NUMBER)), "achieved_tflops": Nullable(NUMBER),
+    "fraction_of_peak": Nullable(NUMBER), "notes": ListOf(str),
 }
 RESULT_SCHEMA: dict[str, Any] = {
     "schema_version": int,
@@ -93,6 +97,7 @@ RESULT_SCHEMA: dict[str, Any] = {
         "ladder_steps": Nullable(int),
         "max_items_per_graph": Nullable(int), "max_frames_per_batch": Nullable(int),
         "policy": str, "device": str, "dtype": str, "check_calls": int, "progress": bool,
+        "data_parallel": bool, "world_size": int,
         "layout": OneOf("batched", "packed"), "family": str, "params": int, "items": int,
     },
     "routing": {
@@ -101,6 +106,8 @@ RESULT_SCHEMA: dict[str, Any] = {
         "policy": str, "planned": STATS, "sample_plans": ListOf(PLAN),
     },
     "notes": ListOf(str),
+    "roofline": Nullable({"stream_flops": int, "flops_per_call": NUMBER, "counter": str,
+                          "matmul_peak_tflops": Nullable(NUMBER), "peak_matmul": str}),
     "modes": ListOf(MODE),
 }
 
@@ -254,6 +261,26 @@ def _backend_lines(m: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _roofline_lines(doc: Mapping[str, Any]) -> list[str]:
+    roof, ok = doc["roofline"], [m for m in doc["modes"] if m["status"] == "ok"]
+    lines = []
+    if roof is not None:
+        peak = roof["matmul_peak_tflops"]
+        lines += ["", f"roofline: {roof['flops_per_call'] / 1e9:.2f} GFLOP per call "
+                  f"({roof['counter']}, eager stream); matmul peak measured here: "
+                  + (f"{peak:.0f} TFLOP/s ({roof['peak_matmul']})" if peak else "n/a (no CUDA)")]
+        lines += [f"  {m['mode']}: {_num(m['achieved_tflops'], '.3g')} TFLOP/s"
+                  + (f", {m['fraction_of_peak']:.2f} of peak" if m["fraction_of_peak"] else "")
+                  for m in ok]
+    for m in ok:
+        busy = m["rank_busy_s"]
+        if busy:
+            lines.append(f"  {m['mode']}: busy s per rank {', '.join(f'{b:.3f}' for b in busy)}; "
+                         f"imbalance {(max(busy) - min(busy)) / max(max(busy), 1e-12):.1%} of the "
+                         "busiest")
+    return lines
+
+
 def format_text(doc: Mapping[str, Any]) -> str:
     """The human-readable report of a result document."""
     env, cfg = doc["environment"], doc["config"]
@@ -280,6 +307,7 @@ def format_text(doc: Mapping[str, Any]) -> str:
         lines += ["", "vitgraph backend reports (counts cover the first and the timed pass):"]
         for m in reported:
             lines += _backend_lines(m)
+    lines += _roofline_lines(doc)
     noted = [(m["mode"], n) for m in doc["modes"] for n in m["notes"]]
     lines += [f"note ({mode}): {n}" for mode, n in noted]
     lines += [

@@ -33,8 +33,10 @@ from .. import plan_preview
 from ..budgets import BudgetConfig
 from ..options import VitGraphOptions
 from .models import MODELS, ModelEntry, availability, call_specs, primary_output
-from .modes import MODES, backend_report, prepare_mode, reset
+from .distributed import DP_SUFFIX, LAUNCH_HINT, gather_floats, init_world, launched
+from .modes import MODES, VITGRAPH_INNER, backend_report, prepare_mode, reset
 from .report import SCHEMA_VERSION
+from .roofline import PEAK_SIDE, count_stream_flops, fraction_of_peak, matmul_peak_tflops
 from .timing import CallTimer, progress, summarize
 from .workloads import WORKLOADS, Call, make_stream, resolve_modality
 
@@ -69,6 +71,7 @@ class BenchConfig:
     dtype: str | None = None
     check_calls: int = 3
     progress: bool = True
+    data_parallel: bool = False  # under torchrun: each vitgraph mode also as <mode>+dp
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,18 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
         raise ValueError(
             f"workload={config.workload!r} is invalid: choose from {', '.join(WORKLOADS)}")
     modes = config.modes or (MODES if cuda else ("eager", "vitgraph"))
+    if config.data_parallel:  # resolving a resolved config again gives it back
+        modes = tuple(dict.fromkeys(m.removesuffix(DP_SUFFIX) for m in modes))
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid: choose from {', '.join(MODES)}")
+    if config.data_parallel:
+        if not launched():
+            raise ValueError(LAUNCH_HINT)
+        if not any(m in VITGRAPH_INNER for m in modes):
+            raise ValueError(f"data_parallel=True runs the vitgraph modes data-parallel; modes "
+                             f"{','.join(modes)} have none")
+        modes = [n for m in modes for n in ((m, m + DP_SUFFIX) if m in VITGRAPH_INNER else (m,))]
     dtype = config.dtype or ("bfloat16" if cuda else "float32")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: choose from {', '.join(DTYPES)}")
@@ -200,7 +212,8 @@ def _mode_result(name: str) -> dict[str, Any]:
             "latency_ms": None, "per_call_ms": [], "stream_total_s": None, "first_pass_s": None,
             "peak_memory_bytes": None, "graphs_captured": None, "compiles": None,
             "hit_rate": None, "padding_ratio": None, "max_abs_error": None,
-            "speedup_vs_eager": None, "backend_report": None, "notes": []}
+            "speedup_vs_eager": None, "backend_report": None, "rank_busy_s": None,
+            "achieved_tflops": None, "fraction_of_peak": None, "notes": []}
 
 
 def _max_abs_error(out: Any, ref: Any) -> float | None:
@@ -220,7 +233,12 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
     try:
         if timer.cuda:
             torch.cuda.reset_peak_memory_stats(timer.device)
-        prepared = prepare_mode(name, built, run.vitgraph_options)
+        prepared = prepare_mode(name.removesuffix(DP_SUFFIX), built, run.vitgraph_options)
+        parallel = None
+        if name.endswith(DP_SUFFIX):
+            from ..parallel import data_parallel
+
+            parallel = prepared.fn = data_parallel(prepared.fn, record_busy=True)
 
         def first_pass() -> None:
             for args in progress(inputs, desc=f"{name}: first pass (compile, capture)",
@@ -229,6 +247,8 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
 
         with torch.no_grad():
             _, result["first_pass_s"] = timer.wall(first_pass)
+            if parallel is not None:
+                parallel.busy_seconds()  # the first pass's shares are not the timed pass's
             ms, errors = [], []
             for i, args in enumerate(progress(inputs, desc=f"{name}: timed pass",
                                               total=len(inputs), enabled=show)):
@@ -239,6 +259,8 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
                 del out
         result.update(status="ok", latency_ms=summarize(ms), per_call_ms=ms,
                       stream_total_s=sum(ms) / 1e3)
+        if parallel is not None:
+            result["rank_busy_s"] = gather_floats(parallel.busy_seconds())
         if None in errors:
             result["notes"].append("output shape differs from eager: no equivalence check")
         elif errors:
@@ -257,6 +279,21 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
     finally:
         reset(prepared)
     return result
+
+
+def _roofline(fn: Any, inputs: list[tuple[Any, ...]], device: str, dtype: Any,
+              notes: list[str]) -> dict[str, Any] | None:
+    """Stream FLOPs and the matmul peak, measured here (``roofline.py``); ``None`` with a note
+    if the FLOP counter cannot run the model."""
+    try:
+        flops = count_stream_flops(fn, inputs)
+    except Exception as exc:  # the counter is a report, never the end of the run
+        notes.append(f"no FLOP count: {type(exc).__name__}: {exc}"[:300])
+        return None
+    return {"stream_flops": flops, "flops_per_call": flops / max(len(inputs), 1),
+            "counter": "torch.utils.flop_counter.FlopCounterMode",
+            "matmul_peak_tflops": matmul_peak_tflops(device, dtype),
+            "peak_matmul": f"{PEAK_SIDE}^3 {str(dtype).removeprefix('torch.')}"}
 
 
 def run_benchmark(config: BenchConfig) -> dict[str, Any]:
@@ -278,6 +315,11 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         raise RuntimeError(f"model {entry.name!r} is unavailable here: {reason}")
     from .models import build_model
 
+    world = 1
+    if cfg.data_parallel:
+        _, world, device = init_world(cfg.device)
+        run = replace(run, config=replace(cfg, device=device))
+        cfg = run.config
     dtype = getattr(torch, cfg.dtype)
     sizes = {(i.height, i.width) for call in run.stream for i in call.items}
     built = build_model(entry, device=cfg.device, dtype=dtype, dynamic_size=len(sizes) > 1,
@@ -291,16 +333,22 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
                 for args in inputs[: cfg.check_calls]]
 
     notes = list(run.notes) + ([] if timer.cuda else [CPU_NOTE])
+    roof = _roofline(built.module, inputs, cfg.device, dtype, notes)
     modes = [_run_mode(name, run, built, inputs, refs, timer) for name in cfg.modes]
     eager = next((m for m in modes if m["mode"] == "eager" and m["status"] == "ok"), None)
     for m in modes:
         if eager is not None and m["status"] == "ok" and m["stream_total_s"]:
             m["speedup_vs_eager"] = eager["stream_total_s"] / m["stream_total_s"]
+        if roof is not None and m["status"] == "ok":
+            gpus = world if m["mode"].endswith(DP_SUFFIX) else 1  # +dp: the world's peak
+            peak = roof["matmul_peak_tflops"] * gpus if roof["matmul_peak_tflops"] else None
+            m["achieved_tflops"], m["fraction_of_peak"] = fraction_of_peak(
+                roof["stream_flops"], m["stream_total_s"], peak)
 
     items = sum(len(call.items) for call in run.stream)
     config_block = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
     config_block.update(layout=entry.layout, family=entry.family, params=built.num_params,
-                        items=items)
+                        items=items, world_size=world)
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "vitgraph bench",
@@ -310,6 +358,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         "config": config_block,
         "routing": _routing_section(run),
         "notes": notes,
+        "roofline": roof,
         "modes": modes,
     }
 

@@ -14,7 +14,10 @@ Workloads (``max_batch`` caps the items of a call):
     - ``mixed-sizes``: the image size changes from call to call (packed models: one image per call,
       height and width drawn independently; batched models: 1..4 images of one size);
     - ``multi-image``: 1..4 images per call, each its own size on packed models;
-    - ``video``: one video per call (modality ``video`` unless given ``image+video``).
+    - ``video``: one video per call (modality ``video`` unless given ``image+video``);
+    - ``gpu-bound``: work large enough that kernels, not launches, set the time: batched models get
+      ``min(8, max_batch)..max_batch`` images of the base size per call, packed models one image
+      of sides drawn from the largest third of their sizes.
 
 Modality turns a workload's images into items: ``image`` keeps them, ``video`` makes each a video
 (lower resolution, a frame count from the model's list), ``image+video`` adds one video to every
@@ -107,6 +110,13 @@ def _multi_image(rng: random.Random, max_batch: int, space: SizeSpace) -> list[I
     return [Item(rng.choice(space.sizes), rng.choice(space.sizes)) for _ in range(n)]
 
 
+def _gpu_bound(rng: random.Random, max_batch: int, space: SizeSpace) -> list[Item]:
+    if space.one_size_per_call:
+        return _square(space.base, rng.randint(min(8, max_batch), max_batch))
+    large = space.sizes[len(space.sizes) * 2 // 3:]  # the largest third, at least one size
+    return [Item(rng.choice(large), rng.choice(large))]
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -120,6 +130,8 @@ WORKLOADS: dict[str, Workload] = {
                  _multi_image),
         Workload("video", "one video per call, frame count and size drawn per call",
                  lambda rng, n, space: _square(space.base, 1), modality="video"),
+        Workload("gpu-bound", "batched: 8..max-batch images per call; packed: one image from the "
+                 "largest third of sizes", _gpu_bound),
     )
 }
 
