@@ -238,3 +238,37 @@ def test_serve_still_validates_option_values(towers):
         serve(towers["qwen2"], fuse="yes")
     with pytest.raises(InvalidOptionError, match="policy='fast'"):
         serve(towers["qwen2"], policy="fast")
+
+
+def test_a_calls_grid_is_read_once_and_again_after_an_in_place_write(towers):
+    """Specs and buffers of one call read ``grid_thw`` once (on CUDA each read is a sync); an
+    in-place write to the grid, or new tensors, are read again, and no caller's tensor is kept."""
+    import gc
+    import weakref
+
+    adapter = adapt(towers["qwen2_5"])
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    class CountingGrid(torch.Tensor):
+        def tolist(self):
+            reads.append(1)
+            return real_tolist(self)
+
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4]]).as_subclass(CountingGrid)
+    pixels = torch.randn(16 + 8, adapter.patch_dim)
+    inputs = {"pixel_values": pixels, "grid_thw": grid}
+    specs = adapter.get_encoder_cudagraph_item_specs(inputs)
+    adapter.prepare_encoder_cudagraph_replay_buffers(inputs, [0, 1], 64)
+    assert len(reads) == 1 and [s.output_tokens for s in specs] == [4, 2]
+    grid[1, 2] = 2   # (1, 2, 2): 4 rows, 1 token; the grid no longer matches 24 pixel rows
+    with pytest.raises(InvalidInputError, match="does not match grid_thw"):
+        adapter.get_encoder_cudagraph_item_specs(inputs)
+    assert len(reads) == 2
+    inputs = {"pixel_values": torch.randn(20, adapter.patch_dim), "grid_thw": grid}
+    assert [s.output_tokens for s in adapter.get_encoder_cudagraph_item_specs(inputs)] == [4, 1]
+    assert len(reads) == 3   # other pixels: checked again
+    ref = weakref.ref(inputs["pixel_values"])
+    del inputs
+    gc.collect()
+    assert ref() is None, "the adapter kept the caller's pixels alive"

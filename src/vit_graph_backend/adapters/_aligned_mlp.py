@@ -16,6 +16,7 @@ captured graph keeps reading valid weights.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,27 @@ ALIGNMENT = 8
 _SHAPES = ((("gate_proj", "up_proj"), "down_proj"),   # Qwen2.5-VL: down(act(gate x) * up x)
            (("fc1",), "fc2"),                        # Qwen2-VL: fc2(act(fc1 x))
            (("linear_fc1",), "linear_fc2"))          # Qwen3-VL: linear_fc2(act(linear_fc1 x))
+
+
+#: Parameter registrations seen in this process (a replaced parameter is a registration), counted
+#: by a global hook installed with the first AlignedMLPs: refresh() rebuilds its list of
+#: parameters only when this moved, instead of walking the modules at every call.
+_registrations = [0]
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def _count_registration(module: nn.Module, name: str, param: object) -> None:
+    _registrations[0] += 1
+
+
+def _install_registration_hook() -> None:
+    global _hook_installed
+    with _hook_lock:
+        if not _hook_installed:
+            torch.nn.modules.module.register_module_parameter_registration_hook(
+                _count_registration)
+            _hook_installed = True
 
 
 def _is_silu(act: object) -> bool:
@@ -86,6 +108,9 @@ class AlignedMLPs:
         self.padded_width = ceil_div(width, ALIGNMENT) * ALIGNMENT
         self.weights: list[MLPWeights] = []
         self._fingerprint: tuple | None = None
+        self._param_list: list[torch.Tensor] | None = None
+        self._param_list_at = -1
+        _install_registration_hook()
 
     @staticmethod
     def needed(mlps: Sequence[nn.Module]) -> bool:
@@ -110,8 +135,12 @@ class AlignedMLPs:
 
     def refresh(self) -> bool:
         """Bring the padded copies in step with the MLPs' parameters; True if anything was
-        copied. Cheap when nothing changed (one pass over addresses and version counters)."""
-        params = self._params()
+        copied. Cheap when nothing changed (one pass over addresses and version counters; the
+        modules are walked again only after a parameter was registered somewhere)."""
+        if self._param_list is None or self._param_list_at != _registrations[0]:
+            self._param_list_at = _registrations[0]
+            self._param_list = self._params()
+        params = self._param_list
         # a move to another device or dtype gives new storage, so addresses and versions suffice
         fingerprint = tuple((p.data_ptr(), p._version) for p in params)
         if fingerprint == self._fingerprint:

@@ -29,6 +29,7 @@ costs a few tensor concatenations per batch.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -258,7 +259,7 @@ def pack_metadata(
         values["window_seqlens"] = _padded(windows, slots.windows if slots else None, "windows")
         values["reverse_index"] = torch.cat(rev_parts)
     values.update({key: torch.cat(parts) for key, parts in extras.items()})
-    frame_offsets = torch.tensor([0] + frames).cumsum(0).tolist()
-    window_offsets = torch.tensor([0] + windows).cumsum(0).tolist()
+    frame_offsets = list(itertools.accumulate(frames, initial=0))
+    window_offsets = list(itertools.accumulate(windows, initial=0))
     return PackedMetadata(values, torch.cat(row_parts), rows, tokens, frame_offsets,
                           window_offsets, max(frames, default=0), max(windows, default=0))
