@@ -37,7 +37,7 @@ from torch import nn
 
 from . import _compat
 from .adapters import adapt, adapter_keywords
-from .adapters._packed_inputs import grid_tensor
+from .adapters._packed_inputs import PackedCall, grid_tensor
 from .errors import InvalidOptionError
 from .graph_report import summarize
 from .inner import inner_backend
@@ -128,7 +128,7 @@ class PackedGraphEncoder(nn.Module):
         if not isinstance(grid_thw, torch.Tensor):
             # once here, not in every specs/replay call of the encoder that re-reads the grid
             grid_thw = grid_tensor(grid_thw)
-        outputs = self.manager.run({"pixel_values": pixel_values, "grid_thw": grid_thw})
+        outputs = self.manager.run(PackedCall(pixel_values, grid_thw))  # grid read once a call
         return _concat(outputs)
 
     @torch.compiler.disable

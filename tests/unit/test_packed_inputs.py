@@ -240,14 +240,7 @@ def test_serve_still_validates_option_values(towers):
         serve(towers["qwen2"], policy="fast")
 
 
-def test_a_calls_grid_is_read_once_and_again_after_an_in_place_write(towers):
-    """Specs and buffers of one call read ``grid_thw`` once (on CUDA each read is a sync); an
-    in-place write to the grid, or new tensors, are read again, and no caller's tensor is kept."""
-    import gc
-    import weakref
-
-    adapter = adapt(towers["qwen2_5"])
-    reads = []
+def _counting_grid(rows: list[list[int]], reads: list[int]) -> torch.Tensor:
     real_tolist = torch.Tensor.tolist
 
     class CountingGrid(torch.Tensor):
@@ -255,20 +248,40 @@ def test_a_calls_grid_is_read_once_and_again_after_an_in_place_write(towers):
             reads.append(1)
             return real_tolist(self)
 
-    grid = torch.tensor([[1, 4, 4], [1, 2, 4]]).as_subclass(CountingGrid)
-    pixels = torch.randn(16 + 8, adapter.patch_dim)
-    inputs = {"pixel_values": pixels, "grid_thw": grid}
-    specs = adapter.get_encoder_cudagraph_item_specs(inputs)
-    adapter.prepare_encoder_cudagraph_replay_buffers(inputs, [0, 1], 64)
-    assert len(reads) == 1 and [s.output_tokens for s in specs] == [4, 2]
-    grid[1, 2] = 2   # (1, 2, 2): 4 rows, 1 token; the grid no longer matches 24 pixel rows
-    with pytest.raises(InvalidInputError, match="does not match grid_thw"):
-        adapter.get_encoder_cudagraph_item_specs(inputs)
-    assert len(reads) == 2
-    inputs = {"pixel_values": torch.randn(20, adapter.patch_dim), "grid_thw": grid}
-    assert [s.output_tokens for s in adapter.get_encoder_cudagraph_item_specs(inputs)] == [4, 1]
-    assert len(reads) == 3   # other pixels: checked again
-    ref = weakref.ref(inputs["pixel_values"])
-    del inputs
-    gc.collect()
-    assert ref() is None, "the adapter kept the caller's pixels alive"
+    return torch.tensor(rows).as_subclass(CountingGrid)
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_one_call_reads_its_grid_once_and_the_next_call_reads_it_again(towers, inference):
+    """The runtime asks for a call's specs, then its buffers: with the serving layer's
+    ``PackedCall`` the grid is read once (on CUDA every read is a sync that stalls the host). A
+    later call is a new ``PackedCall`` and reads the grid again, so an in-place write between calls
+    is seen, also under ``torch.inference_mode`` (whose tensors keep no version counter)."""
+    from vit_graph_backend.adapters._packed_inputs import PackedCall
+
+    adapter = adapt(towers["qwen2_5"])
+    reads: list[int] = []
+    mode = torch.inference_mode() if inference else torch.no_grad()
+    with mode:
+        grid = _counting_grid(GOOD_GRID, reads)
+        call = PackedCall(_pixels(GOOD_ROWS), grid)
+        specs = adapter.get_encoder_cudagraph_item_specs(call)
+        adapter.prepare_encoder_cudagraph_replay_buffers(call, [0, 1], 64)
+        assert len(reads) == 1 and [s.output_tokens for s in specs] == [4, 2]
+        grid[1, 2] = 2   # (1, 2, 2): 4 rows, 1 token; 20 rows in all, the pixels still 24
+        with pytest.raises(InvalidInputError, match="does not match grid_thw"):
+            adapter.get_encoder_cudagraph_item_specs(PackedCall(_pixels(GOOD_ROWS), grid))
+        assert len(reads) == 2
+        plain = {"pixel_values": _pixels(20), "grid_thw": grid}  # a plain mapping: no record
+        adapter.get_encoder_cudagraph_item_specs(plain)
+        adapter.get_encoder_cudagraph_item_specs(plain)
+        assert len(reads) == 4
+
+
+def test_served_calls_read_the_grid_once_each(towers):
+    reads: list[int] = []
+    served = serve(towers["qwen2"], min_budget=4, max_budget=64)
+    with torch.no_grad():
+        for _ in range(3):
+            served(_pixels(GOOD_ROWS), _counting_grid(GOOD_GRID, reads))
+    assert len(reads) == 3

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import InvalidInputError
 
-__all__ = ["PackedInputs", "check_packed_inputs", "grid_tensor"]
+__all__ = ["PackedCall", "PackedInputs", "check_packed_inputs", "grid_tensor"]
 
 #: ``(t, h, w)``: temporal patches, height and width in patches.
 Grid = tuple[int, int, int]
@@ -74,6 +74,20 @@ def grid_tensor(grid_thw: Any) -> torch.Tensor:
             f"grid_thw of shape {tuple(grid_thw.shape)} is invalid: must be {_GRID_SHAPE} "
             "(a single item is [[t, h, w]], not [t, h, w])")
     return grid_thw
+
+
+class PackedCall(dict):
+    """The input mapping of one packed call (``pixel_values``, ``grid_thw``), made anew by the
+    serving layer for every call. It carries the call's checked grids, so the runtime's requests
+    for specs and then buffers read ``grid_thw`` once: on CUDA each read is a device-to-host sync
+    that stalls the host until the GPU is idle. Living only as long as the call, the record can
+    never be stale for a later call, with or without ``torch.inference_mode``."""
+
+    __slots__ = ("checked",)
+
+    def __init__(self, pixel_values: Any, grid_thw: Any) -> None:
+        super().__init__(pixel_values=pixel_values, grid_thw=grid_thw)
+        self.checked: tuple[Any, Any, list[Grid]] | None = None
 
 
 @dataclass(frozen=True)

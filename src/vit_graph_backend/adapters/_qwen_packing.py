@@ -8,7 +8,6 @@ knowledge of the blocks that read them. Static buffers and how padding works: ``
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -18,7 +17,7 @@ from ..budgets import capture_layout, ceil_div
 from ..errors import UnsupportedGraphError
 from ..specs import EncoderItemSpec
 from ._packed_attention import Segments
-from ._packed_inputs import PackedInputs, check_packed_inputs
+from ._packed_inputs import PackedCall, PackedInputs, check_packed_inputs
 from ._qwen_metadata import (
     Grid,
     MetadataCache,
@@ -47,28 +46,17 @@ class QwenPacker:
         self.metadata = MetadataCache(layout, item_extras)
         #: the segment buffer lengths each captured budget holds (checked at replay)
         self.captured_slots: dict[int, SegmentSlots] = {}
-        self._last_check: tuple | None = None
 
     def check(self, inputs: Mapping[str, object]) -> PackedInputs:
-        """The one input check of specs, eager and replay (see ``_packed_inputs``).
-
-        The runtime asks for a call's specs and then its buffers from the same tensors; reading
-        a CUDA ``grid_thw`` is a device-to-host sync that stalls the host until the GPU is idle,
-        so the last check is kept for tensors that are the same objects and unchanged since (by
-        weak reference, so no caller's tensor is kept alive, and by version counter, so an
-        in-place write to the grid is read again).
-        """
-        grid = inputs.get("grid_thw") if isinstance(inputs, Mapping) else None
-        pixels = inputs.get("pixel_values") if isinstance(inputs, Mapping) else None
-        last = self._last_check
-        if (last is not None and isinstance(grid, torch.Tensor) and last[0]() is grid
-                and last[1] == grid._version and last[2]() is pixels):
-            return PackedInputs(last[3], pixels)
+        """The one input check of specs, eager and replay (see ``_packed_inputs``); a
+        :class:`PackedCall` keeps its checked grids, so one call reads ``grid_thw`` once."""
+        if isinstance(inputs, PackedCall) and inputs.checked is not None:
+            grid, pixels, grids = inputs.checked
+            if inputs.get("grid_thw") is grid and inputs.get("pixel_values") is pixels:
+                return PackedInputs(grids, pixels)
         checked = check_packed_inputs(inputs, merge=self.merge, patch_dim=self.patch_dim)
-        if isinstance(grid, torch.Tensor) and isinstance(pixels, torch.Tensor):
-            # the grids only: holding ``checked`` would keep the caller's pixels alive
-            self._last_check = (weakref.ref(grid), grid._version, weakref.ref(pixels),
-                                checked.grids)
+        if isinstance(inputs, PackedCall):
+            inputs.checked = (inputs["grid_thw"], checked.pixel_values, checked.grids)
         return checked
 
     def item_specs(self, inputs: Mapping[str, torch.Tensor]) -> list[EncoderItemSpec]:
