@@ -11,13 +11,12 @@ is within bf16 tolerance, measured and printed.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import socket
 
 import pytest
 import torch
+
+from distributed_ranks import join, leave, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers")
@@ -28,30 +27,31 @@ CALLS = [6, 4, 1]
 BATCHES = [9, 16, 1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The packed tower and the batched ViT, seeded alike on every rank, bf16 on the GPU."""
     import timm
-    import torch.distributed as dist
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel,
     )
 
+    torch.manual_seed(0)
+    tower = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
+        depth=4, hidden_size=64, intermediate_size=122, num_heads=2, out_hidden_size=96,
+        window_size=112, fullatt_block_indexes=[1, 3]))
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, depth=2,
+                            num_classes=10)
+    return (tower.to("cuda", torch.bfloat16).eval(), vit.to("cuda", torch.bfloat16).eval())
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import vit_graph_backend as vg
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join(rank, world, port)
     result: dict = {"packed": [], "batched": []}
     try:
-        torch.manual_seed(0)
-        tower = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
-            depth=4, hidden_size=64, intermediate_size=122, num_heads=2, out_hidden_size=96,
-            window_size=112, fullatt_block_indexes=[1, 3])).to("cuda", torch.bfloat16).eval()
+        tower, model = _models()
         served = vg.serve(tower, max_items_per_graph=4, max_budget=1024)
         parallel = vg.data_parallel(served, record_busy=True)
         rng = random.Random(0)
@@ -72,9 +72,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         stats = served.report()["stats"]
         result["replays"], result["eager_items"] = stats["graph_replays"], stats["eager_items"]
         result["busy_s"] = parallel.busy_seconds()
-        torch.manual_seed(0)
-        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64,
-                                  depth=2, num_classes=10).to("cuda", torch.bfloat16).eval()
         compiled = vg.data_parallel(torch.compile(model, backend="vitgraph"))
         for b in BATCHES:
             g = torch.Generator().manual_seed(b)
@@ -86,15 +83,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                       "rel_err": (got.float() - ref.float()).abs().max().item()
                                       / scale})
     finally:
-        dist.destroy_process_group()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+        leave(rank, out_dir, result)
 
 
 def test_two_ranks_on_cuda_give_the_one_process_outputs(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
-                                join=True)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = run_ranks(_worker, WORLD, tmp_path)
     worst = 0.0
     for r, rank in enumerate(ranks):
         assert len(rank["packed"]) == len(CALLS) and len(rank["batched"]) == len(BATCHES), rank

@@ -10,12 +10,10 @@ be fewer than the call's when the call was split.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-
 import pytest
 import torch
+
+from distributed_ranks import join, leave, run_ranks  # noqa: E402
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -27,15 +25,8 @@ GRIDS = [[[1, 4, 4], [1, 2, 4], [1, 4, 8], [1, 2, 2], [2, 2, 4]],
 BATCHES = [5, 8, 1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import timm
-    import torch.distributed as dist
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel,
@@ -43,8 +34,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     import vit_graph_backend as vg
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join(rank, world, port)
     result: dict = {"packed": [], "batched": []}
     try:
         torch.manual_seed(0)
@@ -76,15 +66,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             result["batched"].append({"rows": b, "shape": list(got.shape),
                                       "err": (got - ref).abs().max().item()})
     finally:
-        dist.destroy_process_group()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+        leave(rank, out_dir, result)
 
 
 def test_two_gloo_ranks_give_the_outputs_of_one_process(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
-                                join=True)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = run_ranks(_worker, WORLD, tmp_path)
     for rank in ranks:
         assert len(rank["packed"]) == len(GRIDS) and len(rank["batched"]) == len(BATCHES)
         for call in rank["packed"]:
