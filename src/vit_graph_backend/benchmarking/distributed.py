@@ -23,14 +23,19 @@ LAUNCH_HINT = ("data_parallel=True needs a torchrun launch (RANK and WORLD_SIZE 
                "torchrun --nproc-per-node N -m vit_graph_backend bench --data-parallel ...")
 
 
-def launched() -> bool:
-    """True under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) or with a process group up;
-    imports no torch."""
+def _group_up() -> bool:
+    """A default process group exists; imports no torch (if torch.distributed was never
+    imported, no group can be up)."""
     import sys
 
     dist = sys.modules.get("torch.distributed")
-    up = dist is not None and dist.is_available() and dist.is_initialized()
-    return up or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def launched() -> bool:
+    """True under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) or with a process group up;
+    imports no torch."""
+    return _group_up() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def init_world(device: str) -> tuple[int, int, str]:
@@ -46,7 +51,7 @@ def init_world(device: str) -> tuple[int, int, str]:
 
     cuda = device.startswith("cuda")
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if not dist.is_initialized():
+    if not _group_up():
         if not launched():
             raise ValueError(LAUNCH_HINT)
         if cuda:
@@ -61,14 +66,14 @@ def is_rank_zero() -> bool:
     """True outside a process group, and on rank 0 inside one."""
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return not _group_up() or dist.get_rank() == 0
 
 
 def gather_floats(value: float) -> list[float]:
     """``value`` from every rank, in rank order (``[value]`` outside a process group)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _group_up():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, float(value))
