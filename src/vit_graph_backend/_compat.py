@@ -27,6 +27,7 @@ __all__ = [
     "graph_pool_bytes",
     "maybe_mark_dynamic",
     "register_dynamo_backend",
+    "scaled_mm_rowwise",
     "sym_name",
     "torch_version_at_least",
     "varlen_attention_available",
@@ -156,6 +157,21 @@ def end_failed_capture(pool: Any, device: torch.device) -> bool:
     except RuntimeError:
         pass
     return True
+
+
+def scaled_mm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b) + bias`` in bf16, for e4m3 ``a`` ([M, K], row-major) and
+    ``b`` ([K, N], column-major) with fp32 row-wise scales ``scale_a`` ([M, 1]) and ``scale_b``
+    ([1, N]); ``bias`` bf16 or ``None``.
+
+    ``torch._scaled_mm`` is cuBLASLt's scaled FP8 GEMM (the bias is added in its epilogue); it
+    is the op measured eager and under Inductor on torch 2.11
+    (``benchmarks/fp8_linear_probe.py``). The public ``torch.nn.functional.scaled_mm`` takes
+    scaling recipes instead and was not measured; moving to it is a change to this one function.
+    """
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
+                            out_dtype=torch.bfloat16)
 
 
 def register_dynamo_backend(name: str, backend: Callable[..., Any]) -> None:

@@ -27,6 +27,7 @@ import torch
 from . import _compat
 from .batched import BatchedGraphEncoder
 from .errors import InvalidOptionError
+from .fp8_linear import Fp8Weights, check_fp8_device, graph_device, quantize_linears
 from .inner import compile_inner
 from .options import VitGraphOptions
 from .graph_report import summarize
@@ -61,6 +62,15 @@ class VitGraphBackend:
                         "torch.fx.experimental._config.backed_size_oblivious for this whole "
                         "process (every later Dynamo compile), so that dynamic graphs serve a "
                         "batch of 1 without another compile")
+        weights = None
+        if opts.quantization == "fp8":
+            check_fp8_device(graph_device(example_inputs))  # compile time: never a replay's error
+            gm, weights = quantize_linears(gm, example_inputs)
+            if weights.untracked:
+                log.warning("vitgraph: %d weights are inference tensors (no version counter): "
+                            "their fp8 copies follow a replaced parameter but not an in-place "
+                            "write; call torch.compiler.reset() after changing them in place",
+                            weights.untracked)
         fn = compile_inner(gm, example_inputs, opts)
         encoder = BatchedGraphEncoder(gm, example_inputs, opts, fn)
         with self._lock:
@@ -69,6 +79,8 @@ class VitGraphBackend:
         log.info("vitgraph: compiled graph %d (%s, batch axis %s, inner %s)", self.compiles,
                  "static" if encoder.static_shape else "dynamic",
                  encoder.layout.batch_symbol, opts.inner_compiler)
+        if weights is not None and weights.entries:
+            return _Fp8Graph(encoder, weights)
         return encoder
 
     def reset(self) -> None:
@@ -97,6 +109,19 @@ class VitGraphBackend:
         managers += [tower.manager for tower in served]
         return {"compiles": compiles,
                 **summarize(managers, [encoder.stats for encoder in encoders])}
+
+
+class _Fp8Graph:
+    """A quantized graph as Dynamo calls it: its fp8 weight copies brought in step with the
+    parameters (``Fp8Weights.refresh``), then the encoder. Change weights between calls, not
+    while another thread's call runs."""
+
+    def __init__(self, encoder: BatchedGraphEncoder, weights: Fp8Weights) -> None:
+        self.encoder, self.weights = encoder, weights
+
+    def __call__(self, *args: Any) -> Any:
+        self.weights.refresh(args)
+        return self.encoder(*args)
 
 
 #: The backend instance the entry point names.

@@ -25,10 +25,12 @@ from .planner import POLICIES
 from .specs import check_positive_int
 
 __all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAULT_LADDER_STEPS",
-           "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS", "VitGraphOptions"]
+           "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS", "QUANTIZATIONS", "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
+#: ``quantization`` values besides ``None`` (the model's own dtype); vLLM's name for the setting.
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 
 #: ``torch.compile(mode=...)`` presets. Every mode replays CUDA graphs; they differ in what runs
 #: inside the graph. ``reduce-overhead`` is accepted because users reach for it for this exact
@@ -125,6 +127,7 @@ class VitGraphOptions:
     verify: bool = False
     verify_tolerance: float | None = None
     max_graph_memory: int | float | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -156,6 +159,17 @@ class VitGraphOptions:
                 f"verify_tolerance={tol!r} is invalid: must be a positive number or None"
             )
         _check_memory_bound(self.max_graph_memory)
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise InvalidOptionError(
+                    f"quantization={self.quantization!r} is invalid: must be None (the model's "
+                    f"own dtype) or one of {QUANTIZATIONS}")
+            if self.inner_compiler != "inductor":
+                raise InvalidOptionError(
+                    f"quantization={self.quantization!r} needs inner_compiler='inductor', got "
+                    f"inner_compiler={self.inner_compiler!r}: each activation is quantized per "
+                    "row at run time, and outside Inductor's fused kernels that costs more than "
+                    "the FP8 GEMM saves")
         if (self.min_budget is not None and self.max_budget is not None
                 and self.min_budget > self.max_budget):
             raise InvalidOptionError(
@@ -256,6 +270,11 @@ class VitGraphOptions:
                         "rows (bound them with max_budget). It is an option of packed encoders: "
                         f"serve(model, {name}={value!r})")
             model_range = model_range or (1, DEFAULT_BATCHED_MAX_BUDGET)
+        elif self.quantization is not None:
+            raise InvalidOptionError(
+                f"quantization={self.quantization!r} applies to torch.compile(backend='vitgraph') "
+                "graphs only; packed towers (serve) run in the model's dtype: leave "
+                "quantization=None")
         elif model_range is None:
             raise InvalidOptionError("a packed encoder's options resolve against its "
                                      "model_range=(min_budget, max_budget); none was given")

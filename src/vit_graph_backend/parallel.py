@@ -122,6 +122,9 @@ class DataParallelEncoder(nn.Module):
             from .adapters._packed_inputs import grid_tensor
 
             grid_thw = grid_tensor(grid_thw)
+        # One read of a device grid for the whole call: the specs, the shares and the tower
+        # below all take the host copy, so the tower does not read the device a second time.
+        grid_thw = grid_thw.cpu()
         inputs = {"pixel_values": pixel_values, "grid_thw": grid_thw}
         specs = served.manager.model.get_encoder_cudagraph_item_specs(inputs)  # checks inputs
         if len(specs) < world:

@@ -1,7 +1,7 @@
-"""``data_parallel`` on CUDA: two ranks share one GPU over ``gloo`` (the machines here lend one GPU
-per process group; NCCL refuses two ranks on one device), so the graph path under data
-parallelism runs for real: each rank replays its own CUDA graphs for its share, the padded
-``all_gather`` moves CUDA tensors, and every rank gets the one-process output back.
+"""``data_parallel`` on CUDA, two ways: two ranks sharing one GPU over ``gloo`` (NCCL refuses two
+ranks on one device), and two GPUs over ``nccl``, one per rank (skipped with fewer than two
+GPUs). Each rank replays its own CUDA graphs for its share, the padded ``all_gather`` moves CUDA
+tensors, and every rank gets the one-process output back.
 
 A packed Qwen2.5-VL tower in bf16 (calls of 6, 4 and 1 images) and a timm ViT compiled with the
 ``vitgraph`` backend (batches of 9, 16 and 1). The reference is the same served encoder run whole
@@ -46,9 +46,18 @@ def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    _run_rank(rank, world, port, out_dir, "gloo")
+
+
+def _worker_nccl(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.cuda.set_device(rank)  # "cuda" below is this rank's own GPU
+    _run_rank(rank, world, port, out_dir, "nccl")
+
+
+def _run_rank(rank: int, world: int, port: int, out_dir: str, backend: str) -> None:
     import vit_graph_backend as vg
 
-    join(rank, world, port)
+    join(rank, world, port, backend)
     result: dict = {"packed": [], "batched": []}
     try:
         tower, model = _models()
@@ -65,6 +74,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 got = parallel(pixels, grid_t)
                 ref = served(pixels, grid_t)
             scale = max(ref.float().abs().max().item(), 1.0)
+            result["device_index"] = torch.cuda.current_device()
             result["packed"].append({"items": n, "shape": list(got.shape),
                                      "ref_shape": list(ref.shape), "device": str(got.device),
                                      "rel_err": (got.float() - ref.float()).abs().max().item()
@@ -87,7 +97,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_two_ranks_on_cuda_give_the_one_process_outputs(tmp_path):
-    ranks = run_ranks(_worker, WORLD, tmp_path)
+    _check(run_ranks(_worker, WORLD, tmp_path), "2 gloo ranks, one GPU")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one per NCCL rank)")
+def test_two_gpus_on_nccl_give_the_one_process_outputs(tmp_path):
+    ranks = run_ranks(_worker_nccl, WORLD, tmp_path)
+    assert [rank["device_index"] for rank in ranks] == [0, 1]
+    _check(ranks, "2 nccl ranks, one GPU each")
+
+
+def _check(ranks: list[dict], how: str) -> None:
     worst = 0.0
     for r, rank in enumerate(ranks):
         assert len(rank["packed"]) == len(CALLS) and len(rank["batched"]) == len(BATCHES), rank
@@ -101,6 +121,6 @@ def test_two_ranks_on_cuda_give_the_one_process_outputs(tmp_path):
         assert rank["busy_s"] > 0
         print(f"data_parallel on CUDA, rank {r}: {rank['replays']} graph replays, busy "
               f"{rank['busy_s'] * 1e3:.1f} ms")
-    print(f"data_parallel on CUDA (2 gloo ranks, one GPU, bf16): max relative error vs one "
-          f"process {worst:.3g}")
+    print(f"data_parallel on CUDA ({how}, bf16): max relative error vs one process "
+          f"{worst:.3g}")
     assert worst < 3e-2

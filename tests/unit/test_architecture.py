@@ -37,7 +37,7 @@ _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors"
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
 _BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
-                                         "batched_layout", "packed", "inner"}
+                                         "batched_layout", "packed", "inner", "fp8_linear"}
 
 #: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
@@ -68,6 +68,8 @@ LAYERS: dict[str, set[str]] = {
     # Packed (Qwen-VL style) serving: adapters + inner compiler + runtime, one level below backend.
     "packed": _RUNTIME_DEPS | {"runtime", "adapters", "inner"},
     "inner": {"options", "errors", "_compat"},
+    # quantization="fp8": a rewrite of the traced graph, applied by the backend before `inner`.
+    "fp8_linear": {"errors", "_compat"},
     "backend": _BELOW_BACKEND,
     "__init__": _BELOW_BACKEND | {"backend", "hf", "parallel", "assignment"},
     # Integrations: one call on a whole Hugging Face model (packed serving + the backend).

@@ -64,6 +64,16 @@ def test_streams_are_seeded_and_within_the_size_space(workload, model):
             assert len({(i.height, i.width) for i in call.items}) == 1
 
 
+def test_mixed_batch_calls_have_max_batch_images_of_several_sizes():
+    space = MODELS["qwen2-vl-tiny"].space
+    stream = make_stream("mixed-batch", "image", space, calls=6, seed=0, max_batch=16)
+    assert [len(call.items) for call in stream] == [16] * 6
+    assert all(len({(i.height, i.width) for i in call.items}) > 1 for call in stream)
+    batched = MODELS["vit-micro"].space
+    for call in make_stream("mixed-batch", "image", batched, calls=6, seed=0, max_batch=8):
+        assert len(call.items) == 8 and len({(i.height, i.width) for i in call.items}) == 1
+
+
 def test_image_plus_video_adds_one_video_per_call():
     space = MODELS["qwen2-vl-tiny"].space
     for call in make_stream("multi-image", "image+video", space, calls=10, seed=0, max_batch=4):

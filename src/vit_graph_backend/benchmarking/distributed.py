@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["DP_SUFFIX", "LAUNCH_HINT", "gather_floats", "init_world", "is_rank_zero", "launched"]
+__all__ = ["DP_SUFFIX", "LAUNCH_HINT", "gather_floats", "init_world", "is_rank_zero", "launched",
+           "start_together"]
 
 #: Suffix of a mode run data-parallel (``vitgraph+dp``).
 DP_SUFFIX = "+dp"
@@ -78,3 +79,18 @@ def gather_floats(value: float) -> list[float]:
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, float(value))
     return [float(v) for v in values]
+
+
+def start_together() -> None:
+    """Wait until every rank is here (no-op outside a process group).
+
+    Called before each timed call of a ``+dp`` mode: a data-parallel call ends with collectives,
+    so a rank that is still busy with untimed work of its own (the equivalence check copies a
+    call's output to the host) would otherwise count as the next call's time on every other
+    rank. Measured on 2x H200: the three calls right after the checked ones took 1.3x to 2.2x
+    the others (``benchmarks/results/bench_data_parallel_two_h200_*``).
+    """
+    import torch.distributed as dist
+
+    if _group_up():
+        dist.barrier()

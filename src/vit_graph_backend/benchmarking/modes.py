@@ -7,6 +7,8 @@
 ``vitgraph``           batched: ``torch.compile(model, backend=vitgraph, options={...})`` with
                        ``inner_compiler="eager"``; packed: ``serve(tower, **options)``
 ``vitgraph-inductor``  the same with ``inner_compiler="inductor"``
+``vitgraph-fp8``       ``vitgraph-inductor`` with ``quantization="fp8"`` (batched models on a GPU
+                       with FP8 tensor cores; not in the default list)
 =====================  ======================================================================
 
 Packed towers go through :func:`vit_graph_backend.packed.serve` (adapter + router) rather than
@@ -24,19 +26,27 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "DEFAULT_MODES",
     "MODES",
-    "VITGRAPH_INNER",
+    "VITGRAPH_MODES",
     "PreparedMode",
     "backend_report",
     "prepare_mode",
     "reset",
 ]
 
-MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead", "vitgraph",
-                          "vitgraph-inductor")
+#: The modes a GPU run compares when none are named.
+DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead", "vitgraph",
+                                  "vitgraph-inductor")
+#: Every mode ``--modes`` accepts.
+MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-fp8")
 
-#: The vitgraph modes and the inner compiler each one asks for.
-VITGRAPH_INNER: dict[str, str] = {"vitgraph": "eager", "vitgraph-inductor": "inductor"}
+#: The vitgraph modes and the backend options each one adds.
+VITGRAPH_MODES: dict[str, dict[str, Any]] = {
+    "vitgraph": {"inner_compiler": "eager"},
+    "vitgraph-inductor": {"inner_compiler": "inductor"},
+    "vitgraph-fp8": {"inner_compiler": "inductor", "quantization": "fp8"},
+}
 
 
 @dataclass
@@ -62,7 +72,7 @@ def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> 
         name: one of :data:`MODES`.
         built: the model.
         vitgraph_options: backend options shared by the vitgraph modes (budgets, policy, ...);
-            the mode adds its ``inner_compiler``.
+            the mode adds its own (:data:`VITGRAPH_MODES`).
 
     Raises:
         ValueError: for an unknown mode. Anything else (missing backend or adapter) propagates.
@@ -75,9 +85,9 @@ def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> 
         return PreparedMode(name, torch.compile(built.module))
     if name == "reduce-overhead":
         return PreparedMode(name, torch.compile(built.module, mode="reduce-overhead"))
-    if name not in VITGRAPH_INNER:
+    if name not in VITGRAPH_MODES:
         raise ValueError(f"mode={name!r} is invalid: choose from {', '.join(MODES)}")
-    options = {**vitgraph_options, "inner_compiler": VITGRAPH_INNER[name]}
+    options = {**vitgraph_options, **VITGRAPH_MODES[name]}
     if built.entry.packed:
         from ..packed import serve
 

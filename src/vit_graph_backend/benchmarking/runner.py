@@ -33,8 +33,9 @@ from .. import plan_preview
 from ..budgets import BudgetConfig
 from ..options import VitGraphOptions
 from .models import MODELS, ModelEntry, availability, call_specs, primary_output
-from .distributed import DP_SUFFIX, LAUNCH_HINT, gather_floats, init_world, launched
-from .modes import MODES, VITGRAPH_INNER, backend_report, prepare_mode, reset
+from .distributed import (DP_SUFFIX, LAUNCH_HINT, gather_floats, init_world, launched,
+                          start_together)
+from .modes import DEFAULT_MODES, MODES, VITGRAPH_MODES, backend_report, prepare_mode, reset
 from .report import SCHEMA_VERSION
 from .roofline import PEAK_SIDE, count_stream_flops, fraction_of_peak, matmul_peak_tflops
 from .timing import CallTimer, progress, summarize
@@ -124,7 +125,7 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
     if config.workload not in WORKLOADS:
         raise ValueError(
             f"workload={config.workload!r} is invalid: choose from {', '.join(WORKLOADS)}")
-    modes = config.modes or (MODES if cuda else ("eager", "vitgraph"))
+    modes = config.modes or (DEFAULT_MODES if cuda else ("eager", "vitgraph"))
     if config.data_parallel:  # resolving a resolved config again gives it back
         modes = tuple(dict.fromkeys(m.removesuffix(DP_SUFFIX) for m in modes))
     for mode in modes:
@@ -133,10 +134,10 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
     if config.data_parallel:
         if not launched():
             raise ValueError(LAUNCH_HINT)
-        if not any(m in VITGRAPH_INNER for m in modes):
+        if not any(m in VITGRAPH_MODES for m in modes):
             raise ValueError(f"data_parallel=True runs the vitgraph modes data-parallel; modes "
                              f"{','.join(modes)} have none")
-        modes = [n for m in modes for n in ((m, m + DP_SUFFIX) if m in VITGRAPH_INNER else (m,))]
+        modes = [n for m in modes for n in ((m, m + DP_SUFFIX) if m in VITGRAPH_MODES else (m,))]
     dtype = config.dtype or ("bfloat16" if cuda else "float32")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: choose from {', '.join(DTYPES)}")
@@ -252,6 +253,8 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
             ms, errors = [], []
             for i, args in enumerate(progress(inputs, desc=f"{name}: timed pass",
                                               total=len(inputs), enabled=show)):
+                if parallel is not None:
+                    start_together()
                 out, elapsed = timer.time_call(prepared.fn, args)
                 ms.append(elapsed)
                 if i < len(refs):

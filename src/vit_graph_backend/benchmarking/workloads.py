@@ -14,6 +14,8 @@ Workloads (``max_batch`` caps the items of a call):
     - ``mixed-sizes``: the image size changes from call to call (packed models: one image per call,
       height and width drawn independently; batched models: 1..4 images of one size);
     - ``multi-image``: 1..4 images per call, each its own size on packed models;
+    - ``mixed-batch``: every call has ``max_batch`` images, each its own size on packed models
+      (batched models: one size drawn per call), the data-parallel benchmark's calls of 8, 16, 32;
     - ``video``: one video per call (modality ``video`` unless given ``image+video``);
     - ``gpu-bound``: work large enough that kernels, not launches, set the time: batched models get
       ``min(8, max_batch)..max_batch`` images of the base size per call, packed models one image
@@ -110,6 +112,12 @@ def _multi_image(rng: random.Random, max_batch: int, space: SizeSpace) -> list[I
     return [Item(rng.choice(space.sizes), rng.choice(space.sizes)) for _ in range(n)]
 
 
+def _mixed_batch(rng: random.Random, max_batch: int, space: SizeSpace) -> list[Item]:
+    if space.one_size_per_call:
+        return _square(rng.choice(space.sizes), max_batch)
+    return [Item(rng.choice(space.sizes), rng.choice(space.sizes)) for _ in range(max_batch)]
+
+
 def _gpu_bound(rng: random.Random, max_batch: int, space: SizeSpace) -> list[Item]:
     if space.one_size_per_call:
         return _square(space.base, rng.randint(min(8, max_batch), max_batch))
@@ -128,6 +136,8 @@ WORKLOADS: dict[str, Workload] = {
                  _mixed_sizes),
         Workload("multi-image", "1..4 images per call, each its own size on packed models",
                  _multi_image),
+        Workload("mixed-batch", "every call: max-batch images, each its own size on packed "
+                 "models (batched: one size per call)", _mixed_batch),
         Workload("video", "one video per call, frame count and size drawn per call",
                  lambda rng, n, space: _square(space.base, 1), modality="video"),
         Workload("gpu-bound", "batched: 8..max-batch images per call; packed: one image from the "
