@@ -98,7 +98,7 @@ def fp8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tens
 
 @dataclass
 class _Entry:
-    source: int | torch.Tensor  # an index into the graph's arguments, or the tensor itself
+    index: int  # the weight's position among the graph's arguments
     q: torch.Tensor
     scale: torch.Tensor
     key: tuple[int, int | None]
@@ -129,8 +129,7 @@ class Fp8Weights:
         """Quantize again every weight changed since it was last quantized; returns how many."""
         stale = []
         for entry in self.entries:
-            source = entry.source
-            weight = args[source] if isinstance(source, int) else source
+            weight = args[entry.index]
             key = _key(weight)
             if key != entry.key:
                 stale.append((entry, weight, key))
@@ -151,9 +150,10 @@ def quantize_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
                      ) -> tuple[torch.fx.GraphModule, Fp8Weights]:
     """``gm`` with its eligible linear layers as :func:`fp8_linear`, and their FP8 weights.
 
-    A layer is eligible when its weight is a parameter (a graph input or attribute) of two
-    dimensions whose sizes are multiples of 16, and it returns a floating tensor. Others stay
-    as they are (the count is logged).
+    A layer is eligible when its weight is a parameter of two dimensions whose sizes are multiples
+    of 16, and it returns a floating tensor. Others stay as they are (the count is logged).
+    Dynamo hands module parameters to backends as graph inputs (placeholders) on every supported
+    torch, so that is where weights are looked for.
 
     The result is a new ``GraphModule`` over the rewritten graph, holding the FP8 weights as
     buffers. It does not carry Dynamo's module metadata: AOTAutograd matches every buffer of a
@@ -161,15 +161,16 @@ def quantize_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     buffers have none; as a plain module, its buffers are simply inputs of the compiled code.
     """
     weights = Fp8Weights()
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     kept = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not F.linear:
             continue
         x, weight_node, bias = _linear_args(node)
-        source, weight = _weight_of(gm, weight_node, placeholders, example_inputs)
+        source = index.get(weight_node)
+        weight = None if source is None else example_inputs[source]
         out = _compat.example_value(node)
-        if (weight is None or weight.dim() != 2 or any(s % _ALIGN for s in weight.shape)
+        if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or any(s % _ALIGN for s in weight.shape)
                 or not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point):
             kept += 1
             continue
@@ -187,33 +188,13 @@ def quantize_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.lint()
-    gm.recompile()
-    rewritten = torch.fx.GraphModule(gm, gm.graph)
+    rewritten = torch.fx.GraphModule(gm, gm.graph)  # generates its code from the graph
     log.info("vitgraph: quantization='fp8': %d linear layers as fp8, %d kept (weights not "
              "parameters, or sides not multiples of %d)", len(weights.entries), kept, _ALIGN)
     return rewritten, weights
 
 
-def _linear_args(node: torch.fx.Node) -> tuple[Any, Any, Any]:
-    args = list(node.args) + [None] * (3 - len(node.args))
-    x = args[0] if node.args else node.kwargs.get("input")
-    weight = args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    bias = args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return x, weight, bias
-
-
-def _weight_of(gm: torch.fx.GraphModule, node: Any, placeholders: dict[Any, int],
-               example_inputs: Sequence[Any]) -> tuple[Any, torch.Tensor | None]:
-    """Where a linear's weight comes from (argument index or tensor) and its value now."""
-    if not isinstance(node, torch.fx.Node):
-        return None, None
-    if node.op == "placeholder":
-        index = placeholders[node]
-        value = example_inputs[index]
-        return (index, value) if isinstance(value, torch.nn.Parameter) else (None, None)
-    if node.op == "get_attr":
-        value = gm
-        for part in str(node.target).split("."):
-            value = getattr(value, part)
-        return (value, value) if isinstance(value, torch.nn.Parameter) else (None, None)
-    return None, None
+def _linear_args(node: torch.fx.Node) -> list[Any]:
+    """``input``, ``weight`` and ``bias`` of an ``F.linear`` node, given by position or name."""
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(name)
+            for i, name in enumerate(("input", "weight", "bias"))]

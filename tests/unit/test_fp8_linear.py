@@ -130,16 +130,21 @@ def _replace_fc1_weight(model):
     model.fc1.weight = torch.nn.Parameter(torch.randn(128, 64) * 0.2)
 
 
-@pytest.mark.parametrize(("change", "requantized"), [(_load_new_state, 2),
-                                                     (_replace_fc1_weight, 1)])
-@torch.no_grad()
-def test_changed_weights_are_requantized(change, requantized):
-    torch.manual_seed(1)
+def _quantized_after_one_call(seed):
+    """A fresh ``_Mlp``, its quantized compile, and an input it has been called with once."""
+    torch.manual_seed(seed)
     model = _Mlp()
     fn, found = _compile_quantized(model)
     x = torch.randn(2, 4, 64)
     fn(x)
-    weights = found["weights"]
+    return model, fn, found["weights"], x
+
+
+@pytest.mark.parametrize(("change", "requantized"), [(_load_new_state, 2),
+                                                     (_replace_fc1_weight, 1)])
+@torch.no_grad()
+def test_changed_weights_are_requantized(change, requantized):
+    model, fn, weights, x = _quantized_after_one_call(1)
     assert weights.requantized == 0
     change(model)
     got = fn(x)
@@ -195,7 +200,7 @@ def test_whole_backend_path_with_inductor_on_cpu(monkeypatch):
     for rows in (2, 5, 3):
         x = torch.randn(rows, 64)
         _assert_close_to_max(fn(x), _reference(model, x))
-    model.load_state_dict(_Mlp().state_dict())
+    _load_new_state(model)
     x = torch.randn(4, 64)
     _assert_close_to_max(fn(x), _reference(model, x))
     torch.compiler.reset()
@@ -205,11 +210,7 @@ def test_whole_backend_path_with_inductor_on_cpu(monkeypatch):
 def test_threads_calling_after_a_weight_change_all_get_the_new_weights():
     import threading
 
-    torch.manual_seed(4)
-    model = _Mlp()
-    fn, found = _compile_quantized(model)
-    x = torch.randn(2, 4, 64)
-    fn(x)
+    model, fn, weights, x = _quantized_after_one_call(4)
     _load_new_state(model)
     ref = _reference(model, x)
     outs, errors = [], []
@@ -229,4 +230,4 @@ def test_threads_calling_after_a_weight_change_all_get_the_new_weights():
     assert not errors and len(outs) == 8
     for out in outs:
         _assert_close_to_max(out, ref)
-    assert 2 <= found["weights"].requantized <= 16  # each stale weight at least once
+    assert 2 <= weights.requantized <= 16  # each stale weight at least once
