@@ -7,7 +7,9 @@ time hides a blocking device-to-host sync or a pageable copy that waits for the 
 
 Per grid form (a CUDA tensor, as ``generate()`` passes it; a CPU tensor, as the processor makes
 it; a list): median host ms (call start to return, no sync) and total ms (to the end of the GPU
-work). Then ``cProfile`` of 50 calls with a CUDA grid: the top host functions by own time.
+work). Then ``cProfile`` of the calls with a CUDA grid and with a list, the GPU idle at each
+call's start: the top host functions by own and by cumulative time; and the host time of
+``CUDAGraph.replay()`` alone per captured budget.
 
 Usage: python benchmarks/packed_host_overhead.py. Text to stdout and $OUT when set.
 """
@@ -67,18 +69,31 @@ def main():
                     total.append((time.perf_counter() - t0) * 1e3)
             lines.append(f"{name:<12}{statistics.median(host):12.3f}"
                          f"{statistics.median(total):14.3f}")
-        args = [(pv, forms["cuda tensor"](g)) for pv, g in stream]
-        prof = cProfile.Profile()
+        # the host time of the graph launch alone, per captured budget, the GPU idle
+        lines += ["", f"{'budget':>8}{'replay() host ms p50':>22}"]
+        for budget, entry in sorted(served.manager.graphs.entries.items()):
+            times = []
+            for _ in range(20):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                entry.graph.replay()
+                times.append((time.perf_counter() - t0) * 1e3)
+            lines.append(f"{budget:>8}{statistics.median(times):22.3f}")
         torch.cuda.synchronize()
-        prof.enable()
-        for pv, grid in args[:50]:
-            served(pv, grid)
-        prof.disable()
-        torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
-    lines += ["", "cProfile, CUDA grid, 40 calls, by own time:",
-              *[ln for ln in buf.getvalue().splitlines() if ln.strip()][4:]]
+        for name in ("cuda tensor", "list"):
+            args = [(pv, forms[name](g)) for pv, g in stream]
+            prof = cProfile.Profile()
+            for pv, grid in args:
+                torch.cuda.synchronize()  # the GPU idle at each call: host time alone
+                prof.enable()
+                served(pv, grid)
+                prof.disable()
+            torch.cuda.synchronize()
+            for order, count in (("tottime", 30), ("cumulative", 30)):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(count)
+                lines += ["", f"cProfile, {name} grid, {len(args)} calls, by {order}:",
+                          *[ln for ln in buf.getvalue().splitlines() if ln.strip()][4:]]
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):

@@ -16,6 +16,7 @@ when non-empty and ``mode=`` only when not the default. Both are validated into 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -28,7 +29,7 @@ from . import _compat
 from .batched import BatchedGraphEncoder
 from .errors import InvalidOptionError
 from .fp8_linear import Fp8Weights, check_fp8_device, graph_device, quantize_linears
-from .inner import compile_inner
+from .inner import compile_inner, inner_compiler_name
 from .options import VitGraphOptions
 from .graph_report import summarize
 from .packed import live_served
@@ -71,17 +72,28 @@ class VitGraphBackend:
                             "their fp8 copies follow a replaced parameter but not an in-place "
                             "write; call torch.compiler.reset() after changing them in place",
                             weights.untracked)
-        fn = compile_inner(gm, example_inputs, opts)
-        encoder = BatchedGraphEncoder(gm, example_inputs, opts, fn)
+        inner = inner_compiler_name(example_inputs, opts)
+        encoder = BatchedGraphEncoder(gm, example_inputs, opts,
+                                      functools.partial(compile_inner, gm, example_inputs, opts),
+                                      defer=None if inner == "eager" else self._alone)
         with self._lock:
             self.compiles += 1
             self._encoders.add(encoder)
-        log.info("vitgraph: compiled graph %d (%s, batch axis %s, inner %s)", self.compiles,
+        log.info("vitgraph: compiled graph %d (%s, batch axis %s, inner %s%s)", self.compiles,
                  "static" if encoder.static_shape else "dynamic",
-                 encoder.layout.batch_symbol, opts.inner_compiler)
+                 encoder.layout.batch_symbol, inner,
+                 ", at its second call" if encoder.compile_pending else "")
         if weights is not None and weights.entries:
             return _Fp8Graph(encoder, weights)
         return encoder
+
+    def _alone(self, encoder: BatchedGraphEncoder) -> bool:
+        """Whether a static graph called again deserves its deferred inner compile
+        (``batched.py``): not when a live dynamic graph reads the same parameters, i.e. serves
+        the same model's other sizes."""
+        with self._lock:
+            others = [e for e in self._encoders if e is not encoder]
+        return not any(not e.static_shape and e.param_ids & encoder.param_ids for e in others)
 
     def reset(self) -> None:
         """Free every captured graph, buffer and pool (called by ``torch.compiler.reset()``)."""

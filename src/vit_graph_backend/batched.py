@@ -24,7 +24,14 @@ carry the batch axis at dim 0 (they may mix rows, which padding would change).
 Dynamo's first compile of a frame is static (no symbol), and so is its separate compile for a
 batch of 1 (unless the ``backed_size_oblivious`` option made the dynamic graph serve it).
 Those graphs run as one exact-shape graph: all non-parameter inputs copied, nothing padded
-(``static_graphs=False`` runs them eagerly instead); stats count their real rows. So does a
+(``static_graphs=False`` runs them eagerly instead); stats count their real rows. A static
+graph runs the traced graph's own kernels at its first call and gets the inner compiler
+(Inductor) at its second, unless a dynamic graph of the same model exists by then: in a stream
+of varying sizes Dynamo replaces the first static graph by a dynamic one at the second call, so
+compiling it at once would spend one whole Inductor compile (about 20 s for CLIP ViT-L) on a
+graph that serves a single call; and a static graph made beside a dynamic one (Dynamo's batch of
+1) would take that compile at some later call of the stream, a stall no caller expects, for a
+call the graph's launches, not its kernels, dominate. So does a
 batch-of-1 graph whose outputs lost the batch symbol (``batched_layout.py``), and it runs eagerly
 for any other shape.
 """
@@ -162,10 +169,14 @@ class BatchedGraphEncoder:
     """The callable the ``vitgraph`` backend returns to Dynamo for a batched encoder graph."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                 options: VitGraphOptions, fn: Callable[..., Any]) -> None:
+                 options: VitGraphOptions, compile_fn: Callable[[], Callable[..., Any]], *,
+                 defer: Callable[[BatchedGraphEncoder], bool] | None = None) -> None:
+        """``compile_fn()`` returns the inner-compiled graph. With ``defer``, a static graph
+        runs ``gm`` itself until its second call, and is compiled then if ``defer(self)`` is
+        true (see the module docstring)."""
         #: the row budgets of every graph set of this graph, resolved once, here, at compile time
         self.config = options.resolve(batched=True)
-        self.options, self.fn = options, fn
+        self.options = options
         self.layout = analyze_graph(gm, example_inputs)
         self.static_shape = self.layout.batch_symbol is None
         self.stats = GraphStats()   # calls refused before reaching a manager
@@ -178,6 +189,15 @@ class BatchedGraphEncoder:
                                  if isinstance(x, torch.Tensor)]
         if self.unsupported:
             log.warning("vitgraph: serving this graph eagerly: %s", self.unsupported)
+        #: the parameters this graph reads, by identity: graphs of one model share them
+        self.param_ids = frozenset(id(example_inputs[i]) for i in self.layout.params)
+        self._compile_later: Callable[[], Callable[..., Any] | None] | None = None
+        self.fn: Callable[..., Any] = gm
+        if defer is not None and self.static_shape and self.unsupported is None:
+            self._compile_later = lambda: compile_fn() if defer(self) else None
+        else:
+            self.fn = compile_fn()
+        self._calls = 0
         self._copied: set[int] = set()
         if self.static_shape:
             self._copied = {i for i in self.layout.state if i not in self.layout.params}
@@ -198,11 +218,35 @@ class BatchedGraphEncoder:
             self.stats.record_eager(1, reason)
             return self.fn(*args)
         with self._lock:
+            self._calls += 1
+            if self._compile_later is not None and self._calls > 1:
+                self._compile_deferred()
             graph_set, manager = self._set_for(args)
             out = manager.run(args)[0]
         if self.static_shape:
             return tuple(t[0] for t in out)
         return out
+
+    def _compile_deferred(self) -> None:
+        # The static graph is called again: worth its compile. Its graphs hold the traced
+        # graph's kernels, so they are freed and captured anew around the compiled one.
+        compile_fn, self._compile_later = self._compile_later, None
+        assert compile_fn is not None
+        fn = compile_fn()
+        if fn is None:
+            log.info("vitgraph: static graph called again beside a dynamic graph of the same "
+                     "model: it keeps the traced graph's kernels (no compile mid-stream)")
+            return
+        log.info("vitgraph: static graph called again: compiled with the inner compiler")
+        for key in list(self._sets):
+            self._drop(key)
+        self.fn = fn
+
+    @property
+    def compile_pending(self) -> bool:
+        """True while a static graph runs its traced kernels, its inner compile put off to its
+        second call."""
+        return self._compile_later is not None
 
     def _off_shape(self, args: Sequence[Any]) -> str | None:
         for i, expected in self._pinned:
@@ -252,7 +296,10 @@ class BatchedGraphEncoder:
                                           chunk=not self.static_shape, budget_config=config,
                                           exact_rows=exact_rows)
         if manager.uses_cuda_graphs:
-            if self._graph_pool is None:
+            if self._graph_pool is None or not self._sets:
+                # A pool whose every graph was dropped (eviction of the only set, a recapture,
+                # the deferred compile) is not captured into again: the caching allocator
+                # asserts (use_count > 0) on a pool it still holds blocks of with no user left.
                 self._graph_pool = torch.cuda.graph_pool_handle()
             manager.graph_pool = self._graph_pool
         self._sets[key] = (graph_set, manager)

@@ -1,9 +1,13 @@
 """Inner compilers: what runs inside each captured CUDA graph.
 
 - ``eager``: the traced FX graph as is. The CUDA graph already removes the launch overhead that
-  dominates small-batch encoders, so this is the default and compiles instantly.
+  dominates small-batch encoders; compiles instantly. What ``"auto"`` picks off CUDA and for
+  packed towers (``VitGraphOptions.inner_compiler_for``).
 - ``inductor``: ``compile_fx`` with Inductor's own CUDA graphs off (ours wrap it; graphs must not
-  nest). Fuses elementwise work; costs compile time once per graph.
+  nest). Fuses elementwise work (norms, bias, activations, residual adds) into fewer kernels,
+  which pays where the kernels set the time; costs a compile per Dynamo graph, cached on disk by
+  Inductor (its FX graph and autotuning caches under ``TORCHINDUCTOR_CACHE_DIR``), so a second
+  process starts from the cache. What ``"auto"`` picks for ``torch.compile`` graphs on CUDA.
 - ``tensorrt``: torch-tensorrt's Dynamo backend, imported only here and only when chosen. It pins
   one torch minor version and its native libraries are not on the plain package index, so the
   option check (``options.py``) refuses it when it is not installed. If it hands back a module
@@ -23,15 +27,22 @@ from . import _compat
 from .errors import MissingDependencyError
 from .options import VitGraphOptions
 
-__all__ = ["compile_inner", "inner_backend"]
+__all__ = ["compile_inner", "inner_backend", "inner_compiler_name"]
 
 log = logging.getLogger(__name__)
 
 
+def inner_compiler_name(example_inputs: Sequence[Any], options: VitGraphOptions) -> str:
+    """The inner compiler a Dynamo graph with these inputs gets (``"auto"`` resolved by device)."""
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    return options.inner_compiler_for(cuda=device is not None and device.type == "cuda")
+
+
 def compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                   options: VitGraphOptions) -> Callable[..., Any]:
-    """Compile one traced graph with ``options.inner_compiler``; returns a callable on real args."""
-    name = options.inner_compiler
+    """Compile one traced graph with ``options.inner_compiler`` (``"auto"`` resolved by
+    :func:`inner_compiler_name`); returns a callable on real args."""
+    name = inner_compiler_name(example_inputs, options)
     if name == "eager":
         return gm
     if name == "inductor":

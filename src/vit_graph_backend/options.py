@@ -27,7 +27,7 @@ from .specs import check_positive_int
 __all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAULT_LADDER_STEPS",
            "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS", "QUANTIZATIONS", "VitGraphOptions"]
 
-INNER_COMPILERS: tuple[str, ...] = ("eager", "inductor", "tensorrt")
+INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
 #: ``quantization`` values besides ``None`` (the model's own dtype); vLLM's name for the setting.
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
@@ -79,7 +79,10 @@ class VitGraphOptions:
         policy: planner policy, ``"baseline"`` (pad to the smallest fitting budget) or ``"exact"``
             (never pad: replay only exact budget sizes, run the rest eagerly).
         inner_compiler: what runs inside the graph: ``"eager"`` (the traced graph as is),
-            ``"inductor"`` (its own CUDA graphs off, so graphs do not nest) or ``"tensorrt"``.
+            ``"inductor"`` (its own CUDA graphs off, so graphs do not nest), ``"tensorrt"``, or
+            ``"auto"`` (the default; :meth:`inner_compiler_for`): Inductor's fused kernels for
+            ``torch.compile`` graphs on a GPU, the traced graph as is on a CPU (no graphs there
+            to feed) and for packed towers (their adapters fuse their own kernels).
         capture: ``"all"`` captures every budget, largest first into one pool, at the first call
             of a shape; ``"lazy"`` captures a budget the first time a batch needs it.
         warmup_iters: eager runs of each budget before its capture (cuBLAS/cuDNN set-up).
@@ -118,7 +121,7 @@ class VitGraphOptions:
     max_items_per_graph: int | None = None
     max_frames_per_batch: int | None = None
     policy: str = "baseline"
-    inner_compiler: str = "eager"
+    inner_compiler: str = "auto"
     capture: str = "all"
     warmup_iters: int = 2
     max_graph_sets: int = 4
@@ -164,9 +167,10 @@ class VitGraphOptions:
                 raise InvalidOptionError(
                     f"quantization={self.quantization!r} is invalid: must be None (the model's "
                     f"own dtype) or one of {QUANTIZATIONS}")
-            if self.inner_compiler != "inductor":
+            if self.inner_compiler not in ("auto", "inductor"):
                 raise InvalidOptionError(
-                    f"quantization={self.quantization!r} needs inner_compiler='inductor', got "
+                    f"quantization={self.quantization!r} needs inner_compiler='inductor' (or "
+                    f"'auto', which picks it on a GPU), got "
                     f"inner_compiler={self.inner_compiler!r}: each activation is quantized per "
                     "row at run time, and outside Inductor's fused kernels that costs more than "
                     "the FP8 GEMM saves")
@@ -177,12 +181,12 @@ class VitGraphOptions:
             )
         if self.budgets is not None and self.max_items_per_graph is not None:
             check_items_fit(self.max_items_per_graph, self.budgets[0])
-        if self.backed_size_oblivious and self.inner_compiler != "eager":
+        if self.backed_size_oblivious and self.inner_compiler not in ("auto", "eager"):
             raise InvalidOptionError(
                 f"backed_size_oblivious=True is invalid with inner_compiler="
                 f"{self.inner_compiler!r}: it needs inner_compiler='eager' (turned on in a "
                 "running process it ended an Inductor inner graph in an illegal memory access "
-                "on torch 2.11)")
+                "on torch 2.11; 'auto' picks 'eager' with it)")
         if self.inner_compiler == "tensorrt" and importlib.util.find_spec("torch_tensorrt") is None:
             raise MissingDependencyError(
                 "inner_compiler='tensorrt' needs torch-tensorrt, which is not installed: "
@@ -190,6 +194,28 @@ class VitGraphOptions:
                 "version and its native TensorRT libraries come from NVIDIA's package index), "
                 "or use inner_compiler='inductor'"
             )
+
+    def inner_compiler_for(self, *, cuda: bool, packed: bool = False) -> str:
+        """The inner compiler a graph gets: ``inner_compiler`` itself unless it is ``"auto"``.
+
+        ``"auto"`` resolves to ``"inductor"`` for a ``torch.compile`` graph on a CUDA device:
+        inside the CUDA graphs it replaces eager's unfused elementwise kernels (norms, bias,
+        activations, residual adds) by fused ones, which pays where the kernels set the time
+        (large images, batches of 8 and more) and costs nothing where launches did, since the
+        graph already removed those. It resolves to ``"eager"`` on other devices (no graphs,
+        and a compile that CPU users did not ask for), for packed towers (their adapters fuse
+        the kernels that pay and measured faster than Inductor over the whole tower; README,
+        "Packed towers") and with ``backed_size_oblivious=True`` (eager only, see above).
+
+        Args:
+            cuda: the graph runs on a CUDA device.
+            packed: the graph is a packed tower's compute (``serve``), not a Dynamo graph.
+        """
+        if self.inner_compiler != "auto":
+            return self.inner_compiler
+        if packed or not cuda or self.backed_size_oblivious:
+            return "eager"
+        return "inductor"
 
     @classmethod
     def from_compile_kwargs(

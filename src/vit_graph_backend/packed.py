@@ -10,7 +10,8 @@ The routing frame is Python over host metadata (grids, plans, offsets) and must 
 ``forward`` is excluded from Dynamo with ``torch.compiler.disable``, so
 ``torch.compile(served, backend="vitgraph")`` works and compiles nothing around it. The
 budget-shaped compute, ``encoder_cudagraph_forward``, is what the inner compiler sees: with
-``inner_compiler="eager"`` it runs as written inside the graph; with ``"inductor"`` it is traced
+``inner_compiler="eager"`` (what ``"auto"``, the default, picks for packed towers: the adapters
+fuse their own kernels) it runs as written inside the graph; with ``"inductor"`` it is traced
 and compiled once, with the static buffers' row dimensions symbolic, before the first capture, and
 every budget's graph captures that one compiled function. Compiling per budget shape instead
 would cost one Inductor compile per budget (31 s each for the Qwen2.5-VL-3B tower on an H100) and,
@@ -101,10 +102,10 @@ class PackedGraphEncoder(nn.Module):
             raise TypeError("give options or keyword options, not both")
         self.encoder = encoder
         self.options = options
-        compute = encoder if options.inner_compiler == "eager" else _CompiledCompute(encoder,
-                                                                                      options)
         # the compiled wrapper is no nn.Module: take device and dtype from the encoder itself
         device, dtype = infer_device_dtype(encoder)
+        inner = options.inner_compiler_for(cuda=device.type == "cuda", packed=True)
+        compute = encoder if inner == "eager" else _CompiledCompute(encoder, options)
         self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype)
         with _served_lock:
             _served.add(self)

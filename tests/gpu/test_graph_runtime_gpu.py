@@ -5,6 +5,8 @@
 - NaN-poisoned static buffers do not reach outputs;
 - capture failure (a host sync in the forward) falls back to eager with a warning;
 - ``torch.compile(backend="vitgraph")`` on a timm ViT with the eager and inductor inner compilers;
+- the default (``"auto"``: Inductor on CUDA) on one batch size again and again: the static graph
+  is compiled at its second call and captured again into a fresh pool;
 - two threads calling one compiled model.
 """
 
@@ -162,6 +164,27 @@ def test_compiled_timm_vit_matches_eager(inner):
     assert report["compiles"] <= 3
     assert report["graphs_captured"] >= 6  # the 1..32 ladder, plus exact static graphs
     assert report["stats"]["eager_items"] == 0
+
+
+@torch.no_grad()
+def test_default_compiles_a_repeated_static_graph_at_its_second_call():
+    from vit_graph_backend.backend import vitgraph
+
+    model = _vit()
+    compiled = torch.compile(model, backend="vitgraph")  # inner_compiler="auto": Inductor here
+    x = torch.randn(6, 3, 64, 64, device=DEV)
+    ref = model(x)
+    outs = [compiled(x) for _ in range(4)]
+    (encoder,) = vitgraph.encoders
+    assert encoder.static_shape and not encoder.compile_pending
+    assert not isinstance(encoder.fn, torch.fx.GraphModule)  # Inductor's, not the trace
+    worst = max((o - ref).abs().max().item() for o in outs)
+    report = vitgraph.report()
+    print("deferred static compile: max abs error", worst, report["stats"])
+    assert worst < 1e-3
+    assert report["compiles"] == 1 and report["graphs_captured"] == 1
+    # every call from a graph: the first from the traced graph's, the others from Inductor's
+    assert report["stats"]["graph_replays"] == 4 and report["stats"]["eager_batches"] == 0
 
 
 @torch.no_grad()

@@ -96,6 +96,77 @@ def test_static_first_compile_is_served_exactly():
     assert stats["graph_replays"] + stats["no_graph_batches"] == 1
 
 
+def _counting_inner(monkeypatch):
+    """Count the inner compiles the backend asks for; each returns the traced graph itself
+    (what runs inside is not under test here, only when it is compiled)."""
+    import vit_graph_backend.backend as backend_module
+
+    compiled = []
+
+    def fake_compile_inner(gm, example_inputs, options):
+        compiled.append([x.shape[0] for x in example_inputs if isinstance(x, torch.Tensor)
+                         and tuple(x.shape[1:]) == (3, 32, 32)])  # the images' batch
+        return gm
+
+    monkeypatch.setattr(backend_module, "compile_inner", fake_compile_inner)
+    return compiled
+
+
+@pytest.mark.parametrize("sizes, compiled_for", [
+    # a stream of sizes: the first (static) graph, made at 3, is replaced by the dynamic graph
+    # (made at 5, compiled at once) at the second call, and is never compiled
+    ([3, 5, 7, 3], [[5]]),
+    # one size again and again: the static graph is compiled at its second call, once
+    ([4, 4, 4], [[4]]),
+    # a batch of 1 beside the dynamic graph (Dynamo specializes size 1 apart): never compiled,
+    # so no call in the middle of the stream stalls on a compile
+    ([3, 5, 1, 7, 1, 1], [[5]]),
+    # the first call a batch of 1 and the stream going on: the same
+    ([1, 6, 1, 1], [[6]]),
+])
+@torch.no_grad()
+def test_static_graph_gets_the_inner_compiler_at_its_second_call(monkeypatch, sizes,
+                                                                  compiled_for):
+    compiled = _counting_inner(monkeypatch)
+    torch.manual_seed(0)
+    model = _hf("clip").eval()
+    fn = torch.compile(model, backend=vitgraph, options={"inner_compiler": "inductor"})
+    for b in sizes:
+        x = torch.randn(b, 3, 32, 32)
+        for got, ref in zip(_tensors(fn(x)), _tensors(model(x)), strict=True):
+            torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    assert compiled == compiled_for
+
+
+@torch.no_grad()
+def test_deferred_inductor_compile_runs_outside_dynamo():
+    # The deferred compile happens inside a call of the compiled frame, not in Dynamo's compile:
+    # Inductor must compile there too, and its graph must then serve the calls.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 4)).eval()
+    fn = torch.compile(model, backend=vitgraph, options={"inner_compiler": "inductor"})
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(fn(x), model(x))
+    assert vitgraph.encoders[0].compile_pending
+    for _ in range(2):
+        torch.testing.assert_close(fn(x), model(x))
+    encoder = vitgraph.encoders[0]
+    assert not encoder.compile_pending
+    assert not isinstance(encoder.fn, torch.fx.GraphModule)  # Inductor's callable, not the trace
+
+
+def test_eager_inner_compiler_is_never_deferred(monkeypatch):
+    compiled = _counting_inner(monkeypatch)
+    torch.manual_seed(0)
+    model = _hf("clip").eval()
+    fn = torch.compile(model, backend=vitgraph, options={"inner_compiler": "eager"})
+    with torch.no_grad():
+        fn(torch.randn(2, 3, 32, 32))
+    assert compiled == [[2]]  # compiled (as itself) at once
+    assert not vitgraph.encoders[0].compile_pending
+
+
 def test_grad_required_runs_eagerly_with_gradients(caplog):
     torch.manual_seed(0)
     model = _timm_vit().eval()

@@ -31,6 +31,12 @@ def test_eager_is_the_traced_graph_itself():
     assert compile_inner(gm, example, VitGraphOptions(inner_compiler="eager")) is gm
 
 
+def test_auto_on_cpu_is_the_traced_graph_itself():
+    # "auto" picks Inductor only for graphs on CUDA (VitGraphOptions.inner_compiler_for)
+    _, gm, example = _traced()
+    assert compile_inner(gm, example, VitGraphOptions()) is gm
+
+
 def test_inductor_compiles_to_equal_results():
     fn, gm, example = _traced()
     compiled = compile_inner(gm, example, VitGraphOptions(inner_compiler="inductor"))

@@ -59,7 +59,29 @@ def test_mode_and_options_together_are_refused():
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_mode_presets(mode):
     opts = VitGraphOptions.from_compile_kwargs(None, mode)
-    assert opts.inner_compiler == ("inductor" if mode.startswith("max-autotune") else "eager")
+    assert opts.inner_compiler == ("inductor" if mode.startswith("max-autotune") else "auto")
+
+
+# (inner_compiler, backed_size_oblivious, cuda, packed) -> what the graph gets
+@pytest.mark.parametrize("inner, oblivious, cuda, packed, expected", [
+    ("auto", False, True, False, "inductor"),    # a Dynamo graph on a GPU: fused kernels
+    ("auto", False, False, False, "eager"),      # no graphs off CUDA: no compile either
+    ("auto", False, True, True, "eager"),        # packed towers: the adapter's fused kernels
+    ("auto", True, True, False, "eager"),        # backed_size_oblivious needs eager
+    ("eager", False, True, False, "eager"),
+    ("inductor", False, False, False, "inductor"),
+    ("inductor", False, True, True, "inductor"),
+])
+def test_inner_compiler_for_resolves_auto_only(inner, oblivious, cuda, packed, expected):
+    opts = VitGraphOptions(inner_compiler=inner, backed_size_oblivious=oblivious)
+    assert opts.inner_compiler_for(cuda=cuda, packed=packed) == expected
+
+
+def test_auto_is_the_default_and_takes_what_inductor_takes():
+    assert VitGraphOptions().inner_compiler == "auto"
+    assert VitGraphOptions(quantization="fp8").inner_compiler_for(cuda=True) == "inductor"
+    with pytest.raises(InvalidOptionError, match=r"needs inner_compiler='inductor' \(or 'auto'"):
+        VitGraphOptions(quantization="fp8", inner_compiler="eager")
 
 
 def test_unknown_mode():
@@ -81,7 +103,7 @@ def test_tensorrt_missing_is_a_clear_import_error():
 
 @given(budgets=st.none() | st.lists(st.integers(1, 512), min_size=1, max_size=6),
        verify=st.booleans(), policy=st.sampled_from(["baseline", "exact"]),
-       inner=st.sampled_from(["eager", "inductor"]), sets=st.integers(1, 16))
+       inner=st.sampled_from(["auto", "eager", "inductor"]), sets=st.integers(1, 16))
 def test_round_trip_through_dict(budgets, verify, policy, inner, sets):
     opts = VitGraphOptions(budgets=budgets, verify=verify, policy=policy, inner_compiler=inner,
                            max_graph_sets=sets)

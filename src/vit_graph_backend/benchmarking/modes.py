@@ -4,11 +4,16 @@
 ``eager``              the model as is (``torch.no_grad``)
 ``compile-default``    ``torch.compile(model)``
 ``reduce-overhead``    ``torch.compile(model, mode="reduce-overhead")`` (Inductor's CUDA graph trees)
-``vitgraph``           batched: ``torch.compile(model, backend=vitgraph, options={...})`` with
-                       ``inner_compiler="eager"``; packed: ``serve(tower, **options)``
-``vitgraph-inductor``  the same with ``inner_compiler="inductor"``
-``vitgraph-fp8``       ``vitgraph-inductor`` with ``quantization="fp8"`` (batched models on a GPU
-                       with FP8 tensor cores; not in the default list)
+``vitgraph``           the defaults: batched: ``torch.compile(model, backend=vitgraph,
+                       options={...})`` (``inner_compiler="auto"``: Inductor inside the graphs on
+                       a GPU); packed: ``serve(tower, **options)``
+``vitgraph-eager``     the same with ``inner_compiler="eager"`` (the traced graph's own kernels
+                       inside the graphs, the default before ``"auto"``)
+``vitgraph-inductor``  the same with ``inner_compiler="inductor"`` (not in the default list: on a
+                       GPU, batched ``vitgraph`` is this; for packed towers, the whole tower
+                       through Inductor instead of the adapter's fused kernels)
+``vitgraph-fp8``       ``vitgraph`` with ``quantization="fp8"`` (batched models on a GPU with FP8
+                       tensor cores; not in the default list)
 =====================  ======================================================================
 
 Packed towers go through :func:`vit_graph_backend.packed.serve` (adapter + router) rather than
@@ -37,15 +42,16 @@ __all__ = [
 
 #: The modes a GPU run compares when none are named.
 DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead", "vitgraph",
-                                  "vitgraph-inductor")
+                                  "vitgraph-eager")
 #: Every mode ``--modes`` accepts.
-MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-fp8")
+MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor", "vitgraph-fp8")
 
 #: The vitgraph modes and the backend options each one adds.
 VITGRAPH_MODES: dict[str, dict[str, Any]] = {
-    "vitgraph": {"inner_compiler": "eager"},
+    "vitgraph": {},
+    "vitgraph-eager": {"inner_compiler": "eager"},
     "vitgraph-inductor": {"inner_compiler": "inductor"},
-    "vitgraph-fp8": {"inner_compiler": "inductor", "quantization": "fp8"},
+    "vitgraph-fp8": {"quantization": "fp8"},
 }
 
 

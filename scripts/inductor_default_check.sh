@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call for the default inner compiler ("auto": Inductor inside the graphs on CUDA):
+# CLIP ViT-L/14-336 first pass cold then warm (two processes, one fresh Inductor cache), the
+# GPU-bound fixed batches 8/24/48 against Inductor static in one CUDA graph (reduce-overhead),
+# the ViT-B/16 default stream (launch-bound), and the packed path's host time. Short table last.
+# Usage (CUDA machine, repo root): bash scripts/inductor_default_check.sh [parts...]
+#   parts: firstpass fixed vitb host (default: all)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/json"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+parts=${*:-firstpass fixed vitb host}
+bench() { vitgraph bench --no-progress "$@" 2>&1 | grep -vE "^WARNING|^\[rank|UserWarning|warnings.warn"; }
+for part in $parts; do
+  case $part in
+  firstpass)
+    cache=$(mktemp -d)
+    for run in cold warm; do
+      echo "== first pass, $run Inductor cache ($cache)"
+      TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton bench \
+        --model clip-l14-336 --workload gpu-bound --max-batch 48 --calls 12 \
+        --modes vitgraph,vitgraph-eager --json "$OUT/json/first_pass_$run.json" | tee -a "$OUT/firstpass.log"
+    done ;;
+  fixed)
+    for b in 8 24 48; do
+      echo "== CLIP ViT-L/14-336, fixed batch $b"
+      bench --model clip-l14-336 --workload fixed-batch --max-batch "$b" --calls 10 \
+        --modes eager,reduce-overhead,vitgraph,vitgraph-eager --json "$OUT/json/fixed_$b.json" | tee -a "$OUT/fixed.log"
+    done ;;
+  vitb)
+    echo "== ViT-B/16 default stream"
+    bench --modes eager,vitgraph,vitgraph-eager --json "$OUT/json/vit_b16.json" | tee -a "$OUT/vitb.log" ;;
+  host)
+    echo "== packed host time"
+    python3 benchmarks/packed_host_overhead.py 2>&1 | tee "$OUT/host.log" | head -8 ;;
+  esac
+done
+tar -C "$OUT" -czf "$OUT/json.tgz" json && rm -rf "$OUT/json"
+echo "== summary"
+grep -hE "^(eager|reduce-overhead|vitgraph|vitgraph-eager) +ok|^== |of peak" "$OUT"/*.log 2>/dev/null | cut -c1-150
