@@ -102,7 +102,7 @@ def test_defaults_depend_on_the_device():
     assert (gpu.model, gpu.device, gpu.dtype, gpu.calls, gpu.max_batch) == (
         "vit-b16", "cuda", "bfloat16", 120, 32)
     assert gpu.modes == ("eager", "compile-default", "reduce-overhead", "vitgraph",
-                         "vitgraph-inductor")
+                         "vitgraph-eager")
     with pytest.raises(ValueError, match="CUDA is not available"):
         resolve(BenchConfig(device="cuda"), cuda_available=False)
 

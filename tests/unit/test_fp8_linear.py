@@ -158,7 +158,9 @@ def test_options_refuse_bad_quantization_values():
     with pytest.raises(InvalidOptionError, match=r"quantization='int8' is invalid: must be None"):
         VitGraphOptions(quantization="int8", inner_compiler="inductor")
     with pytest.raises(InvalidOptionError, match="needs inner_compiler='inductor'"):
-        VitGraphOptions(quantization="fp8")
+        VitGraphOptions(quantization="fp8", inner_compiler="eager")
+    # the default, "auto", is Inductor on a GPU: accepted
+    assert VitGraphOptions(quantization="fp8").inner_compiler_for(cuda=True) == "inductor"
     opts = VitGraphOptions(quantization="fp8", inner_compiler="inductor")
     assert opts.resolve(batched=True).budgets[0] == 1
     with pytest.raises(InvalidOptionError, match="packed towers"):
