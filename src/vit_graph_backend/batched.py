@@ -24,16 +24,17 @@ carry the batch axis at dim 0 (they may mix rows, which padding would change).
 Dynamo's first compile of a frame is static (no symbol), and so is its separate compile for a
 batch of 1 (unless the ``backed_size_oblivious`` option made the dynamic graph serve it).
 Those graphs run as one exact-shape graph: all non-parameter inputs copied, nothing padded
-(``static_graphs=False`` runs them eagerly instead); stats count their real rows. A static
-graph runs the traced graph's own kernels at its first call and gets the inner compiler
+(``static_graphs=False`` runs them eagerly instead); stats count their real rows. So does a
+batch-of-1 graph whose outputs lost the batch symbol (``batched_layout.py``), and it runs eagerly
+for any other shape.
+
+A static graph runs the traced graph's own kernels at its first call and gets the inner compiler
 (Inductor) at its second, unless a dynamic graph of the same model exists by then: in a stream
 of varying sizes Dynamo replaces the first static graph by a dynamic one at the second call, so
 compiling it at once would spend one whole Inductor compile (about 20 s for CLIP ViT-L) on a
 graph that serves a single call; and a static graph made beside a dynamic one (Dynamo's batch of
 1) would take that compile at some later call of the stream, a stall no caller expects, for a
-call the graph's launches, not its kernels, dominate. So does a
-batch-of-1 graph whose outputs lost the batch symbol (``batched_layout.py``), and it runs eagerly
-for any other shape.
+call the graph's launches, not its kernels, dominate.
 """
 
 from __future__ import annotations
