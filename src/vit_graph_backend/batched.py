@@ -198,7 +198,6 @@ class BatchedGraphEncoder:
             self._compile_later = lambda: compile_fn() if defer(self) else None
         else:
             self.fn = compile_fn()
-        self._calls = 0
         self._copied: set[int] = set()
         if self.static_shape:
             self._copied = {i for i in self.layout.state if i not in self.layout.params}
@@ -219,8 +218,7 @@ class BatchedGraphEncoder:
             self.stats.record_eager(1, reason)
             return self.fn(*args)
         with self._lock:
-            self._calls += 1
-            if self._compile_later is not None and self._calls > 1:
+            if self._compile_later is not None and self._sets:  # a set: called before
                 self._compile_deferred()
             graph_set, manager = self._set_for(args)
             out = manager.run(args)[0]
