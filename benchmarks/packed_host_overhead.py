@@ -7,15 +7,20 @@ time hides a blocking device-to-host sync or a pageable copy that waits for the 
 
 Per grid form (a CUDA tensor, as ``generate()`` passes it; a CPU tensor, as the processor makes
 it; a list): median host ms (call start to return, no sync) and total ms (to the end of the GPU
-work). Then ``cProfile`` of the calls with a CUDA grid and with a list, the GPU idle at each
+work), and the issue time per call when the 40 calls run back to back without a sync: a call that
+never waits for the GPU is issued in its host time, one that waits (a device-to-host read, a
+plain host-to-device copy, which synchronizes the stream) in about its GPU time. Then ``cProfile`` of the calls with a CUDA grid and with a list, the GPU idle at each
 call's start: the top host functions by own and by cumulative time; and the host time of
 ``CUDAGraph.replay()`` alone per captured budget.
 
-Usage: python benchmarks/packed_host_overhead.py. Text to stdout and $OUT when set.
+Usage: python benchmarks/packed_host_overhead.py [--label NAME] [--no-profile]. Text to stdout
+and to $OUT/packed_host_overhead[_NAME].txt when $OUT is set. To compare two source trees in one
+run, call it once per tree with ``PYTHONPATH=<tree>/src`` and a label each.
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import os
@@ -31,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from qwen_stream import tower  # noqa: E402
 
+import vit_graph_backend  # noqa: E402
 from vit_graph_backend import serve  # noqa: E402
 
 
@@ -45,13 +51,19 @@ def calls(n, seed=0):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--label", default="", help="names the source tree in the output")
+    parser.add_argument("--no-profile", action="store_true", help="skip the cProfile tables")
+    args_ = parser.parse_args()
     served = serve(tower())
     stream = calls(40)
     forms = {"cuda tensor": lambda g: torch.tensor(g, device="cuda"),
              "cpu tensor": lambda g: torch.tensor(g), "list": lambda g: g}
+    source = Path(vit_graph_backend.__file__).parent
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
              "Qwen2.5-VL-3B-shaped tower, one image of 448..896 px per call",
-             f"{'grid':<12}{'host ms p50':>12}{'total ms p50':>14}"]
+             f"source {args_.label or '-'}: {source}",
+             f"{'grid':<12}{'host ms p50':>12}{'total ms p50':>14}{'issue ms/call, no sync':>24}"]
     with torch.inference_mode():
         for pv, g in stream:  # first pass: captures
             served(pv, forms["cuda tensor"](g))
@@ -67,8 +79,14 @@ def main():
                     torch.cuda.synchronize()
                     host.append((t1 - t0) * 1e3)
                     total.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for pv, grid in args:  # back to back: the host runs ahead unless a call waits
+                served(pv, grid)
+            issue = (time.perf_counter() - t0) * 1e3 / len(args)
+            torch.cuda.synchronize()
             lines.append(f"{name:<12}{statistics.median(host):12.3f}"
-                         f"{statistics.median(total):14.3f}")
+                         f"{statistics.median(total):14.3f}{issue:24.3f}")
         # the host time of the graph launch alone, per captured budget, the GPU idle
         lines += ["", f"{'budget':>8}{'replay() host ms p50':>22}"]
         for budget, entry in sorted(served.manager.graphs.entries.items()):
@@ -80,7 +98,7 @@ def main():
                 times.append((time.perf_counter() - t0) * 1e3)
             lines.append(f"{budget:>8}{statistics.median(times):22.3f}")
         torch.cuda.synchronize()
-        for name in ("cuda tensor", "list"):
+        for name in () if args_.no_profile else ("cuda tensor", "list"):
             args = [(pv, forms[name](g)) for pv, g in stream]
             prof = cProfile.Profile()
             for pv, grid in args:
@@ -97,7 +115,8 @@ def main():
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "packed_host_overhead.txt").write_text(text)
+        suffix = f"_{args_.label}" if args_.label else ""
+        Path(os.environ["OUT"], f"packed_host_overhead{suffix}.txt").write_text(text)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,8 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
 
 def _concat(outputs: list[Any]) -> Any:
     first = outputs[0]
+    if len(outputs) == 1:  # already the caller's own tensor(s), never a graph's static output
+        return first
     if isinstance(first, torch.Tensor):
         return torch.cat(outputs)
     return type(first)(torch.cat([o[i] for o in outputs]) for i in range(len(first)))

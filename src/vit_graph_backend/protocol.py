@@ -21,6 +21,10 @@ Layout contract (the runtime relies on it):
       copied whole; a shorter one (fewer leading rows) is copied into the head and the tail is
       zeroed by the runtime. Offsets must make padding its own segment (repeat the last cumulative
       offset, or add a dummy segment) so real tokens never attend to padding.
+    - A replay buffer may also be a host tensor of the capture buffer's exact shape in pinned
+      memory (``torch.empty(..., pin_memory=True)``, padding written on the host): the runtime
+      copies it without a host sync, so the host can run ahead of a busy GPU. Allocate it fresh
+      per call and never write it after returning it (``adapters/_staging.py`` does this).
     - Everything computed from ``grid_thw`` on the host (offsets, rotary tables, window indices)
       is computed *outside* ``encoder_cudagraph_forward``: that function is traced and captured
       and may not call ``.item()`` or ``.tolist()``.

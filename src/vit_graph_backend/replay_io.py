@@ -59,14 +59,20 @@ def input_tensors(inputs: Any) -> list[torch.Tensor]:
 
 
 def copy_padded(static: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    """Copy ``value`` into the head of ``static[key]`` and zero the rest of its rows."""
+    """Copy ``value`` into the head of ``static[key]`` and zero the rest of its rows.
+
+    A ``value`` in pinned host memory is copied to the GPU without waiting for it: a plain host
+    tensor's copy synchronizes the stream, so the host could not run ahead of a busy GPU. The
+    caller hands such a value over, never writing it again; PyTorch's pinned-memory allocator
+    keeps a freed block until the copies from it are done.
+    """
     try:
         target = static[key]
     except KeyError:
         raise KeyError(f"replay buffer {key!r} has no capture buffer (have {sorted(static)})"
                        ) from None
     if value.shape == target.shape:
-        target.copy_(value)
+        target.copy_(value, non_blocking=value.device != target.device and value.is_pinned())
         return
     n = value.shape[0]
     if value.dim() != target.dim() or value.shape[1:] != target.shape[1:] or n > target.shape[0]:

@@ -323,6 +323,28 @@ def test_capture_buffers_have_fixed_shapes_per_budget(towers, family):
         assert all(o.shape[0] >= budget and torch.isfinite(o).all() for o in out)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_metadata_comes_padded_to_the_captured_shapes(towers, family):
+    """After a budget's capture, its replay metadata has the capture buffers' exact shapes with
+    zero tails (padded on the host, ``adapters/_staging.py``; on CUDA in pinned memory, copied
+    without a sync); the pixel rows stay unpadded (the runtime pads them on the device)."""
+    _, adapter = towers[family]
+    budget = 32
+    static = adapter.prepare_encoder_cudagraph_capture_inputs(budget, 3, 5, torch.device("cpu"),
+                                                               torch.float32)
+    grids = [(1, 4, 6), (1, 2, 2)]
+    inputs = _inputs(grids, seed=1)
+    replay = adapter.prepare_encoder_cudagraph_replay_buffers(inputs, [0, 1], budget)
+    exact = adapter.packer.eager_values(inputs, [0, 1])[0]  # the same items, unpadded
+    assert replay.keys() == static.keys()
+    assert replay["pixel_values"].shape == exact["pixel_values"].shape
+    for key in static.keys() - {"pixel_values"}:
+        n = exact[key].shape[0]
+        assert replay[key].shape == static[key].shape and replay[key].dtype == static[key].dtype
+        assert torch.equal(replay[key][:n], exact[key]), key
+        assert not replay[key][n:].any(), key
+
+
 def test_videos_beyond_the_captured_frames_are_refused(towers):
     _, adapter = towers["qwen2"]
     config = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET), max_batch_size=2)  # no frame cap

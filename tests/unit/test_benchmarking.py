@@ -368,3 +368,16 @@ def test_data_parallel_needs_a_torchrun_launch_and_a_vitgraph_mode(monkeypatch):
                   cuda_available=False)
     assert run.config.modes == ("eager", "vitgraph", "vitgraph+dp", "vitgraph-inductor",
                                 "vitgraph-inductor+dp")
+
+
+@pytest.mark.parametrize("off", [True, False])
+def test_a_run_without_a_bytecode_cache_says_its_first_pass_includes_compiling_imports(
+        monkeypatch, off):
+    from vit_graph_backend.benchmarking.runner import BYTECODE_NOTE
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", off)
+    # a transformers model: the test needs no timm
+    doc = run_benchmark(BenchConfig(model="qwen2.5-vl-tiny", workload="multi-image",
+                                    modes=("eager",), calls=2, max_batch=2, progress=False))
+    assert (BYTECODE_NOTE in doc["notes"]) == off
+    assert "PYTHONDONTWRITEBYTECODE" in BYTECODE_NOTE

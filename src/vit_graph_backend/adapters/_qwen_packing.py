@@ -27,6 +27,7 @@ from ._qwen_metadata import (
     pack_metadata,
     segment_slots,
 )
+from ._staging import pinned_padded, upload
 
 __all__ = ["QwenPacker"]
 
@@ -46,6 +47,8 @@ class QwenPacker:
         self.metadata = MetadataCache(layout, item_extras)
         #: the segment buffer lengths each captured budget holds (checked at replay)
         self.captured_slots: dict[int, SegmentSlots] = {}
+        #: the metadata buffers' shapes of each captured budget (replay pads to them on the host)
+        self.captured_shapes: dict[int, dict[str, torch.Size]] = {}
 
     def check(self, inputs: Mapping[str, object]) -> PackedInputs:
         """The one input check of specs, eager and replay (see ``_packed_inputs``); a
@@ -89,13 +92,16 @@ class QwenPacker:
         slots = segment_slots(self.layout, layout.capacity, layout.slots * layout.frames_per_slot)
         meta = self.pack(grids, range(len(grids)), slots)
         self.captured_slots[budget] = slots
+        self.captured_shapes[budget] = {key: value.shape for key, value in meta.values.items()}
         values = {key: value.to(device) for key, value in meta.values.items()}
         values["pixel_values"] = torch.zeros(meta.rows, self.patch_dim, device=device, dtype=dtype)
         return values
 
     def replay_values(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int],
                       budget: int) -> dict[str, torch.Tensor]:
-        """The items' rows and metadata, back to back, unpadded.
+        """The items' rows, back to back and unpadded, and their metadata, on CUDA already
+        padded to the captured shapes in pinned host memory (``_staging``: the runtime's copies
+        then need no host sync and no device-side zeroing).
 
         Raises:
             UnsupportedGraphError: the items hold more tokens, frames or windows than
@@ -115,7 +121,12 @@ class QwenPacker:
                     f"budget {budget} was captured for {slots.frames} frames and "
                     f"{slots.windows} windows: set max_frames_per_batch so the planner caps the "
                     "frames of a batch (without it, capture assumes one frame per item)")
-        return self._on_device(meta, pixels)
+        shapes = self.captured_shapes.get(budget)
+        if shapes is None or shapes.keys() != meta.values.keys():  # no capture on record
+            return self._on_device(meta, pixels)
+        values = pinned_padded(meta.values, shapes, pixels.device)
+        values["pixel_values"] = pixels
+        return values
 
     def eager_values(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
                      ) -> tuple[dict[str, torch.Tensor], PackedMetadata]:
@@ -134,12 +145,12 @@ class QwenPacker:
                 (index == torch.arange(int(index[0]), int(index[0]) + index.numel())).all()):
             gathered = pixels.narrow(0, int(index[0]), index.numel())
         else:
-            gathered = pixels.index_select(0, index.to(pixels.device))
+            gathered = pixels.index_select(0, upload({"index": index}, pixels.device)["index"])
         return meta, gathered
 
     @staticmethod
     def _on_device(meta: PackedMetadata, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        values = {key: value.to(pixels.device) for key, value in meta.values.items()}
+        values = upload(meta.values, pixels.device)
         values["pixel_values"] = pixels
         return values
 

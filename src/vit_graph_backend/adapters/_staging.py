@@ -1,0 +1,104 @@
+"""Host metadata on its way to the GPU, without a host sync: one fresh pinned block per dtype.
+
+A packed call's metadata (rotary positions, segment lengths, window indices) is built on the host
+from Python ints. Copied to the GPU as plain (pageable) tensors, every copy synchronizes the
+stream: the host waits for all earlier GPU work before each one, so it can never run ahead of a
+busy GPU, and a call pays one wait per buffer. Staged in pinned memory, the copies are
+asynchronous.
+
+- :func:`pinned_padded` writes each buffer into a pinned view of its static buffer's full shape,
+  the tail zeroed on the host, so the runtime's ``copy_padded`` (``replay_io.py``) makes one
+  asynchronous copy per buffer and no device-side zeroing.
+- :func:`upload` makes one asynchronous copy per dtype (eager batches, the replay's gather index).
+
+Every call allocates its own blocks, so concurrent calls share nothing. The caller never writes a
+staged block again; PyTorch's pinned-memory allocator keeps a freed block until the copies from
+it have run, so dropping the host tensors right after the copy is safe. If pinned memory cannot be
+had, the plain host tensors are used (the copies then synchronize, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..errors import UnsupportedGraphError
+
+__all__ = ["pinned_padded", "upload"]
+
+log = logging.getLogger(__name__)
+
+Shape = Sequence[int]
+
+
+def _blocks(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape], pin: bool
+            ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """One block per dtype holding every value in a view of its target shape, zero-padded."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key, value in values.items():
+        by_dtype.setdefault(value.dtype, []).append(key)
+    blocks = []
+    for dtype, keys in by_dtype.items():
+        sizes = [math.prod(shapes[key]) for key in keys]
+        block = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
+        views, start = {}, 0
+        for key, size in zip(keys, sizes):
+            view = block[start:start + size].view(tuple(shapes[key]))
+            value, start = values[key], start + size
+            rows = value.shape[0] if value.dim() else 1
+            if value.shape[1:] != view.shape[1:] or rows > (view.shape[0] if view.dim() else 1):
+                raise UnsupportedGraphError(
+                    f"buffer {key!r} of shape {tuple(value.shape)} does not fit the captured "
+                    f"shape {tuple(view.shape)}")
+            if view.dim() == 0 or rows == view.shape[0]:
+                view.copy_(value)
+            else:
+                view[:rows].copy_(value)
+                view[rows:].zero_()
+            views[key] = view
+        blocks.append((block, views))
+    return blocks
+
+
+def _pinned_blocks(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]
+                   ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    try:
+        return _blocks(values, shapes, pin=True)
+    except RuntimeError as exc:  # no pinned memory to be had: plain host tensors still work
+        log.warning("vitgraph: pinned host memory unavailable (%s); metadata copies wait for "
+                    "the GPU", str(exc).split("\n")[0])
+        return _blocks(values, shapes, pin=False)
+
+
+def pinned_padded(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape],
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """``values`` (host tensors) zero-padded along dim 0 to ``shapes``, in pinned memory when
+    ``device`` is a GPU (off CUDA the same padding in plain memory: one path on every device).
+
+    Raises:
+        UnsupportedGraphError: a value longer than its shape, or of other trailing dims.
+    """
+    if torch.device(device).type == "cuda":
+        blocks = _pinned_blocks(values, shapes)
+    else:
+        blocks = _blocks(values, shapes, pin=False)
+    return {key: view for _, views in blocks for key, view in views.items()}
+
+
+def upload(values: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``values`` (host tensors) on ``device``: one asynchronous copy per dtype on CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {key: value.to(device) for key, value in values.items()}
+    shapes = {key: value.shape for key, value in values.items()}
+    result = {}
+    for block, views in _pinned_blocks(values, shapes):
+        on_device = block.to(device, non_blocking=block.is_pinned())
+        start = 0
+        for key, view in views.items():
+            result[key] = on_device[start:start + view.numel()].view(view.shape)
+            start += view.numel()
+    return result
