@@ -269,3 +269,38 @@ def test_back_to_back_calls_queued_behind_a_busy_gpu_match_hf():
     print(f"20 calls queued behind busy work: {queued}; max relative error vs HF {worst:.3g}; "
           f"replays {stats.graph_replays}")
     assert queued and worst < 5e-2 and stats.eager_items == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5", "qwen3"])
+@pytest.mark.parametrize("attention", ["auto", "dense"])
+@torch.no_grad()
+def test_full_attention_kernel_per_one_image_budget_matches_hf(kind, attention):
+    """Budgets of one image (``max_items_per_graph=1``): ``"auto"`` times flash varlen against
+    dense SDPA on each budget's shapes before its capture and keeps the faster; ``"dense"``
+    always takes dense SDPA with the padding keys hidden. Either way every image gets HF's
+    output; Qwen2.5-VL's window layers stay on flash varlen."""
+    tower = _tower(kind)
+    patch = 16 if kind == "qwen3" else PATCH
+    served = serve(tower, max_items_per_graph=1, max_budget=512, attention=attention)
+    rng = random.Random(17)
+    worst = 0.0
+    for _ in range(8):
+        pv, grid = _call(rng, 1, patch)
+        got = served(pv, grid)
+        got = got if isinstance(got, tuple) else (got,)
+        for g, r in zip(got, _hf(tower, pv, grid), strict=True):
+            assert torch.isfinite(g).all()
+            worst = max(worst, (g.float() - r.float()).abs().max().item()
+                        / max(r.float().abs().max().item(), 1.0))
+    state = served.encoder.attention_state
+    print(f"{kind}, attention={attention}: max relative error vs HF (bf16) {worst:.3g}; "
+          f"kernels {state['by_rows']}; timings ms {state['timings_ms']}")
+    assert worst < 5e-2
+    mgr = served.manager
+    assert mgr.stats.eager_items == 0 and len(state["by_rows"]) == mgr.num_graphs
+    if attention == "dense":
+        assert set(state["by_rows"].values()) == {"dense"}
+    else:  # every budget timed, and the kernel kept is the one timed faster
+        assert state["timings_ms"].keys() == state["by_rows"].keys()
+        for rows, ms in state["timings_ms"].items():
+            assert state["by_rows"][rows] == min(ms, key=ms.get)

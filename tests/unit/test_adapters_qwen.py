@@ -273,6 +273,29 @@ def test_reference_dispatch_matches_hf_per_item(towers, case):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_dense_full_attention_for_one_item_budgets_matches_hf(towers, family):
+    """``attention="dense"``: budgets of one slot (one single-frame image per batch) run full
+    attention as one dense SDPA call with the padding keys hidden (``key_masked_attention``);
+    every image still gets HF's output, while a budget of two slots keeps segment attention."""
+    hf, _ = towers[family]
+    adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, attention="dense")
+    grids = [(1, 4, 6), (1, 2, 2), (1, 10, 6), (1, 8, 8)]
+    inputs = _inputs(grids, seed=11)
+    one = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET), max_batch_size=1)
+    with torch.no_grad():
+        expected = _hf_per_item(hf, inputs)
+        _, actual = reference_dispatch(adapter, inputs, one)
+    for a, e in zip(actual, expected, strict=True):
+        _assert_close(a, e, GRAPH_ATOL)
+    chosen = adapter.attention_state["by_rows"]
+    assert chosen and set(chosen.values()) == {"dense"}, chosen
+    two = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET), max_batch_size=2)
+    static = adapter.prepare_encoder_cudagraph_capture_inputs(
+        two.budgets[-1], 2, None, torch.device("cpu"), torch.float32)
+    assert adapter.attention_state["by_rows"][static["pixel_values"].shape[0]] == "varlen"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_dispatch_with_several_batches_and_an_oversize_item(towers, family):
     hf, adapter = towers[family]
     # 70 tokens > MAX_BUDGET runs eagerly; the rest needs several batches of <= 2 items.

@@ -1,7 +1,13 @@
-"""Packed (variable-length) self-attention over segments of one sequence, three ways.
+"""Packed (variable-length) self-attention over segments of one sequence, four ways.
 
 A packed tower attends within segments (frames, or Qwen2.5-VL windows) of one ``(rows, heads,
 head_dim)`` sequence. :func:`packed_attention` picks:
+
+0. :func:`key_masked_attention` when the segments are marked ``dense``: one real segment from row
+   0, then padding (a budget that holds one single-frame item, chosen per budget by measuring at
+   capture, ``_attention_choice``). One dense SDPA call over all rows, the padding keys hidden by
+   an extra head channel: SDPA keeps its fastest kernel (cuDNN on an H100), which an attention
+   mask would forbid.
 
 1. ``varlen_attn`` (``torch.nn.attention.varlen``, PyTorch 2.11+) on CUDA in fp16/bf16: offsets
    are a tensor and ``max_seqlen`` a Python int, so it captures in a CUDA graph. Zero-length
@@ -25,10 +31,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Segments", "masked_attention", "packed_attention", "segment_loop_attention",
-           "varlen_supported"]
+__all__ = ["Segments", "key_masked_attention", "masked_attention", "packed_attention",
+           "segment_loop_attention", "varlen_supported"]
 
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+
+#: The extra key channel of a padding row (the query's is 1). Times the softmax scale
+#: (``head_dim ** -0.5``, above 0.06 for heads up to 256 wide) a padding key's score is below
+#: -60000 against real scores of at most a few hundred, and exp of that is 0 in float32: padding
+#: keys get exactly zero weight.
+_HIDDEN_KEY = -1e6
 
 
 @dataclass
@@ -46,6 +58,8 @@ class Segments:
     offsets: torch.Tensor
     max_seqlen: int
     host_offsets: Sequence[int] | None = None
+    #: one real segment ``[0, offsets[1])`` then padding only: dense attention may serve it
+    dense: bool = False
 
 
 def varlen_supported(dtype: torch.dtype, head_dim: int) -> bool:
@@ -79,6 +93,31 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
     return out[0].transpose(0, 1)
 
 
+def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         segments: Segments, scale: float) -> torch.Tensor:
+    """Dense SDPA over all rows where only rows ``[0, offsets[1])`` are keys.
+
+    Each head gets one more channel (then zeros up to a multiple of 8, which the fused kernels
+    need): 1 in every query, 0 in the real keys and ``_HIDDEN_KEY`` in the padding keys. A real
+    key's score is unchanged (plus ``1 * 0``); a padding key's is far below anything ``exp``
+    returns non-zero for. The real rows' outputs are exactly segment attention's; the padding
+    rows attend to the real keys (finite values nobody reads). ``v`` is padded with zeros to the
+    same width and the extra channels are dropped from the output.
+    """
+    rows, heads, dim = q.shape
+    width = (dim // 8 + 1) * 8  # at least one extra channel
+    real = segments.offsets[1:2]
+    hidden = torch.arange(rows, device=q.device) >= real
+    key_channel = torch.where(hidden, _HIDDEN_KEY, 0.0).to(k.dtype)
+    q1 = F.pad(torch.cat([q, q.new_ones(rows, heads, 1)], -1), (0, width - dim - 1))
+    k1 = F.pad(torch.cat([k, key_channel.view(rows, 1, 1).expand(rows, heads, 1)], -1),
+               (0, width - dim - 1))
+    v1 = F.pad(v, (0, width - dim))
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q1, k1, v1))
+    out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+    return out[0, ..., :dim].transpose(0, 1)
+
+
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
                      scale: float, varlen: Callable[..., Any] | None) -> torch.Tensor:
     """Attention of ``(rows, heads, head_dim)`` ``q, k, v`` within ``segments``.
@@ -88,6 +127,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
             (``head_dim ** -0.5``, which is what the Qwen towers use).
         varlen: ``torch.nn.attention.varlen.varlen_attn``, or ``None`` where torch lacks it.
     """
+    if segments.dense:
+        return key_masked_attention(q, k, v, segments, scale)
     if varlen is not None and q.is_cuda and varlen_supported(q.dtype, q.shape[-1]):
         return varlen(q, k, v, segments.offsets, segments.offsets, segments.max_seqlen,
                       segments.max_seqlen)

@@ -32,6 +32,7 @@ by ``_packed_inputs`` before anything else runs. Static buffers and how padding 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from torch import nn
 from .. import _compat
 from ..errors import InvalidOptionError
 from ..specs import EncoderItemSpec, check_positive_int
+from ._attention_choice import AttentionChoice
 from ._fused import Ops
 from ._packed_attention import Segments, packed_attention, varlen_supported
 from ._packed_inputs import grid_tensor
@@ -74,6 +76,10 @@ class _QwenVisionAdapter(nn.Module):
             an H100); ``None``
             (default) does so on CUDA with Triton installed; ``True`` also on CPU (Inductor's
             C++ code); ``False`` never. Eager calls always run the ops unfused.
+        attention: the full-attention kernel of each budget whose batches hold one single-frame
+            item (see ``_attention_choice``): ``"auto"`` (default) times flash varlen against
+            dense SDPA on the budget's shapes before its capture and keeps the faster;
+            ``"varlen"`` or ``"dense"`` fixes it. ``attention_state`` reports the choices.
     """
 
     #: fully qualified name of the wrapped class (checked at construction).
@@ -81,7 +87,7 @@ class _QwenVisionAdapter(nn.Module):
 
     def __init__(self, model: nn.Module, *, min_budget: int | None = None,
                  max_budget: int | None = None, align_mlp: bool | None = None,
-                 fuse: bool | None = None) -> None:
+                 fuse: bool | None = None, attention: str = "auto") -> None:
         super().__init__()
         names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
         if self.wrapped_class not in names:
@@ -102,6 +108,8 @@ class _QwenVisionAdapter(nn.Module):
         #: which kernels the blocks run (``_qwen_kernels``)
         self.kernels = KernelChoices([block.mlp for block in model.blocks], align_mlp, fuse)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
+        #: the full-attention kernel per captured budget (``_attention_choice``)
+        self.attention = AttentionChoice(attention)
         side = max(1, MIN_BUDGET_IMAGE_SIDE // (self.patch_size * self.merge))
         low = side * side if min_budget is None else check_positive_int("min_budget", min_budget)
         high = (max(DEFAULT_MAX_BUDGET, low) if max_budget is None
@@ -151,8 +159,14 @@ class _QwenVisionAdapter(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Static buffers of ``budget``'s graph (see :meth:`QwenPacker.capture_values`)."""
         self.kernels.sync(device)
-        return self.packer.capture_values(budget, max_batch_size, max_frames_per_batch, device,
-                                          dtype)
+        values = self.packer.capture_values(budget, max_batch_size, max_frames_per_batch, device,
+                                            dtype)
+        attn = self.tower.blocks[0].attn
+        self.attention.prepare(
+            values["pixel_values"].shape[0], attn.num_heads, attn.head_dim, attn.scaling,
+            one_segment=self.packer.captured_slots[budget].frames == 1, device=device,
+            dtype=values["pixel_values"].dtype, varlen=self._varlen)
+        return values
 
     def prepare_encoder_cudagraph_replay_buffers(
         self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int], budget: int,
@@ -217,6 +231,12 @@ class _QwenVisionAdapter(nn.Module):
         return self.kernels.aligned_bytes
 
     @property
+    def attention_state(self) -> dict[str, Any]:
+        """The ``attention`` setting and the full-attention kernel chosen for each captured
+        budget (by its static row count), with the timings ``"auto"`` measured."""
+        return self.attention.state
+
+    @property
     def fusion_state(self) -> dict[str, Any]:
         """Whether graphs use fused kernels: ``fuse`` as given, the reason fusion is off per
         device type seen (``None``: on), and compile failures (functions then run unfused)."""
@@ -239,6 +259,8 @@ class _QwenVisionAdapter(nn.Module):
         cos, sin = self.tower.rotary_pos_emb(hidden, values["position_ids"])
         cos, sin = cos.unsqueeze(-2).float(), _signed_sin(sin.unsqueeze(-2).float())
         full, window = self.packer.segments(values, meta)
+        if meta is None and self.attention.dense(hidden.shape[0]):  # chosen at this capture
+            full = dataclasses.replace(full, dense=True)
         features: list[torch.Tensor] = []
         blocks = list(self.tower.blocks)
         # each residual add is fused with the norm that reads its result (the next block's norm1

@@ -254,6 +254,15 @@ def _entries() -> list[ModelEntry]:
                          num_position_embeddings=2304),
                    _space(448, tuple(range(224, 897, 32)), True, (4, 8, 16)), 16, 2, 2,
                    requires=(f"{_Q3}:Qwen3VLVisionModel",)),
+        # the 8B model's tower (its config's defaults); sizes up to ~1300 px, where single
+        # images are GPU-bound (issue 13's p99 target)
+        ModelEntry("qwen3-vl-8b", "HF Qwen3-VL vision", "packed", "Qwen3-VL-8B vision tower shape",
+                   _qwen(_Q3, "Qwen3VLVisionModel", "Qwen3VLVisionConfig", depth=27,
+                         hidden_size=1152, intermediate_size=4304, num_heads=16,
+                         out_hidden_size=4096, deepstack_visual_indexes=[8, 16, 24],
+                         num_position_embeddings=2304),
+                   _space(448, tuple(range(224, 1313, 32)), True, (4, 8, 16)), 16, 2, 2,
+                   requires=(f"{_Q3}:Qwen3VLVisionModel",)),
     ]
 
 

@@ -1,0 +1,89 @@
+"""Fraction of the matmul peak on one large image: the Qwen2.5-VL-3B-shaped tower, served with the
+defaults and with ``max_items_per_graph=1`` (budgets of one image, whose full-attention layers
+may then take dense SDPA, chosen per budget at capture: ``adapters/_attention_choice.py``),
+against HF eager, at 1,024 / 4,096 / 16,384 patches (32 x 32, 64 x 64, 128 x 128; one image per
+call, bf16, random weights).
+
+FLOPs per call are counted by PyTorch's ``FlopCounterMode`` on the HF tower's eager forward
+(``vit_graph_backend.benchmarking.roofline.count_stream_flops``); the bf16 matmul peak is measured
+in the same run (``matmul_peak_tflops``). Times are medians of CUDA-synchronized calls after a
+warm-up (the served tower's first call captures its graphs).
+
+Usage: python benchmarks/qwen_large_image_peak.py [--reps 20]. Text to stdout and to
+$OUT/qwen_large_image_peak.txt when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from qwen_stream import tower  # noqa: E402
+
+from vit_graph_backend import serve  # noqa: E402
+from vit_graph_backend.benchmarking.roofline import (  # noqa: E402
+    count_stream_flops,
+    matmul_peak_tflops,
+)
+
+SIDES = (32, 64, 128)  # patches per side: 1,024 / 4,096 / 16,384 patches
+
+
+def median_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    hf = tower()
+    served = serve(hf)
+    single = serve(hf, max_items_per_graph=1)
+    peak = matmul_peak_tflops("cuda", torch.bfloat16)
+    lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; Qwen2.5-VL-3B-"
+             f"shaped tower, one image per call, bf16; matmul peak {peak:.0f} TFLOP/s (measured)",
+             f"{'patches':>8}{'GFLOP':>9}{'eager ms':>10}{'of peak':>9}{'vitgraph ms':>13}"
+             f"{'of peak':>9}{'speed-up':>10}{'1 item/graph ms':>17}{'of peak':>9}"]
+    with torch.inference_mode():
+        for side in SIDES:
+            grid = torch.tensor([[1, side, side]], device="cuda")
+            pv = torch.randn(side * side, 1176, device="cuda", dtype=torch.bfloat16)
+            flops = count_stream_flops(hf, [(pv, grid)])
+            eager = median_ms(lambda: hf(pv, grid), args.reps)
+            graph = median_ms(lambda: served(pv, [[1, side, side]]), args.reps)
+            one = median_ms(lambda: single(pv, [[1, side, side]]), args.reps)
+            frac = [flops / (ms / 1e3) / 1e12 / peak for ms in (eager, graph, one)]
+            lines.append(f"{side * side:>8}{flops / 1e9:>9.0f}{eager:>10.2f}{frac[0]:>9.2f}"
+                         f"{graph:>13.2f}{frac[1]:>9.2f}{eager / graph:>9.2f}x{one:>17.2f}"
+                         f"{frac[2]:>9.2f}")
+    for name, mode in (("default", served), ("1 item/graph", single)):
+        report = mode.report()
+        lines.append(f"{name}: graphs {report.get('graphs_captured')}, eager items "
+                     f"{report.get('stats', {}).get('eager_items')}; full attention by static "
+                     f"rows {mode.encoder.attention_state['by_rows']}")
+    lines.append(f"1 item/graph timings ms: {single.encoder.attention_state['timings_ms']}")
+    text = "\n".join(lines)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "qwen_large_image_peak.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Which full-attention kernel each budget's graph runs, chosen by measuring at capture time.
+
+A packed graph attends within segments given as offsets, so it runs flash varlen attention
+(``_packed_attention``). When a budget's batches can hold only one real segment (one slot of one
+frame: single images, the default ``max_items_per_graph=1``), full attention is one segment
+followed by the padding rows, and a dense SDPA call can serve it: PyTorch then picks its own
+fastest kernel (cuDNN on an H100), which at head sizes 72 and 80 runs 1.6x faster than flash
+varlen (``benchmarks/results/varlen_attention_probe_*``). Dense attention has no segments, so
+:func:`~vit_graph_backend.adapters._packed_attention.key_masked_attention` hides the padding
+keys through one extra head channel instead of a mask (a mask would cost SDPA that speed).
+
+Neither kernel wins everywhere: dense attention also computes the padding rows' scores, and a
+budget's padding varies per call. So for each budget :meth:`AttentionChoice.prepare` times both
+on the budget's own shapes with random data laid out as a call near the bottom of the budget's
+range would be (one real segment of two thirds of the rows, the rest padding: a budget serves
+items larger than the next smaller budget, at most 1.5x smaller with the default ladder), checks
+that they agree, and keeps the faster one. Dense attention is thus kept only where it wins for
+the budget's worst typical padding; a stream measured with the choice made at an eighth of
+padding instead put its largest images (40 % padding) in dense budgets, and its p99 rose from
+47.6 to 56.5 ms (``benchmarks/results/attention_choice_*``). ``attention="dense"`` suits budgets
+that fit the images exactly (a fixed image size with ``budgets=`` its token count);
+``"varlen"`` fixes flash varlen. Window attention (Qwen2.5-VL) always has many segments and
+stays on flash varlen.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import InvalidOptionError
+from ._packed_attention import Segments, key_masked_attention
+
+__all__ = ["ATTENTION_SETTINGS", "AttentionChoice"]
+
+log = logging.getLogger(__name__)
+
+#: ``attention`` values: measure per budget, or always one kernel where it applies.
+ATTENTION_SETTINGS = ("auto", "varlen", "dense")
+
+#: Largest max-abs difference between the kernels on unit-variance bf16 inputs that counts as
+#: agreeing (both measured within 1e-2 of a float32 reference; a wrong kernel is off by ~1).
+_AGREE = 5e-2
+
+
+def _median_ms(fn: Callable[[], Any], reps: int = 5) -> float:
+    fn()  # warm-up: first-call setup (cuDNN plans, lazy modules) is not the kernel's time
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class AttentionChoice:
+    """The ``attention`` setting of one adapter and the kernel chosen for each budget.
+
+    Args:
+        setting: ``"auto"`` (measure per budget at capture, on CUDA), ``"varlen"`` (segment
+            attention always: flash varlen on CUDA) or ``"dense"`` (dense SDPA wherever a
+            budget holds one real segment, on any device).
+
+    Raises:
+        InvalidOptionError: for another value.
+    """
+
+    def __init__(self, setting: str = "auto") -> None:
+        if setting not in ATTENTION_SETTINGS:
+            raise InvalidOptionError(
+                f"attention={setting!r} is invalid: must be one of {', '.join(ATTENTION_SETTINGS)} "
+                "('auto' times flash varlen against dense SDPA per budget at capture)")
+        self.setting = setting
+        #: static row count of a captured budget -> "dense" or "varlen"
+        self.by_rows: dict[int, str] = {}
+        #: static row count -> measured ms per kernel (``auto`` only), for reports
+        self.timings: dict[int, dict[str, float]] = {}
+
+    def prepare(self, rows: int, heads: int, head_dim: int, scale: float, *, one_segment: bool,
+                device: torch.device, dtype: torch.dtype,
+                varlen: Callable[..., Any] | None) -> str:
+        """Choose the full-attention kernel of the budget whose static buffers have ``rows``
+        rows (called before its capture); returns ``"dense"`` or ``"varlen"``."""
+        choice = "varlen"
+        if one_segment and self.setting == "dense":  # any device: the CPU tests run it too
+            choice = "dense"
+        elif (one_segment and self.setting == "auto" and varlen is not None
+              and torch.device(device).type == "cuda"):
+            choice = self._measure(rows, heads, head_dim, scale, device, dtype, varlen)
+        self.by_rows[rows] = choice
+        return choice
+
+    def dense(self, rows: int) -> bool:
+        """True if the budget of ``rows`` static rows runs dense attention. Never while an inner
+        compiler traces: it traces once for every budget (symbolic rows), and a choice per row
+        count would specialize it."""
+        return not torch.compiler.is_compiling() and self.by_rows.get(rows) == "dense"
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The setting, each captured budget's kernel by its static row count, and the timings."""
+        return {"attention": self.setting, "by_rows": dict(sorted(self.by_rows.items())),
+                "timings_ms": dict(sorted(self.timings.items()))}
+
+    def _measure(self, rows: int, heads: int, head_dim: int, scale: float,
+                 device: torch.device, dtype: torch.dtype, varlen: Callable[..., Any]) -> str:
+        gen = torch.Generator(device=device).manual_seed(rows)
+        q, k, v = (torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen)
+                   for _ in range(3))
+        real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)
+        offsets = torch.tensor([0, real, rows], dtype=torch.int32, device=device)
+        segments = Segments(offsets, rows)
+
+        def flash() -> torch.Tensor:
+            return varlen(q, k, v, offsets, offsets, rows, rows)
+
+        def dense() -> torch.Tensor:
+            return key_masked_attention(q, k, v, segments, scale)
+
+        try:
+            with torch.no_grad():
+                diff = (flash()[:real].float() - dense()[:real].float()).abs().max().item()
+                ms = {"varlen": _median_ms(flash), "dense": _median_ms(dense)}
+        except Exception as exc:  # a kernel that refuses these shapes: flash varlen serves
+            log.warning("vitgraph: dense attention unavailable for %d rows (%s: %s); flash "
+                        "varlen serves", rows, type(exc).__name__, str(exc).split("\n")[0])
+            return "varlen"
+        self.timings[rows] = {key: round(value, 4) for key, value in ms.items()}
+        if not diff <= _AGREE:  # also NaN
+            log.warning("vitgraph: dense attention disagrees with flash varlen for %d rows (max "
+                        "abs difference %.3g); flash varlen serves", rows, diff)
+            return "varlen"
+        choice = "dense" if ms["dense"] < ms["varlen"] else "varlen"
+        log.info("vitgraph: %d rows, full attention: %s (flash varlen %.3f ms, dense %.3f ms)",
+                 rows, choice, ms["varlen"], ms["dense"])
+        return choice
