@@ -2,10 +2,10 @@
 
 A packed graph attends within segments given as offsets, so it runs flash varlen attention
 (``_packed_attention``). When a budget's batches can hold only one real segment (one slot of one
-frame: single images, the default ``max_items_per_graph=1``), full attention is one segment
-followed by the padding rows, and a dense SDPA call can serve it: PyTorch then picks its own
-fastest kernel (cuDNN on an H100), which at head sizes 72 and 80 runs 1.6x faster than flash
-varlen (``benchmarks/results/varlen_attention_probe_*``). Dense attention has no segments, so
+frame: ``max_items_per_graph=1`` or ``max_frames_per_batch=1``, single images), full attention
+is one segment followed by the padding rows, and a dense SDPA call can serve it: PyTorch then
+picks its own fastest kernel (cuDNN on an H100), which over 16,384 rows at head size 80 ran
+1.6x faster than flash varlen (``benchmarks/results/varlen_attention_probe_*``). Dense attention has no segments, so
 :func:`~vit_graph_backend.adapters._packed_attention.key_masked_attention` hides the padding
 keys through one extra head channel instead of a mask (a mask would cost SDPA that speed).
 
