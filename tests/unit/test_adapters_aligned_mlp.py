@@ -136,3 +136,28 @@ def test_aligned_widths_need_no_copy_and_bad_values_are_refused():
         adapt(_tower(), align_mlp="yes")
     with pytest.raises(ValueError, match="one known shape"):
         AlignedMLPs([torch.nn.Linear(2, 2)])
+
+
+def test_a_tower_built_under_inference_mode_runs_its_own_mlps(caplog):
+    """Inference tensors keep no version counter, so an in-place write to them could not reach
+    the padded copies: the adapter says so once and runs the tower's own MLPs (right numbers),
+    instead of failing every call."""
+    import logging
+
+    from vit_graph_backend.adapters import adapt
+
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        tower = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
+            depth=2, hidden_size=32, intermediate_size=44, num_heads=2, out_hidden_size=24,
+            patch_size=2, window_size=8, fullatt_block_indexes=[1])).eval()
+        adapter = adapt(tower, align_mlp=True)  # padded copies asked for, on CPU too
+        grid = torch.tensor([[1, 4, 6]])
+        pixels = torch.randn(24, 3 * 2 * 2 * 2)
+        with caplog.at_level(logging.WARNING):
+            got = adapter(pixels, grid)
+        expected = tower(pixels, grid).pooler_output
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not adapter.kernels.use_aligned and adapter.aligned_mlp_bytes == 0
+    assert "inference tensors" in adapter.kernels.untracked
+    assert "padded MLP weights off" in caplog.text

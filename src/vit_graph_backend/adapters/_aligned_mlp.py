@@ -11,7 +11,10 @@ the same as a multiple of 64, so the pad is the smallest that aligns.
 The padded tensors are copies (the tower's own parameters are left alone, so saving, loading and
 ``.to()`` behave as before); :meth:`AlignedMLPs.refresh` brings them in step with the originals
 whenever a parameter was written in place or replaced, copying into the same padded storage so a
-captured graph keeps reading valid weights.
+captured graph keeps reading valid weights. Parameters created under ``torch.inference_mode``
+(inference tensors) keep no version counter, so an in-place write to them could not be seen:
+``refresh`` raises :class:`UntrackedWeights` for them, and the adapter runs the tower's own MLPs
+instead of copies that might go stale (``_qwen_kernels.KernelChoices.sync``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ from torch import nn
 
 from ..budgets import ceil_div
 
-__all__ = ["ALIGNMENT", "AlignedMLPs", "MLPWeights", "intermediate_size"]
+__all__ = ["ALIGNMENT", "AlignedMLPs", "MLPWeights", "UntrackedWeights", "intermediate_size"]
 
 #: Elements per row that make a bf16/fp16 GEMM operand 16-byte aligned.
 ALIGNMENT = 8
 
 _data_ptr = torch.Tensor.data_ptr
 _version = operator.attrgetter("_version")
+
+
+class UntrackedWeights(RuntimeError):
+    """The MLP parameters are inference tensors: in-place writes to them leave no trace."""
 
 #: (in projections, out projection) attribute names of the MLP shapes the Qwen towers use.
 _SHAPES = ((("gate_proj", "up_proj"), "down_proj"),   # Qwen2.5-VL: down(act(gate x) * up x)
@@ -148,7 +155,14 @@ class AlignedMLPs:
         # a move to another device or dtype gives new storage, so addresses and versions suffice;
         # read with map over C-level getters: this runs before every packed call (Qwen2.5-VL-3B:
         # 193 parameters), where a generator of tuples cost as much as a small kernel launch
-        fingerprint = (*map(_data_ptr, params), *map(_version, params))
+        try:
+            fingerprint = (*map(_data_ptr, params), *map(_version, params))
+        except RuntimeError:  # "Inference tensors do not track version counter"
+            if not any(p.is_inference() for p in params):
+                raise
+            raise UntrackedWeights(
+                "the tower's MLP parameters are inference tensors (made under "
+                "torch.inference_mode), whose in-place updates cannot be detected") from None
         if fingerprint == self._fingerprint:
             return False
         with torch.no_grad():

@@ -8,16 +8,19 @@ are up to date (see ``_aligned_mlp``) and never holds Python state that Dynamo w
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import InvalidOptionError
-from ._aligned_mlp import AlignedMLPs
+from ._aligned_mlp import AlignedMLPs, UntrackedWeights
 from ._fused import Ops, fusion_available, ops
 
 __all__ = ["KernelChoices"]
+
+log = logging.getLogger(__name__)
 
 
 class KernelChoices:
@@ -47,6 +50,8 @@ class KernelChoices:
         #: the zero-padded weight copies, or ``None`` when every MLP width is aligned already
         self.aligned = AlignedMLPs(mlps) if AlignedMLPs.needed(mlps) else None
         self.use_aligned = False
+        #: why the padded copies are off although asked for (inference-tensor weights), or None
+        self.untracked: str | None = None
         self._fusion_reason: dict[str, str | None] = {}
 
     def sync(self, device: torch.device) -> None:
@@ -55,9 +60,16 @@ class KernelChoices:
         if self.aligned is None:
             return
         use = self.align_mlp if self.align_mlp is not None else torch.device(device).type == "cuda"
-        self.use_aligned = use
         if use:
-            self.aligned.refresh()
+            try:
+                self.aligned.refresh()
+            except UntrackedWeights as exc:  # copies could go stale unseen: the tower's own MLPs
+                use = False
+                if self.untracked is None:
+                    log.warning("vitgraph: padded MLP weights off: %s; build the tower outside "
+                                "inference_mode to have them", exc)
+                self.untracked = str(exc)
+        self.use_aligned = use
 
     def mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Block ``layer``'s MLP: from the padded copies when in use, else the tower's own."""

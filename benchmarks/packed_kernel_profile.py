@@ -1,0 +1,102 @@
+"""Where the GPU time of one large-image packed call goes: kernels summed by kind.
+
+Two calls issue 13's targets are about, each served from its CUDA graph and profiled with
+``torch.profiler`` over 5 calls (after a warm-up), kernels summed by kind with
+``fp8_profile._kind`` (GEMM, attention, Inductor's Triton kernels, other):
+
+- the Qwen3-VL-8B-shaped tower on one 1312 x 1312 px image in the budget that fits it exactly
+  (``budgets=[1681]``, ``max_items_per_graph=1``), with ``attention="varlen"`` and ``"dense"``;
+- the Qwen2.5-VL-3B-shaped tower on one image of 16,384 patches (defaults).
+
+Each row also gives the FLOP rate of the attention kernels (attention FLOPs counted as
+``4 * rows^2 * hidden`` per full-attention layer, the window layers' as ``4 * rows * window_rows *
+hidden``) so the attention's distance from the matmul peak shows.
+
+Usage: python benchmarks/packed_kernel_profile.py. Text to stdout and
+$OUT/packed_kernel_profile.txt when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fp8_profile import _kind  # noqa: E402
+from qwen_stream import tower as qwen25_tower  # noqa: E402
+
+from vit_graph_backend import serve  # noqa: E402
+from vit_graph_backend.benchmarking.models import MODELS, build_model  # noqa: E402
+
+
+def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float]]:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kinds: collections.Counter = collections.Counter()
+    kernels: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            kinds[_kind(event.name)] += event.device_time / 1e3 / calls
+            kernels[event.name[:80]] += event.device_time / 1e3 / calls
+    return dict(kinds), dict(kernels.most_common(5))
+
+
+def report(name: str, fn, attention_flops: float) -> list[str]:
+    kinds, top = kernel_times(fn)
+    total = sum(kinds.values())
+    attn = kinds.get("attention", 0.0)
+    rate = attention_flops / (attn / 1e3) / 1e12 if attn else float("nan")
+    lines = [f"{name}: {total:.2f} ms of kernels per call; attention {attn:.2f} ms "
+             f"({rate:.0f} TFLOP/s)"]
+    lines += [f"    {kind:<52}{ms:8.2f} ms" for kind, ms in sorted(kinds.items(),
+                                                                  key=lambda kv: -kv[1])]
+    lines += ["    top kernels:"] + [f"      {ms:7.2f} ms  {k}" for k, ms in top.items()]
+    return lines
+
+
+def main() -> None:
+    lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; bf16, random "
+             "weights; ms per call, summed over the graph's kernels"]
+    # towers built outside inference_mode: inference-tensor weights turn the padded MLP copies
+    # off (adapters/_aligned_mlp.py), which would not be the default configuration
+    built = build_model(MODELS["qwen3-vl-8b"], device="cuda", dtype=torch.bfloat16,
+                        dynamic_size=True)
+    rows, hidden, depth = 82 * 82, 1152, 27
+    pv = torch.randn(rows, 3 * 2 * 16 * 16, device="cuda", dtype=torch.bfloat16)
+    grid = [[1, 82, 82]]
+    flops = depth * 4 * rows * rows * hidden
+    for attention in ("varlen", "dense"):
+        served = serve(built.module, budgets=[1681], max_items_per_graph=1, attention=attention)
+        with torch.inference_mode():
+            lines += report(f"qwen3-vl-8b, 1312 px (6724 rows), attention={attention}",
+                            lambda served=served: served(pv, grid), flops)
+        del served
+    del built
+    torch.cuda.empty_cache()
+    served = serve(qwen25_tower())
+    rows, hidden = 128 * 128, 1280
+    pv = torch.randn(rows, 1176, device="cuda", dtype=torch.bfloat16)
+    grid = [[1, 128, 128]]
+    window_rows = 8 * 8 * 4  # 112 px windows: 8 x 8 tokens of 4 rows
+    flops = 4 * 4 * rows * rows * hidden + 28 * 4 * rows * window_rows * hidden
+    with torch.inference_mode():
+        lines += report("qwen2.5-vl-3b, 16384 patches (default options)",
+                        lambda: served(pv, grid), flops)
+    text = "\n".join(lines)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "packed_kernel_profile.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
