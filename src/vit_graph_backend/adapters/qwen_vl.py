@@ -233,7 +233,9 @@ class _QwenVisionAdapter(nn.Module):
     @property
     def attention_state(self) -> dict[str, Any]:
         """The ``attention`` setting and the full-attention kernel chosen for each captured
-        budget (by its static row count), with the timings ``"auto"`` measured."""
+        budget (by its static row count), with the timings ``"auto"`` measured. Under
+        ``inner_compiler="inductor"`` the compute is traced once for every budget and always
+        runs flash varlen, whatever is recorded here."""
         return self.attention.state
 
     @property
