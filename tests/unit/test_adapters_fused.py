@@ -147,3 +147,25 @@ def test_ops_are_shared_per_process_and_plain_when_not_compiled():
 def test_fusion_is_unavailable_off_cuda_with_a_reason():
     reason = _fused.fusion_available(torch.device("cpu"))
     assert reason is not None and "CUDA" in reason
+
+
+def test_rotate_qk_wide_is_rotate_qk_then_the_dense_widening_and_traces_once():
+    """The dense-attention path's fused function equals the rotary embedding followed by
+    ``widen_for_dense``, and one trace serves every row count (the row dimension is dynamic,
+    the real-row tensor is data)."""
+    from vit_graph_backend.adapters._packed_attention import widen_for_dense
+
+    torch.compiler.reset()
+    backend = CountingBackend()
+    fns = _fused.Ops(compiled=True, backend=backend)
+    for rows, real in ((12, 7), (40, 40), (23, 1)):
+        qkv = _rand(rows, 3, 2, 8, seed=rows)
+        cos, ssin = _rand(rows, 1, 1, 8, seed=rows + 1), _rand(rows, 1, 1, 8, seed=rows + 2)
+        end = torch.tensor([real])
+        q, k = _fused.rotate_qk(qkv, cos, ssin)
+        expected = widen_for_dense(q, k, qkv[:, 2], end)
+        got = fns.rotate_qk_wide(qkv, cos, ssin, end)
+        assert got.shape == (3, rows, 2, 16)
+        torch.testing.assert_close(got, expected)
+        assert (got[1, real:, :, 8] < -1e5).all() and not got[1, :real, :, 8].any()
+    assert len(backend.shapes) == 1, backend.shapes

@@ -5,9 +5,12 @@ A packed graph attends within segments given as offsets, so it runs flash varlen
 frame: ``max_items_per_graph=1`` or ``max_frames_per_batch=1``, single images), full attention
 is one segment followed by the padding rows, and a dense SDPA call can serve it: PyTorch then
 picks its own fastest kernel (cuDNN on an H100), which over 16,384 rows at head size 80 ran
-1.6x faster than flash varlen (``benchmarks/results/varlen_attention_probe_*``). Dense attention has no segments, so
+1.6x faster than flash varlen (``benchmarks/results/varlen_attention_probe_*``). Dense
+attention has no segments, so
 :func:`~vit_graph_backend.adapters._packed_attention.key_masked_attention` hides the padding
-keys through one extra head channel instead of a mask (a mask would cost SDPA that speed).
+keys through one extra head channel instead of a mask (a mask would cost SDPA that speed); in
+the graphs the channel is added by the rotary embedding's fused kernel
+(``_fused.rotate_qk_wide``), so both kernels are timed without the work around them.
 
 Neither kernel wins everywhere: dense attention also computes the padding rows' scores, and a
 budget's padding varies per call. So for each budget :meth:`AttentionChoice.prepare` times both
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidOptionError
-from ._packed_attention import Segments, key_masked_attention
+from ._packed_attention import dense_sdpa, widen_for_dense
 
 __all__ = ["ATTENTION_SETTINGS", "AttentionChoice"]
 
@@ -116,13 +119,16 @@ class AttentionChoice:
                    for _ in range(3))
         real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)
         offsets = torch.tensor([0, real, rows], dtype=torch.int32, device=device)
-        segments = Segments(offsets, rows)
 
         def flash() -> torch.Tensor:
             return varlen(q, k, v, offsets, offsets, rows, rows)
 
+        # timed without the widening, which the graph does in the rotary embedding's kernel
+        # (``_fused.rotate_qk_wide``), as flash varlen is timed without the rotary embedding
+        wide = widen_for_dense(q, k, v, offsets[1:2])
+
         def dense() -> torch.Tensor:
-            return key_masked_attention(q, k, v, segments, scale)
+            return dense_sdpa(wide, head_dim, scale)
 
         try:
             with torch.no_grad():

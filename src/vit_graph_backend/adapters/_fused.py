@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ._packed_attention import widen_for_dense
 
-__all__ = ["Ops", "add_layer_norm", "add_rms_norm", "ops", "rotate_qk", "silu_mul"]
+__all__ = ["Ops", "add_layer_norm", "add_rms_norm", "ops", "rotate_qk", "rotate_qk_wide",
+           "silu_mul"]
 
 log = logging.getLogger("vit_graph_backend")
 
@@ -43,6 +45,15 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     rolled = torch.roll(qk, qk.shape[-1] // 2, dims=-1)
     q, k = torch.addcmul(qk * cos, rolled, signed_sin).to(qkv.dtype).unbind(1)
     return q, k
+
+
+def rotate_qk_wide(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   real: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_qk` and v, widened for dense attention (``_packed_attention.widen_for_dense``:
+    the padding keys at rows ``>= real`` hidden): one buffer ``(3, rows, heads, width)``, written
+    by one fused kernel when compiled instead of a rotary kernel and five copies."""
+    q, k = rotate_qk(qkv, cos, signed_sin)
+    return widen_for_dense(q, k, qkv[:, 2], real)
 
 
 def add_rms_norm(hidden: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float
@@ -68,6 +79,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 #: Each function and which of its arguments carry the row dimension (dim 0).
 _ROW_ARGS: dict[str, tuple[Callable[..., Any], tuple[int, ...]]] = {
     "rotate_qk": (rotate_qk, (0, 1, 2)),
+    "rotate_qk_wide": (rotate_qk_wide, (0, 1, 2)),
     "add_rms_norm": (add_rms_norm, (0, 1)),
     "add_layer_norm": (add_layer_norm, (0, 1)),
     "silu_mul": (silu_mul, (0, 1)),
@@ -128,6 +140,7 @@ class Ops:
                 if isinstance(f := getattr(self, name), _Compiled) and f.failure}
 
     rotate_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotate_qk_wide: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]

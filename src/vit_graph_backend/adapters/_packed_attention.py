@@ -31,8 +31,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Segments", "key_masked_attention", "masked_attention", "packed_attention",
-           "segment_loop_attention", "varlen_supported"]
+__all__ = ["Segments", "dense_sdpa", "key_masked_attention", "masked_attention",
+           "packed_attention", "segment_loop_attention", "varlen_supported", "wide_width",
+           "widen_for_dense"]
 
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -93,34 +94,52 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
     return out[0].transpose(0, 1)
 
 
+def wide_width(head_dim: int) -> int:
+    """Head width of :func:`widen_for_dense`'s buffer: at least one extra channel, a multiple of
+    8 (the fused SDPA kernels need it)."""
+    return (head_dim // 8 + 1) * 8
+
+
+def widen_for_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor
+                    ) -> torch.Tensor:
+    """``(3, rows, heads, wide_width(head_dim))``: q, k and v with the extra channel that hides
+    the keys at rows ``>= real`` (a ``(1,)`` tensor: the real segment's end), zeros after it.
+
+    The channel is 1 in every query, 0 in the real keys and ``_HIDDEN_KEY`` in the padding keys,
+    and 0 in v. Written as cat and pad so that Inductor fuses it with the rotary embedding into
+    one kernel (``_fused.rotate_qk_wide``); run as is, each tensor is copied twice.
+    """
+    rows, heads, dim = q.shape
+    width = wide_width(dim)
+    hidden = torch.arange(rows, device=q.device) >= real
+    key_channel = torch.where(hidden, _HIDDEN_KEY, 0.0).to(k.dtype).view(rows, 1, 1)
+    ones = torch.ones_like(key_channel).expand(rows, heads, 1)
+    pad = (0, width - dim - 1)
+    return torch.stack([F.pad(torch.cat([q, ones], -1), pad),
+                        F.pad(torch.cat([k, key_channel.expand(rows, heads, 1)], -1), pad),
+                        F.pad(v, (0, width - dim))])
+
+
+def dense_sdpa(wide: torch.Tensor, head_dim: int, scale: float) -> torch.Tensor:
+    """One SDPA call over :func:`widen_for_dense`'s buffer; ``(rows, heads, head_dim)``."""
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in wide.unbind(0))
+    out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+    return out[0, ..., :head_dim].transpose(0, 1)
+
+
 def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          segments: Segments, scale: float) -> torch.Tensor:
     """Dense SDPA over all rows where only rows ``[0, offsets[1])`` are keys.
 
-    Each head gets one more channel (then zeros up to a multiple of 8, which the fused kernels
-    need): 1 in every query, 0 in the real keys and ``_HIDDEN_KEY`` in the padding keys. A real
-    key's score is unchanged (plus ``1 * 0``); a padding key's is far below anything ``exp``
-    returns non-zero for. The real rows' outputs are exactly segment attention's; the padding
-    rows attend to the real keys (finite values nobody reads). ``v`` is padded with zeros to the
-    same width and the extra channels are dropped from the output.
+    Each head gets one more channel (then zeros up to a multiple of 8): 1 in every query, 0 in
+    the real keys and ``_HIDDEN_KEY`` in the padding keys. A real key's score is unchanged (plus
+    ``1 * 0``); a padding key's is far below anything ``exp`` returns non-zero for. The real rows'
+    outputs are exactly segment attention's; the padding rows attend to the real keys (finite
+    values nobody reads). ``v`` is padded with zeros to the same width and the extra channels
+    are dropped from the output.
     """
-    rows, heads, dim = q.shape
-    width = (dim // 8 + 1) * 8  # at least one extra channel
-    real = segments.offsets[1:2]
-    hidden = torch.arange(rows, device=q.device) >= real
-    # q, k and v written once each into one widened buffer: building each with cat and pad
-    # copied it twice, 5 ms of a Qwen3-VL-8B call at 1312 px on an H100
-    # (benchmarks/results/packed_large_image_kernel_time_by_kind_*)
-    wide = q.new_empty(3, rows, heads, width)
-    wide[..., dim + 1:].zero_()
-    wide[0, :, :, dim] = 1
-    wide[1, :, :, dim] = torch.where(hidden, _HIDDEN_KEY, 0.0).to(k.dtype).view(rows, 1)
-    wide[2, :, :, dim] = 0
-    for i, x in enumerate((q, k, v)):
-        wide[i, :, :, :dim] = x
-    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in wide.unbind(0))
-    out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-    return out[0, ..., :dim].transpose(0, 1)
+    wide = widen_for_dense(q, k, v, segments.offsets[1:2])
+    return dense_sdpa(wide, q.shape[-1], scale)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,

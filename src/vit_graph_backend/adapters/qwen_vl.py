@@ -44,7 +44,7 @@ from ..errors import InvalidOptionError
 from ..specs import EncoderItemSpec, check_positive_int
 from ._attention_choice import AttentionChoice
 from ._fused import Ops
-from ._packed_attention import Segments, packed_attention, varlen_supported
+from ._packed_attention import Segments, dense_sdpa, packed_attention, varlen_supported
 from ._packed_inputs import grid_tensor
 from ._qwen_kernels import KernelChoices
 from ._qwen_metadata import Grid, PackedMetadata, QwenLayout
@@ -249,6 +249,11 @@ class _QwenVisionAdapter(nn.Module):
                    sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         rows = x.shape[0]
         qkv = attn.qkv(x).reshape(rows, 3, attn.num_heads, -1)
+        if segments.dense:  # the rotary embedding and the widening in one fused kernel
+            wide = fns.rotate_qk_wide(qkv, cos.unsqueeze(1), sin.unsqueeze(1),
+                                      segments.offsets[1:2])
+            out = dense_sdpa(wide, qkv.shape[-1], attn.scaling)
+            return attn.proj(out.reshape(rows, -1))
         # q and k rotated together: half the launches of rotating them one by one
         q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
         v = qkv[:, 2]
