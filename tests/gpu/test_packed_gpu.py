@@ -300,7 +300,8 @@ def test_full_attention_kernel_per_one_image_budget_matches_hf(kind, attention):
     assert mgr.stats.eager_items == 0 and len(state["by_rows"]) == mgr.num_graphs
     if attention == "dense":
         assert set(state["by_rows"].values()) == {"dense"}
-    else:  # every budget timed, and the kernel kept is the one timed faster
+    else:  # every budget timed; dense kept only where timed at least 10 % faster
         assert state["timings_ms"].keys() == state["by_rows"].keys()
         for rows, ms in state["timings_ms"].items():
-            assert state["by_rows"][rows] == min(ms, key=ms.get)
+            dense = ms["dense"] < 0.9 * ms["varlen"]
+            assert state["by_rows"][rows] == ("dense" if dense else "varlen"), (rows, ms)

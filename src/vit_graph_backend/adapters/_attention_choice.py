@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 #: ``attention`` values: measure per budget, or always one kernel where it applies.
 ATTENTION_SETTINGS = ("auto", "varlen", "dense")
 
+#: Dense attention is kept only when timed at least this much faster: its graph also widens q,
+#: k and v inside the rotary kernel, which the timing leaves out (0.08 ms a layer at 6,724 rows
+#: on an H100, a tenth of the attention there; ``packed_large_image_kernel_time_by_kind_*``), and
+#: sub-0.1 ms timings of small budgets wobble by more than that.
+_DENSE_MARGIN = 0.9
+
 #: Largest max-abs difference between the kernels on unit-variance bf16 inputs that counts as
 #: agreeing (both measured within 1e-2 of a float32 reference; a wrong kernel is off by ~1).
 _AGREE = 5e-2
@@ -143,7 +149,7 @@ class AttentionChoice:
             log.warning("vitgraph: dense attention disagrees with flash varlen for %d rows (max "
                         "abs difference %.3g); flash varlen serves", rows, diff)
             return "varlen"
-        choice = "dense" if ms["dense"] < ms["varlen"] else "varlen"
+        choice = "dense" if ms["dense"] < _DENSE_MARGIN * ms["varlen"] else "varlen"
         log.info("vitgraph: %d rows, full attention: %s (flash varlen %.3f ms, dense %.3f ms)",
                  rows, choice, ms["varlen"], ms["dense"])
         return choice
