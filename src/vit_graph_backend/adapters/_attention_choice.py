@@ -24,6 +24,14 @@ padding instead put its largest images (40 % padding) in dense budgets, and its 
 that fit the images exactly (a fixed image size with ``budgets=`` its token count);
 ``"varlen"`` fixes flash varlen. Window attention (Qwen2.5-VL) always has many segments and
 stays on flash varlen.
+
+``"varlen"`` is the default, and ``"auto"`` is opt-in: once the widening moved into the rotary
+kernel and the timing left it out, ``"auto"`` chose dense attention for the small budgets of the
+Qwen2.5-VL-3B ladder, timed 20 to 45 % faster there, yet that single-image stream ran 8 %
+slower than with flash varlen throughout (p50 8.80 against 8.04 ms on an H100,
+``attention_choice_single_image_streams_margin_*``). The timing in isolation misses what the
+dense path costs inside the graph; until it is measured in place, a per-budget choice that can
+lose is not a default.
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ class AttentionChoice:
         InvalidOptionError: for another value.
     """
 
-    def __init__(self, setting: str = "auto") -> None:
+    def __init__(self, setting: str = "varlen") -> None:
         if setting not in ATTENTION_SETTINGS:
             raise InvalidOptionError(
                 f"attention={setting!r} is invalid: must be one of {', '.join(ATTENTION_SETTINGS)} "

@@ -77,9 +77,11 @@ class _QwenVisionAdapter(nn.Module):
             (default) does so on CUDA with Triton installed; ``True`` also on CPU (Inductor's
             C++ code); ``False`` never. Eager calls always run the ops unfused.
         attention: the full-attention kernel of each budget whose batches hold one single-frame
-            item (see ``_attention_choice``): ``"auto"`` (default) times flash varlen against
-            dense SDPA on the budget's shapes before its capture and keeps the faster;
-            ``"varlen"`` or ``"dense"`` fixes it. ``attention_state`` reports the choices.
+            item (see ``_attention_choice``): ``"varlen"`` (default) flash varlen, as for every
+            other budget; ``"auto"`` times flash varlen against dense SDPA on the budget's shapes
+            before its capture and keeps the faster; ``"dense"`` always takes dense SDPA there
+            (the fastest where budgets fit the images exactly). ``attention_state`` reports the
+            choices.
     """
 
     #: fully qualified name of the wrapped class (checked at construction).
@@ -87,7 +89,7 @@ class _QwenVisionAdapter(nn.Module):
 
     def __init__(self, model: nn.Module, *, min_budget: int | None = None,
                  max_budget: int | None = None, align_mlp: bool | None = None,
-                 fuse: bool | None = None, attention: str = "auto") -> None:
+                 fuse: bool | None = None, attention: str = "varlen") -> None:
         super().__init__()
         names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
         if self.wrapped_class not in names:
