@@ -9,9 +9,10 @@ Per grid form (a CUDA tensor, as ``generate()`` passes it; a CPU tensor, as the 
 it; a list): median host ms (call start to return, no sync) and total ms (to the end of the GPU
 work), and the issue time per call when the 40 calls run back to back without a sync: a call that
 never waits for the GPU is issued in its host time, one that waits (a device-to-host read, a
-plain host-to-device copy, which synchronizes the stream) in about its GPU time. Then ``cProfile`` of the calls with a CUDA grid and with a list, the GPU idle at each
-call's start: the top host functions by own and by cumulative time; and the host time of
-``CUDAGraph.replay()`` alone per captured budget.
+plain host-to-device copy, which synchronizes the stream) in about its GPU time. Then the host
+time of ``CUDAGraph.replay()`` alone per captured budget, and ``cProfile`` of the calls with a
+CUDA grid and with a list, the GPU idle at each call's start: the top host functions by own and
+by cumulative time.
 
 Usage: python benchmarks/packed_host_overhead.py [--label NAME] [--no-profile]. Text to stdout
 and to $OUT/packed_host_overhead[_NAME].txt when $OUT is set. To compare two source trees in one

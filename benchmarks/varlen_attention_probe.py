@@ -9,7 +9,8 @@ segments, then the padding segment, then zero-length slots), on CUDA in bf16:
 - whether it captures in a CUDA graph and replays with the same result;
 - ms per call (median of CUDA-event timed graph replays, 20 repeats).
 
-Usage: python benchmarks/varlen_attention_probe.py. Text to stdout and $OUT/varlen_attention_probe.txt.
+Usage: python benchmarks/varlen_attention_probe.py. Text to stdout and
+$OUT/varlen_attention_probe.txt.
 """
 
 from __future__ import annotations
