@@ -28,26 +28,19 @@ import time
 from pathlib import Path
 
 import torch
+from _bench_out import emit
+from qwen_stream import pct
 
 from vit_graph_backend import serve
 from vit_graph_backend.benchmarking.models import MODELS, build_model
+from vit_graph_backend.benchmarking.timing import CallTimer
 from vit_graph_backend.benchmarking.workloads import make_stream
 
 
-def pct(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def timed_pass(fn, inputs):
-    times = []
-    for args in inputs:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(*args)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    """Wall ms of each call between device syncs."""
+    timer = CallTimer("cuda")
+    return [timer.wall(lambda args=args: fn(*args))[1] * 1e3 for args in inputs]
 
 
 def run_model(name: str, calls: int, fixed: bool = False) -> dict:
@@ -113,10 +106,8 @@ def main() -> None:
         last = list(res["modes"].values())[-1]["attention"]
         lines.append(f"{list(res['modes'])[-1]} kernels by static rows: {last['by_rows']}")
         lines.append(f"timings ms: {last['timings_ms']}")
-    text = "\n".join(lines)
-    print(text)
+    emit(lines, "attention_choice_stream")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "attention_choice_stream.txt").write_text(text + "\n")
         Path(os.environ["OUT"], "attention_choice_stream.json").write_text(
             json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                         "results": results}, indent=1, default=str))

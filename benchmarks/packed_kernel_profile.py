@@ -19,7 +19,6 @@ $OUT/packed_kernel_profile.txt when $OUT is set.
 from __future__ import annotations
 
 import collections
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _bench_out import emit  # noqa: E402
 from fp8_profile import _kind  # noqa: E402
 from qwen_stream import tower as qwen25_tower  # noqa: E402
 
@@ -92,10 +92,7 @@ def main() -> None:
     with torch.inference_mode():
         lines += report("qwen2.5-vl-3b, 16384 patches (default options)",
                         lambda: served(pv, grid), flops)
-    text = "\n".join(lines)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "packed_kernel_profile.txt").write_text(text + "\n")
+    emit(lines, "packed_kernel_profile")
 
 
 if __name__ == "__main__":

@@ -16,18 +16,18 @@ $OUT/qwen_large_image_peak.txt when $OUT is set.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _bench_out import emit  # noqa: E402
 from qwen_stream import tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
+from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
 from vit_graph_backend.benchmarking.roofline import (  # noqa: E402
     count_stream_flops,
     matmul_peak_tflops,
@@ -37,16 +37,11 @@ SIDES = (32, 64, 128)  # patches per side: 1,024 / 4,096 / 16,384 patches
 
 
 def median_ms(fn, reps: int) -> float:
+    """Median wall ms of ``fn()`` between device syncs, after 3 warm-up calls."""
+    timer = CallTimer("cuda")
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timer.wall(fn)[1] * 1e3 for _ in range(reps))
 
 
 def main() -> None:
@@ -79,10 +74,7 @@ def main() -> None:
                      f"{report.get('stats', {}).get('eager_items')}; full attention by static "
                      f"rows {mode.encoder.attention_state['by_rows']}")
     lines.append(f"1 item/graph timings ms: {single.encoder.attention_state['timings_ms']}")
-    text = "\n".join(lines)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "qwen_large_image_peak.txt").write_text(text + "\n")
+    emit(lines, "qwen_large_image_peak")
 
 
 if __name__ == "__main__":

@@ -16,14 +16,14 @@ Usage: python benchmarks/rotary_kernel_probe.py. Text to stdout and $OUT/rotary_
 
 from __future__ import annotations
 
-import os
 import statistics
-from pathlib import Path
 
 import torch
+from _bench_out import emit
 
 from vit_graph_backend import _compat
 from vit_graph_backend.adapters._fused import rotate_qk
+from vit_graph_backend.benchmarking.timing import CallTimer
 
 
 def halves(qkv, cos, sin):
@@ -44,17 +44,11 @@ def half_tables(qkv, cos_half, sin_half):
 
 
 def timed(fn, *args, reps=20):
+    """Median CUDA-event ms of ``fn(*args)``, after 3 warm-up calls."""
+    timer = CallTimer("cuda")
     for _ in range(3):
         fn(*args)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(timer.time_call(fn, args)[1] for _ in range(reps))
 
 
 def main():
@@ -82,8 +76,7 @@ def main():
             lines.append(f"rows {rows:>6} heads {heads} dim {dim}  {name:<12}{ms:8.3f} ms   "
                          f"max abs diff {diff:.3g}")
             print(lines[-1], flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "rotary_kernel_probe.txt").write_text("\n".join(lines) + "\n")
+    emit(lines, "rotary_kernel_probe", echo=False)  # printed line by line above
 
 
 if __name__ == "__main__":

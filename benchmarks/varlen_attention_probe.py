@@ -15,12 +15,11 @@ $OUT/varlen_attention_probe.txt.
 
 from __future__ import annotations
 
-import os
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _bench_out import emit
 
 CASES = {
     # Qwen3-VL-8B tower, one 1312 px image (41 x 41 tokens, 6724 rows) in the 1681-token budget
@@ -150,10 +149,7 @@ def main():
                 lines.append(f"{name:<36}{kname:<11} failed: {type(exc).__name__}: "
                              f"{str(exc).splitlines()[0][:120]}")
             print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "varlen_attention_probe.txt").write_text(text + "\n")
+    emit(lines, "varlen_attention_probe")
 
 
 if __name__ == "__main__":

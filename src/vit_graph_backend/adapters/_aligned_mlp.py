@@ -42,6 +42,10 @@ _version = operator.attrgetter("_version")
 class UntrackedWeights(RuntimeError):
     """The MLP parameters are inference tensors: in-place writes to them leave no trace."""
 
+
+_UNTRACKED = ("the tower's MLP parameters are inference tensors (made under torch.inference_mode), "
+              "whose in-place updates cannot be detected")
+
 #: (in projections, out projection) attribute names of the MLP shapes the Qwen towers use.
 _SHAPES = ((("gate_proj", "up_proj"), "down_proj"),   # Qwen2.5-VL: down(act(gate x) * up x)
            (("fc1",), "fc2"),                        # Qwen2-VL: fc2(act(fc1 x))
@@ -121,6 +125,8 @@ class AlignedMLPs:
         self._fingerprint: tuple | None = None
         self._param_list: list[torch.Tensor] | None = None
         self._param_list_at = -1
+        #: the parameter list found to hold inference tensors (refused again without a scan)
+        self._untracked: list[torch.Tensor] | None = None
         _install_registration_hook()
 
     @staticmethod
@@ -152,6 +158,8 @@ class AlignedMLPs:
             self._param_list_at = _registrations[0]
             self._param_list = self._params()
         params = self._param_list
+        if params is self._untracked:  # known since the last registration: no scan per call
+            raise UntrackedWeights(_UNTRACKED)
         # a move to another device or dtype gives new storage, so addresses and versions suffice;
         # read with map over C-level getters: this runs before every packed call (Qwen2.5-VL-3B:
         # 193 parameters), where a generator of tuples cost as much as a small kernel launch
@@ -160,9 +168,8 @@ class AlignedMLPs:
         except RuntimeError:  # "Inference tensors do not track version counter"
             if not any(p.is_inference() for p in params):
                 raise
-            raise UntrackedWeights(
-                "the tower's MLP parameters are inference tensors (made under "
-                "torch.inference_mode), whose in-place updates cannot be detected") from None
+            self._untracked = params
+            raise UntrackedWeights(_UNTRACKED) from None
         if fingerprint == self._fingerprint:
             return False
         with torch.no_grad():

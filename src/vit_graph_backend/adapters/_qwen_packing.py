@@ -122,7 +122,7 @@ class QwenPacker:
                     f"{slots.windows} windows: set max_frames_per_batch so the planner caps the "
                     "frames of a batch (without it, capture assumes one frame per item)")
         shapes = self.captured_shapes.get(budget)
-        if shapes is None or shapes.keys() != meta.values.keys():  # no capture on record
+        if shapes is None:  # no capture on record: unpadded (the runtime pads)
             return self._on_device(meta, pixels)
         values = pinned_padded(meta.values, shapes, pixels.device)
         values["pixel_values"] = pixels

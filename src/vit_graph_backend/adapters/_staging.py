@@ -48,16 +48,13 @@ def _blocks(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape], pin
         for key, size in zip(keys, sizes):
             view = block[start:start + size].view(tuple(shapes[key]))
             value, start = values[key], start + size
-            rows = value.shape[0] if value.dim() else 1
-            if value.shape[1:] != view.shape[1:] or rows > (view.shape[0] if view.dim() else 1):
+            rows = value.shape[0]  # metadata buffers have a row dimension
+            if value.shape[1:] != view.shape[1:] or rows > view.shape[0]:
                 raise UnsupportedGraphError(
                     f"buffer {key!r} of shape {tuple(value.shape)} does not fit the captured "
                     f"shape {tuple(view.shape)}")
-            if view.dim() == 0 or rows == view.shape[0]:
-                view.copy_(value)
-            else:
-                view[:rows].copy_(value)
-                view[rows:].zero_()
+            view[:rows].copy_(value)
+            view[rows:].zero_()  # empty when the value fills the shape
             views[key] = view
         blocks.append((block, views))
     return blocks
@@ -67,6 +64,8 @@ def _pinned_blocks(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shap
                    ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     try:
         return _blocks(values, shapes, pin=True)
+    except UnsupportedGraphError:  # a RuntimeError too, but about the values, not the memory
+        raise
     except RuntimeError as exc:  # no pinned memory to be had: plain host tensors still work
         log.warning("vitgraph: pinned host memory unavailable (%s); metadata copies wait for "
                     "the GPU", str(exc).split("\n")[0])
