@@ -1,8 +1,8 @@
 """Fraction of the matmul peak on one large image: the Qwen2.5-VL-3B-shaped tower, served with the
-defaults and with ``max_items_per_graph=1`` (budgets of one image, whose full-attention layers
-may then take dense SDPA, chosen per budget at capture: ``adapters/_attention_choice.py``),
-against HF eager, at 1,024 / 4,096 / 16,384 patches (32 x 32, 64 x 64, 128 x 128; one image per
-call, bf16, random weights).
+defaults (segment attention through cuDNN where ``nvidia-cudnn-frontend`` is installed, else
+flash varlen: ``adapters/_attention_choice.py``), with ``attention="varlen"`` (flash varlen
+always) and with ``max_items_per_graph=1`` (budgets of one image), against HF eager, at 1,024 /
+4,096 / 16,384 patches (32 x 32, 64 x 64, 128 x 128; one image per call, bf16, random weights).
 
 FLOPs per call are counted by PyTorch's ``FlopCounterMode`` on the HF tower's eager forward
 (``vit_graph_backend.benchmarking.roofline.count_stream_flops``); the bf16 matmul peak is measured
@@ -27,11 +27,11 @@ from _bench_out import emit  # noqa: E402
 from qwen_stream import tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
-from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
 from vit_graph_backend.benchmarking.roofline import (  # noqa: E402
     count_stream_flops,
     matmul_peak_tflops,
 )
+from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
 
 SIDES = (32, 64, 128)  # patches per side: 1,024 / 4,096 / 16,384 patches
 
@@ -49,31 +49,34 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     hf = tower()
-    served = serve(hf)
-    single = serve(hf, max_items_per_graph=1)
+    modes = {"vitgraph": serve(hf), "varlen": serve(hf, attention="varlen"),
+             "1 item/graph": serve(hf, max_items_per_graph=1)}
     peak = matmul_peak_tflops("cuda", torch.bfloat16)
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; Qwen2.5-VL-3B-"
              f"shaped tower, one image per call, bf16; matmul peak {peak:.0f} TFLOP/s (measured)",
-             f"{'patches':>8}{'GFLOP':>9}{'eager ms':>10}{'of peak':>9}{'vitgraph ms':>13}"
-             f"{'of peak':>9}{'speed-up':>10}{'1 item/graph ms':>17}{'of peak':>9}"]
+             "vitgraph: defaults (segment kernel: "
+             f"{modes['vitgraph'].encoder.attention_state['segments']}); varlen: "
+             "attention='varlen'; each mode: ms, fraction of peak",
+             f"{'patches':>8}{'GFLOP':>9}{'eager':>16}"
+             + "".join(f"{name:>22}" for name in modes) + f"{'speed-up':>10}"]
     with torch.inference_mode():
         for side in SIDES:
             grid = torch.tensor([[1, side, side]], device="cuda")
             pv = torch.randn(side * side, 1176, device="cuda", dtype=torch.bfloat16)
             flops = count_stream_flops(hf, [(pv, grid)])
-            eager = median_ms(lambda: hf(pv, grid), args.reps)
-            graph = median_ms(lambda: served(pv, [[1, side, side]]), args.reps)
-            one = median_ms(lambda: single(pv, [[1, side, side]]), args.reps)
-            frac = [flops / (ms / 1e3) / 1e12 / peak for ms in (eager, graph, one)]
-            lines.append(f"{side * side:>8}{flops / 1e9:>9.0f}{eager:>10.2f}{frac[0]:>9.2f}"
-                         f"{graph:>13.2f}{frac[1]:>9.2f}{eager / graph:>9.2f}x{one:>17.2f}"
-                         f"{frac[2]:>9.2f}")
-    for name, mode in (("default", served), ("1 item/graph", single)):
-        report = mode.report()
+            times = [median_ms(lambda: hf(pv, grid), args.reps)]
+            times += [median_ms(lambda fn=fn: fn(pv, [[1, side, side]]), args.reps)
+                      for fn in modes.values()]
+            frac = [flops / (ms / 1e3) / 1e12 / peak for ms in times]
+            lines.append(f"{side * side:>8}{flops / 1e9:>9.0f}"
+                         + "".join(f"{ms:>10.2f}{f:>6.2f}" if i == 0 else f"{ms:>16.2f}{f:>6.2f}"
+                                   for i, (ms, f) in enumerate(zip(times, frac, strict=True)))
+                         + f"{times[0] / times[1]:>9.2f}x")
+    for name, mode in modes.items():
+        report, state = mode.report(), mode.encoder.attention_state
         lines.append(f"{name}: graphs {report.get('graphs_captured')}, eager items "
-                     f"{report.get('stats', {}).get('eager_items')}; full attention by static "
-                     f"rows {mode.encoder.attention_state['by_rows']}")
-    lines.append(f"1 item/graph timings ms: {single.encoder.attention_state['timings_ms']}")
+                     f"{report.get('stats', {}).get('eager_items')}; segments {state['segments']}"
+                     f" {state['cudnn']}; full attention by static rows {state['by_rows']}")
     emit(lines, "qwen_large_image_peak")
 
 

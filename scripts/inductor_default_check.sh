@@ -4,7 +4,9 @@
 # GPU-bound fixed batches 8/24/48 against Inductor static in one CUDA graph (reduce-overhead),
 # the ViT-B/16 default stream (launch-bound), and the packed path's host time. Short table last.
 # Usage (CUDA machine, repo root): bash scripts/inductor_default_check.sh [parts...]
-#   parts: firstpass fixed vitb host (default: all)
+#   parts: firstpass fixed vitb host (default: all); autotune: the fixed batches with Inductor's
+#   GEMM autotuning on (Triton templates beside cuBLAS, epilogues fused where they win), for
+#   every compiled mode alike
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/json"
@@ -31,6 +33,13 @@ for part in $parts; do
       echo "== CLIP ViT-L/14-336, fixed batch $b"
       bench --model clip-l14-336 --workload fixed-batch --max-batch "$b" --calls 10 \
         --modes eager,reduce-overhead,vitgraph,vitgraph-eager --json "$OUT/json/fixed_$b.json" | tee -a "$OUT/fixed.log"
+    done ;;
+  autotune)
+    for b in ${AUTOTUNE_BATCHES:-8 24 48}; do
+      echo "== CLIP ViT-L/14-336, fixed batch $b, TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1"
+      TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 ENABLE_PERSISTENT_TMA_MATMUL=${TMA:-1} \
+        bench --model clip-l14-336 --workload fixed-batch --max-batch "$b" --calls 10 \
+        --modes eager,reduce-overhead,vitgraph --json "$OUT/json/autotune_$b.json" | tee -a "$OUT/autotune.log"
     done ;;
   vitb)
     echo "== ViT-B/16 default stream"

@@ -1,25 +1,37 @@
 """Dense attention for a budget of one real segment (``key_masked_attention``) and the per-budget
 choice of full-attention kernel (``_attention_choice``), on CPU.
 
-What only a GPU can show (the timed choice between flash varlen and dense SDPA, and graphs that
-replay the chosen kernel) is in ``tests/gpu/test_packed_gpu.py``.
+What only a GPU can show (the timed choice between flash varlen and dense SDPA, graphs that
+replay the chosen kernel, cuDNN's ragged kernel against a reference) is in
+``tests/gpu/test_packed_gpu.py`` and ``tests/gpu/test_cudnn_attention_gpu.py``.
 """
 
 from __future__ import annotations
+
+import importlib
+import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vit_graph_backend.adapters._attention_choice import ATTENTION_SETTINGS, AttentionChoice
+from vit_graph_backend.adapters._attention_choice import (
+    ATTENTION_SETTINGS,
+    AttentionChoice,
+)
+from vit_graph_backend.adapters._cudnn_attention import (
+    RaggedAttention,
+    element_offsets,
+    segment_lengths,
+)
 from vit_graph_backend.adapters._packed_attention import (
     Segments,
     key_masked_attention,
     packed_attention,
     segment_loop_attention,
 )
-from vit_graph_backend.errors import InvalidOptionError
+from vit_graph_backend.errors import InvalidOptionError, MissingDependencyError
 
 CPU = torch.device("cpu")
 
@@ -57,31 +69,64 @@ def test_packed_attention_takes_the_dense_path_only_when_marked():
 
 
 def test_the_setting_is_checked_when_the_adapter_is_built():
-    assert ATTENTION_SETTINGS == ("auto", "varlen", "dense")
-    with pytest.raises(InvalidOptionError, match=r"attention='flash' is invalid: must be one of "
-                                                 r"auto, varlen, dense"):
+    assert ATTENTION_SETTINGS == ("auto", "varlen", "dense", "cudnn")
+    with pytest.raises(InvalidOptionError, match=r"attention='flash' is invalid: must be None or "
+                                                 r"one of auto, varlen, dense, cudnn"):
         AttentionChoice("flash")
 
 
-@pytest.mark.parametrize(("setting", "one_segment", "expected"), [
-    ("auto", True, "varlen"),     # no CUDA here: nothing to time, segment attention serves
-    ("auto", False, "varlen"),
-    ("varlen", True, "varlen"),
-    ("dense", True, "dense"),
-    ("dense", False, "varlen"),   # several segments: dense attention would mix them
-])
-def test_choice_without_a_gpu(setting, one_segment, expected):
+@pytest.fixture
+def no_cudnn_frontend(monkeypatch):
+    """A process where ``import cudnn`` fails, whatever this machine has installed."""
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+
+
+def test_cudnn_without_its_library_is_refused_when_the_adapter_is_built(no_cudnn_frontend):
+    with pytest.raises(MissingDependencyError, match=r"attention='cudnn' needs cuDNN's frontend: "
+                                                     r".*pip install 'vit-graph-backend\[cudnn\]'"):
+        AttentionChoice("cudnn")
+
+
+@pytest.mark.parametrize("setting", [None, "auto", "dense"])
+def test_without_the_library_segment_attention_is_flash_varlen_and_says_why(no_cudnn_frontend,
+                                                                              setting):
     choice = AttentionChoice(setting)
-    got = choice.prepare(96, 2, 8, 8 ** -0.5, one_segment=one_segment, device=CPU,
-                         dtype=torch.float32, varlen=None)
-    assert got == expected and choice.dense(96) == (expected == "dense")
-    assert choice.state["by_rows"] == {96: expected} and choice.state["timings_ms"] == {}
-    assert not choice.dense(97)  # a row count no capture prepared
+    assert choice.ragged is None and choice.state["segments"] == "flash varlen"
+    assert "nvidia-cudnn-frontend is not importable" in choice.state["cudnn_off"]
 
 
-def test_an_inner_compiler_trace_never_sees_a_per_budget_choice(monkeypatch):
-    choice = AttentionChoice("dense")
-    choice.prepare(96, 2, 8, 8 ** -0.5, one_segment=True, device=CPU, dtype=torch.float32,
-                   varlen=None)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not choice.dense(96)
+def test_varlen_never_asks_for_cudnn(monkeypatch):
+    def fail(name):
+        raise AssertionError(f"imported {name}")
+    monkeypatch.setattr(importlib, "import_module", fail)
+    choice = AttentionChoice("varlen")
+    assert choice.ragged is None and choice.state["cudnn_off"] == "attention='varlen'"
+
+
+def test_segment_attention_runs_flash_varlen_where_cudnn_does_not_serve():
+    """cuDNN only serves CUDA tensors: on CPU the call goes to the varlen function, with the
+    offsets as both query and key offsets and the static max length twice."""
+    choice = AttentionChoice(None)
+    if choice.ragged is None:  # no library here: give it the object, which must refuse CPU
+        choice.ragged = RaggedAttention()
+    q, k, v = (torch.randn(10, 2, 8) for _ in range(3))
+    offsets = torch.tensor([0, 4, 10], dtype=torch.int32)
+    calls = []
+
+    def varlen(*args):
+        calls.append(args)
+        return torch.zeros(1)
+
+    out = choice.segment_attention(q, k, v, offsets, 10, 8 ** -0.5, varlen)
+    assert out.shape == (1,) and len(calls) == 1
+    assert calls[0][3] is offsets and calls[0][4] is offsets and calls[0][5:] == (10, 10)
+    assert choice.ragged.state == {"plans": 0, "refused": {}}
+
+
+def test_cudnn_offsets_are_in_elements_and_lengths_per_segment():
+    offsets = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    assert element_offsets(offsets, 2 * 4 * 8).flatten().tolist() == [0, 192, 192, 640]
+    assert element_offsets(offsets, 1).shape == (4, 1, 1, 1)
+    lengths = segment_lengths(offsets)
+    assert lengths.flatten().tolist() == [3, 0, 7] and lengths.shape == (3, 1, 1, 1)
+    assert lengths.dtype == torch.int32

@@ -25,7 +25,15 @@ that fit the images exactly (a fixed image size with ``budgets=`` its token coun
 ``"varlen"`` fixes flash varlen. Window attention (Qwen2.5-VL) always has many segments and
 stays on flash varlen.
 
-``"varlen"`` is the default, and ``"auto"`` is opt-in: once the widening moved into the rotary
+Full attention over segments (every budget) runs cuDNN's ragged kernel in the graphs where
+``nvidia-cudnn-frontend`` is installed (``_cudnn_attention``: 1.5 to 2x flash varlen's speed in
+the Qwen2.5-VL-3B tower's full layers; its window layers stay on flash varlen, which is faster
+there), flash varlen otherwise: the default
+(``attention=None``) takes cuDNN when the library imports, ``"cudnn"`` insists on it (an error
+when the adapter is built without it), ``"varlen"`` keeps flash varlen, and ``"auto"`` and
+``"dense"`` compare dense attention with whichever segment kernel serves.
+
+``"auto"`` is opt-in: once the widening moved into the rotary
 kernel and the timing left it out, ``"auto"`` chose dense attention for the small budgets of the
 Qwen2.5-VL-3B ladder, timed 20 to 45 % faster there, yet that single-image stream ran 8 %
 slower than with flash varlen throughout (p50 8.80 against 8.04 ms on an H100,
@@ -43,15 +51,17 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, MissingDependencyError
+from ._cudnn_attention import RaggedAttention, cudnn_frontend_reason
 from ._packed_attention import dense_sdpa, widen_for_dense
 
 __all__ = ["ATTENTION_SETTINGS", "AttentionChoice"]
 
 log = logging.getLogger(__name__)
 
-#: ``attention`` values: measure per budget, or always one kernel where it applies.
-ATTENTION_SETTINGS = ("auto", "varlen", "dense")
+#: ``attention`` values besides ``None`` (the default: cuDNN segment attention where its library
+#: imports, else flash varlen): measure per budget, or always one kernel where it applies.
+ATTENTION_SETTINGS = ("auto", "varlen", "dense", "cudnn")
 
 #: Dense attention is kept only when timed at least this much faster: its graph also widens q,
 #: k and v inside the rotary kernel, which the timing leaves out (0.08 ms a layer at 6,724 rows
@@ -81,21 +91,34 @@ class AttentionChoice:
     """The ``attention`` setting of one adapter and the kernel chosen for each budget.
 
     Args:
-        setting: ``"auto"`` (measure per budget at capture, on CUDA), ``"varlen"`` (segment
-            attention always: flash varlen on CUDA) or ``"dense"`` (dense SDPA wherever a
-            budget holds one real segment, on any device).
+        setting: ``None`` (default: segment attention through cuDNN in the graphs where
+            ``nvidia-cudnn-frontend`` imports, else flash varlen), ``"cudnn"`` (the same, and an
+            error without the library), ``"varlen"`` (flash varlen always), ``"auto"`` (measure
+            dense against segment attention per one-segment budget at capture, on CUDA) or
+            ``"dense"`` (dense SDPA wherever a budget holds one real segment, on any device).
 
     Raises:
         InvalidOptionError: for another value.
+        MissingDependencyError: ``"cudnn"`` without an importable ``nvidia-cudnn-frontend``.
     """
 
-    def __init__(self, setting: str = "varlen") -> None:
-        if setting not in ATTENTION_SETTINGS:
+    def __init__(self, setting: str | None = None) -> None:
+        if setting is not None and setting not in ATTENTION_SETTINGS:
             raise InvalidOptionError(
-                f"attention={setting!r} is invalid: must be one of {', '.join(ATTENTION_SETTINGS)} "
-                "('auto' times flash varlen against dense SDPA per budget at capture)")
+                f"attention={setting!r} is invalid: must be None or one of "
+                f"{', '.join(ATTENTION_SETTINGS)} ('auto' times segment attention against dense "
+                "SDPA per budget at capture)")
         self.setting = setting
-        #: static row count of a captured budget -> "dense" or "varlen"
+        #: why cuDNN segment attention is off (``None``: on), for reports
+        self.cudnn_off: str | None = "attention='varlen'" if setting == "varlen" else None
+        if setting != "varlen":
+            self.cudnn_off = cudnn_frontend_reason()
+            if setting == "cudnn" and self.cudnn_off is not None:
+                raise MissingDependencyError(f"attention='cudnn' needs cuDNN's frontend: "
+                                             f"{self.cudnn_off}")
+        #: cuDNN segment attention for the graphs, or ``None`` (flash varlen serves)
+        self.ragged = RaggedAttention() if self.cudnn_off is None else None
+        #: static row count of a captured budget -> "dense" or "varlen" (segment attention)
         self.by_rows: dict[int, str] = {}
         #: static row count -> measured ms per kernel (``auto`` only), for reports
         self.timings: dict[int, dict[str, float]] = {}
@@ -114,6 +137,20 @@ class AttentionChoice:
         self.by_rows[rows] = choice
         return choice
 
+    def segment_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          offsets: torch.Tensor, max_seqlen: int, scale: float,
+                          varlen: Callable[..., Any],
+                          cache: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention within segments in a graph: cuDNN's ragged kernel where it serves the
+        shape, else ``varlen`` (flash varlen, called without ``scale``: it defaults to
+        ``head_dim ** -0.5``, the towers' own). ``cache``: where the layers sharing ``offsets``
+        keep cuDNN's layout tensors (``Segments.derived``)."""
+        if self.ragged is not None and not torch.compiler.is_compiling():
+            out = self.ragged(q, k, v, offsets, max_seqlen, scale, cache)
+            if out is not None:
+                return out
+        return varlen(q, k, v, offsets, offsets, max_seqlen, max_seqlen)
+
     def dense(self, rows: int) -> bool:
         """True if the budget of ``rows`` static rows runs dense attention. Never while an inner
         compiler traces: it traces once for every budget (symbolic rows), and a choice per row
@@ -123,7 +160,11 @@ class AttentionChoice:
     @property
     def state(self) -> dict[str, Any]:
         """The setting, each captured budget's kernel by its static row count, and the timings."""
-        return {"attention": self.setting, "by_rows": dict(sorted(self.by_rows.items())),
+        return {"attention": self.setting,
+                "segments": "flash varlen" if self.ragged is None else "cudnn",
+                "cudnn_off": self.cudnn_off,
+                "cudnn": self.ragged.state if self.ragged is not None else None,
+                "by_rows": dict(sorted(self.by_rows.items())),
                 "timings_ms": dict(sorted(self.timings.items()))}
 
     def _measure(self, rows: int, heads: int, head_dim: int, scale: float,
@@ -134,8 +175,8 @@ class AttentionChoice:
         real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)
         offsets = torch.tensor([0, real, rows], dtype=torch.int32, device=device)
 
-        def flash() -> torch.Tensor:
-            return varlen(q, k, v, offsets, offsets, rows, rows)
+        def flash() -> torch.Tensor:  # segment attention: cuDNN where it serves, else flash
+            return self.segment_attention(q, k, v, offsets, rows, scale, varlen)
 
         # timed without the widening, which the graph does in the rotary embedding's kernel
         # (``_fused.rotate_qk_wide``), as flash varlen is timed without the rotary embedding
@@ -149,15 +190,15 @@ class AttentionChoice:
                 diff = (flash()[:real].float() - dense()[:real].float()).abs().max().item()
                 ms = {"varlen": _median_ms(flash), "dense": _median_ms(dense)}
         except Exception as exc:  # a kernel that refuses these shapes: flash varlen serves
-            log.warning("vitgraph: dense attention unavailable for %d rows (%s: %s); flash "
-                        "varlen serves", rows, type(exc).__name__, str(exc).split("\n")[0])
+            log.warning("vitgraph: dense attention unavailable for %d rows (%s: %s); segment "
+                        "attention serves", rows, type(exc).__name__, str(exc).split("\n")[0])
             return "varlen"
         self.timings[rows] = {key: round(value, 4) for key, value in ms.items()}
         if not diff <= _AGREE:  # also NaN
-            log.warning("vitgraph: dense attention disagrees with flash varlen for %d rows (max "
-                        "abs difference %.3g); flash varlen serves", rows, diff)
+            log.warning("vitgraph: dense attention disagrees with segment attention for %d rows "
+                        "(max abs difference %.3g); segment attention serves", rows, diff)
             return "varlen"
         choice = "dense" if ms["dense"] < _DENSE_MARGIN * ms["varlen"] else "varlen"
-        log.info("vitgraph: %d rows, full attention: %s (flash varlen %.3f ms, dense %.3f ms)",
+        log.info("vitgraph: %d rows, full attention: %s (segments %.3f ms, dense %.3f ms)",
                  rows, choice, ms["varlen"], ms["dense"])
         return choice

@@ -25,7 +25,7 @@ at least to itself and no fully masked softmax row can produce NaN.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,6 +61,9 @@ class Segments:
     host_offsets: Sequence[int] | None = None
     #: one real segment ``[0, offsets[1])`` then padding only: dense attention may serve it
     dense: bool = False
+    #: tensors derived from ``offsets`` once per forward and shared by its layers (cuDNN's
+    #: layout, ``_cudnn_attention``)
+    derived: dict[Any, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 def varlen_supported(dtype: torch.dtype, head_dim: int) -> bool:

@@ -1,0 +1,194 @@
+"""cuDNN's ragged (THD) attention for the packed graphs' full-attention layers, through
+``nvidia-cudnn-frontend``.
+
+Flash varlen attention (``torch.nn.attention.varlen``) runs the Qwen towers' head sizes (72, 80)
+in its 96-wide kernel, at about 210 TFLOP/s on an H100. cuDNN attends packed segments too: q, k
+and v stay ``(rows, heads, head_dim)`` views, each segment is a "batch" whose start is given by a
+ragged offset tensor and whose length by a sequence-length tensor, and the padding mask comes
+from those lengths. Both are device tensors, so one cuDNN graph built for a budget's static
+shapes serves every call of it and captures in a CUDA graph. PyTorch's own entry to that kernel
+(``aten._cudnn_attention_forward`` with offsets) fails CUDA-graph capture in torch 2.11
+(``benchmarks/results/varlen_attention_probe_*``), hence the frontend.
+
+Where it pays, measured inside the Qwen2.5-VL-3B-shaped tower's graphs on an H100
+(``benchmarks/results/cudnn_attention_profile_*``): its 4 full-attention layers took 14.7 ms
+with cuDNN against 22.8 ms with flash varlen at 16,384 patches, 0.12 against 0.24 ms at 1,024;
+its 28 window layers took 9.6 against 4.5 ms and 0.81 against 0.35 ms. A window layer's graph
+holds one segment slot per possible window (hundreds, most of them empty or short in a given
+call), and cuDNN spends far more than flash on such slots; cutting long segments' queries into
+pieces to bound the full layers' slots made them slower (17.1 ms), so the segments go to cuDNN
+as they are. The adapters therefore send full attention here and keep flash varlen for windows.
+
+The frontend is optional (``pip install 'vit-graph-backend[cudnn]'``) and imported only when an
+adapter first asks for it. A cuDNN graph is built once per shape (segment slots, heads, longest
+segment, head size, strides), outside CUDA-graph capture: the runtime's warm-up runs build it,
+and a shape met first inside a capture is served by flash varlen instead. A shape cuDNN refuses
+is remembered with its reason (``RaggedAttention.state``) and served by flash varlen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["RaggedAttention", "cudnn_frontend_reason"]
+
+log = logging.getLogger(__name__)
+
+_INT32_MAX = 2 ** 31 - 1
+
+def cudnn_frontend_reason() -> str | None:
+    """Why cuDNN ragged attention cannot be used in this process, or ``None`` if it can."""
+    try:
+        importlib.import_module("cudnn")
+    except Exception as exc:  # ImportError, or a native library that fails to load
+        return (f"nvidia-cudnn-frontend is not importable ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); pip install "
+                "'vit-graph-backend[cudnn]'")
+    return None
+
+
+def element_offsets(offsets: torch.Tensor, row_stride: int) -> torch.Tensor:
+    """Ragged offsets in elements, as cuDNN reads them: ``offsets`` (cumulative rows, int32)
+    times the tensor's row stride, shaped ``(n + 1, 1, 1, 1)``."""
+    return (offsets * row_stride).view(-1, 1, 1, 1)
+
+
+def segment_lengths(offsets: torch.Tensor) -> torch.Tensor:
+    """Each segment's rows, ``(n, 1, 1, 1)`` int32 (0 for a repeated offset)."""
+    return (offsets[1:] - offsets[:-1]).view(-1, 1, 1, 1)
+
+
+class _Plan:
+    """One built cuDNN graph and its tensor descriptors."""
+
+    def __init__(self, cudnn: Any, handle: Any, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, slots: int, max_len: int, scale: float) -> None:
+        dtype = {torch.bfloat16: cudnn.data_type.BFLOAT16,
+                 torch.float16: cudnn.data_type.HALF}[q.dtype]
+        graph = cudnn.pygraph(io_data_type=dtype, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        heads, dim = q.shape[1], q.shape[2]
+        dims = [slots, heads, max_len, dim]
+        index = dict(stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        self.seq = graph.tensor(name="seq", dim=[slots, 1, 1, 1], **index)
+        #: row stride -> the ragged offset descriptor of the tensors with that stride
+        self.offsets: dict[int, Any] = {}
+        self.inputs = []
+        for name, x in zip("qkv", (q, k, v), strict=True):
+            row, head = x.stride(0), x.stride(1)
+            desc = graph.tensor(name=name, dim=dims, stride=[max_len * row, head, row, 1],
+                                data_type=dtype)
+            desc.set_ragged_offset(self._offset(graph, row, slots, index))
+            self.inputs.append(desc)
+        out, _ = graph.sdpa(name="sdpa", q=self.inputs[0], k=self.inputs[1], v=self.inputs[2],
+                            generate_stats=False, attn_scale=scale, use_padding_mask=True,
+                            seq_len_q=self.seq, seq_len_kv=self.seq)
+        row = heads * dim  # the output is a fresh contiguous (rows, heads, head_dim) tensor
+        out.set_output(True).set_dim(dims).set_stride([max_len * row, dim, row, 1])
+        out.set_ragged_offset(self._offset(graph, row, slots, index))
+        self.out = out
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self.graph, self.workspace = graph, int(graph.get_workspace_size())
+
+    def _offset(self, graph: Any, row: int, slots: int, index: dict[str, Any]) -> Any:
+        if row not in self.offsets:
+            self.offsets[row] = graph.tensor(name=f"ragged_{row}", dim=[slots + 1, 1, 1, 1],
+                                             **index)
+        return self.offsets[row]
+
+
+class RaggedAttention:
+    """Packed segment attention through cuDNN, one built graph per shape (module docstring).
+
+    Call it with ``(rows, heads, head_dim)`` q, k, v (any row and head strides), the segments'
+    cumulative int32 ``offsets`` and a static ``max_seqlen``; it returns the attention output,
+    or ``None`` where cuDNN cannot serve this shape (the caller then runs flash varlen). The
+    per-call layout tensors derived from ``offsets`` go into ``cache`` when given, so that the
+    layers of one forward sharing the offsets compute them once. Thread-safe: one lock covers the
+    plan table and each launch (a cuDNN handle is bound to one stream at a time).
+    """
+
+    def __init__(self) -> None:
+        self._cudnn: Any = None
+        self._handles: dict[int, Any] = {}
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        #: shape key -> why cuDNN does not serve it (flash varlen does)
+        self.refused: dict[tuple[Any, ...], str] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Shapes served (count) and shapes refused with their reasons."""
+        with self._lock:
+            return {"plans": len(self._plans),
+                    "refused": {str(key): why for key, why in self.refused.items()}}
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 offsets: torch.Tensor, max_seqlen: int, scale: float,
+                 cache: dict[Any, torch.Tensor] | None = None) -> torch.Tensor | None:
+        if not q.is_cuda:
+            return None
+        slots = offsets.numel() - 1
+        key = (q.device.index, q.dtype, slots, max_seqlen, tuple(q.shape[1:]),
+               *(tuple(x.stride()[:2]) for x in (q, k, v)), scale)
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                if key in self.refused or torch.cuda.is_current_stream_capturing():
+                    return None  # never built inside a capture: its warm-up runs build it
+                plan = self._build(key, q, k, v, slots, max_seqlen, scale)
+                if plan is None:
+                    return None
+            cache = {} if cache is None else cache
+            if "lengths" not in cache:
+                cache["lengths"] = segment_lengths(offsets)
+            out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+            feeds = {plan.inputs[0]: q, plan.inputs[1]: k, plan.inputs[2]: v, plan.out: out,
+                     plan.seq: cache["lengths"]}
+            for row, desc in plan.offsets.items():
+                if row not in cache:
+                    cache[row] = element_offsets(offsets, row)
+                feeds[desc] = cache[row]
+            workspace = torch.empty(max(plan.workspace, 1), device=q.device, dtype=torch.uint8)
+            handle = self._handles[q.device.index]
+            self._cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+            plan.graph.execute(feeds, workspace, handle=handle)
+            return out
+
+    def _build(self, key: tuple[Any, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slots: int, max_len: int, scale: float) -> _Plan | None:
+        reason = None
+        largest = max(x.stride(0) for x in (q, k, v)) * q.shape[0]
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            reason = f"dtype {q.dtype} (cuDNN ragged attention takes float16/bfloat16)"
+        elif largest > _INT32_MAX:
+            reason = f"{largest} elements overflow the int32 ragged offsets"
+        else:
+            try:
+                if self._cudnn is None:
+                    self._cudnn = importlib.import_module("cudnn")
+                if q.device.index not in self._handles:
+                    with torch.cuda.device(q.device):
+                        self._handles[q.device.index] = self._cudnn.create_handle()
+                handle = self._handles[q.device.index]
+                with torch.cuda.device(q.device):
+                    plan = _Plan(self._cudnn, handle, q, k, v, slots, max_len, scale)
+            except Exception as exc:  # cuDNN refuses the shape, or the library is unusable
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            else:
+                self._plans[key] = plan
+                return plan
+        self.refused[key] = reason
+        log.warning("vitgraph: cuDNN ragged attention refused %d segments of up to %d rows, "
+                    "%d heads of %d (%s); flash varlen serves them", slots, max_len,
+                    q.shape[1], q.shape[2], reason)
+        return None
