@@ -4,7 +4,9 @@ intermediate 3420, out hidden 2048, patch 14, merge 2, window 112, full attentio
 steps of 28 (seed 0) and (b) 60 calls of 1-4 such images. Modes side by side in one run: HF eager,
 torch.compile default, vitgraph (defaults: ladder of 2 steps per doubling, padded MLP weights,
 Inductor-fused block ops inside the graphs on CUDA; its first pass includes those compiles),
-vitgraph-unfused (the same without the fused ops, ``adapt(tower, fuse=False)``) and vitgraph-v1
+vitgraph-varlen (the same with flash varlen for full attention too, ``attention="varlen"``:
+the default sends it to cuDNN when nvidia-cudnn-frontend is installed), vitgraph-unfused (the
+same without the fused ops, ``adapt(tower, fuse=False)``) and vitgraph-v1
 (session 1's configuration: doubling ladder, unpadded MLP, unfused), so the effect of each change
 is measured in the same process. Reports p50/p99/total (second pass), first pass, graph memory,
 padding ratio. JSON to benchmarks/results/ (and $OUT).
@@ -73,6 +75,9 @@ def run(mode, model, calls):
             fn = lambda pv, g: c(pv, g).pooler_output  # noqa: E731
         elif mode == "vitgraph":
             served = serve(model, max_items_per_graph=4)
+            fn = served
+        elif mode == "vitgraph-varlen":  # flash varlen for full attention too
+            served = serve(model, max_items_per_graph=4, attention="varlen")
             fn = served
         elif mode == "vitgraph-v1":
             from vit_graph_backend import adapt
