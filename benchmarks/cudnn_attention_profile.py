@@ -20,36 +20,27 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
 from fp8_profile import _kind  # noqa: E402
+from packed_kernel_profile import kernel_events  # noqa: E402
 from qwen_stream import tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
 
 
 def profile_call(fn, calls: int = 5) -> tuple[int, dict[str, float], dict[str, float], list]:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    launches = 0
+    """Kernel launches per call, ms per call by kind and of the top kernels, and each attention
+    launch's ms in launch order."""
+    events = kernel_events(fn, calls)
     kinds: collections.Counter = collections.Counter()
     kernels: collections.Counter = collections.Counter()
-    attention = []  # each attention launch's ms, in launch order
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            launches += 1
-            kinds[_kind(event.name)] += event.device_time / 1e3 / calls
-            kernels[event.name[:90]] += event.device_time / 1e3 / calls
-            if _kind(event.name) == "attention":
-                attention.append(event.device_time / 1e3)
-    return launches // calls, dict(kinds), dict(kernels.most_common(4)), attention
+    for name, ms in events:
+        kinds[_kind(name)] += ms / calls
+        kernels[name[:90]] += ms / calls
+    attention = [ms for name, ms in events if _kind(name) == "attention"]
+    return len(events) // calls, dict(kinds), dict(kernels.most_common(4)), attention
 
 
 FULL_LAYERS = (7, 15, 23, 31)  # the Qwen2.5-VL-3B tower's full-attention blocks

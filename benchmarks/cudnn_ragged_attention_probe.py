@@ -6,8 +6,8 @@ PyTorch's ``aten._cudnn_attention_forward`` with offsets fails CUDA-graph captur
 driven by ``nvidia-cudnn-frontend`` (optional, carried as a wheel), captures, and how fast it is.
 One cuDNN graph per case: batch = the segment slots (zero-length ones included), max sequence =
 the longest segment, ragged offsets in elements (token offset x heads x head_dim), padding mask
-from per-segment lengths. ``pkg`` runs the package's ``RaggedAttention`` (segments longer than
-``QUERY_CHUNK`` cut into query pieces), ``-views`` on the strided views the adapters pass
+from per-segment lengths. ``pkg`` runs the package's ``RaggedAttention`` (its layout tensors computed
+at every call, as a graph's first layer does), ``-views`` on the strided views the adapters pass
 (q, k from one ``(rows, 2, heads, dim)`` buffer, v from the ``(rows, 3, heads, dim)`` projection).
 
 Usage: python benchmarks/cudnn_ragged_attention_probe.py. Text to stdout and
@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import torch
 from _bench_out import emit
-from varlen_attention_probe import CASES, flash, offsets_of, reference, time_graph
+from varlen_attention_probe import (
+    CASES,
+    HEADER,
+    case_inputs,
+    flash,
+    measure,
+    offsets_of,
+    reference,
+)
 
 from vit_graph_backend.adapters._cudnn_attention import RaggedAttention
 
@@ -76,16 +84,12 @@ def cudnn_ragged(q, k, v, lengths, zero_slots):
 def main():
     import cudnn
 
-    torch.manual_seed(0)
     dev = "cuda"
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cuDNN "
              f"{torch.backends.cudnn.version()} (cudnn-frontend {cudnn.__version__}, backend "
-             f"{cudnn.backend_version()}); bf16; ms = median graph replay",
-             f"{'case':<36}{'kernel':<11}{'ms':>8}{'max abs err':>13}{'graph ok':>10}"]
+             f"{cudnn.backend_version()}); bf16; ms = median graph replay", HEADER]
     print(lines[0], flush=True)
-    inputs = {name: [torch.randn(rows, heads, dim, device=dev, dtype=torch.bfloat16)
-                     for _ in range(3)]
-              for name, (rows, heads, dim, _, _) in CASES.items()}
+    inputs = case_inputs(dev)
     for name, (rows, heads, dim, lengths, zero_slots) in CASES.items():
         q, k, v = inputs[name]
         off = offsets_of(lengths, zero_slots, dev)
@@ -108,17 +112,7 @@ def main():
                          f"{str(exc).splitlines()[0][:120]}")
             print(lines[-1], flush=True)
         for kname, fn in kernels.items():
-            try:
-                eager = fn().clone()
-                torch.cuda.synchronize()
-                err = (eager.float() - ref).abs().max().item()
-                replayed, ms = time_graph(fn)
-                torch.cuda.synchronize()
-                same = torch.equal(replayed, eager)
-                lines.append(f"{name:<36}{kname:<11}{ms:8.3f}{err:13.3g}{str(same):>10}")
-            except Exception as exc:
-                lines.append(f"{name:<36}{kname:<11} failed: {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0][:120]}")
+            lines.append(measure(name, kname, fn, ref, rows))
             print(lines[-1], flush=True)
     emit(lines, "cudnn_ragged_attention_probe")
 

@@ -34,7 +34,9 @@ from vit_graph_backend import serve  # noqa: E402
 from vit_graph_backend.benchmarking.models import MODELS, build_model  # noqa: E402
 
 
-def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float]]:
+def kernel_events(fn, calls: int = 5) -> list[tuple[str, float]]:
+    """Every CUDA kernel of ``calls`` calls of ``fn`` (after 3 warm-up calls), in launch order:
+    ``(name, ms)``."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -42,12 +44,16 @@ def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float]
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return [(event.name, event.device_time / 1e3) for event in prof.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0]
+
+
+def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float]]:
     kinds: collections.Counter = collections.Counter()
     kernels: collections.Counter = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            kinds[_kind(event.name)] += event.device_time / 1e3 / calls
-            kernels[event.name[:80]] += event.device_time / 1e3 / calls
+    for name, ms in kernel_events(fn, calls):
+        kinds[_kind(name)] += ms / calls
+        kernels[name[:80]] += ms / calls
     return dict(kinds), dict(kernels.most_common(5))
 
 

@@ -107,17 +107,40 @@ def time_graph(fn, reps=20):
     return out, statistics.median(times)
 
 
-def main():
+def measure(name, kname, fn, ref, rows):
+    """One table line: ``fn()``'s max abs error against ``ref`` over its first ``rows`` rows,
+    ms per captured replay, and whether the replay equals the eager call; or why it failed."""
+    try:
+        eager = fn().clone()
+        torch.cuda.synchronize()
+        err = (eager[:rows].float() - ref[:rows]).abs().max().item()
+        replayed, ms = time_graph(fn)
+        torch.cuda.synchronize()
+        same = torch.equal(replayed, eager)
+        return f"{name:<36}{kname:<11}{ms:8.3f}{err:13.3g}{str(same):>10}"
+    except Exception as exc:  # a kernel that refuses the case is a result too
+        return (f"{name:<36}{kname:<11} failed: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:120]}")
+
+
+def case_inputs(dev):
+    """q, k, v of every case, seeded: all drawn before any capture, since a capture that fails
+    can leave the generator unusable."""
     torch.manual_seed(0)
+    return {name: [torch.randn(rows, heads, dim, device=dev, dtype=torch.bfloat16)
+                   for _ in range(3)]
+            for name, (rows, heads, dim, _, _) in CASES.items()}
+
+
+HEADER = f"{'case':<36}{'kernel':<11}{'ms':>8}{'max abs err':>13}{'graph ok':>10}"
+
+
+def main():
     dev = "cuda"
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cuDNN "
-             f"{torch.backends.cudnn.version()}; bf16; ms = median graph replay",
-             f"{'case':<36}{'kernel':<11}{'ms':>8}{'max abs err':>13}{'graph ok':>10}"]
+             f"{torch.backends.cudnn.version()}; bf16; ms = median graph replay", HEADER]
     print(lines[0], flush=True)
-    # every input drawn before any capture: a capture that fails can leave the generator unusable
-    inputs = {name: [torch.randn(rows, heads, dim, device=dev, dtype=torch.bfloat16)
-                     for _ in range(3)]
-              for name, (rows, heads, dim, _, _) in CASES.items()}
+    inputs = case_inputs(dev)
     for name, (rows, heads, dim, lengths, zero_slots) in CASES.items():
         assert sum(lengths) == rows, name
         q, k, v = inputs[name]
@@ -136,18 +159,8 @@ def main():
             kernels["mask-eff"] = masked_keys(SDPBackend.EFFICIENT_ATTENTION)
         kernels["cudnn"] = cudnn  # last: its failed capture can poison later ones
         for kname, fn in kernels.items():
-            try:
-                eager = fn(q, k, v, off, max_len)
-                torch.cuda.synchronize()
-                n = first if kname.startswith("mask") else rows
-                err = (eager[:n].float() - ref[:n]).abs().max().item()
-                replayed, ms = time_graph(lambda fn=fn: fn(q, k, v, off, max_len))
-                torch.cuda.synchronize()
-                same = torch.equal(replayed, eager)
-                lines.append(f"{name:<36}{kname:<11}{ms:8.3f}{err:13.3g}{str(same):>10}")
-            except Exception as exc:  # a kernel that refuses the case is a result too
-                lines.append(f"{name:<36}{kname:<11} failed: {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0][:120]}")
+            n = first if kname.startswith("mask") else rows
+            lines.append(measure(name, kname, lambda fn=fn: fn(q, k, v, off, max_len), ref, n))
             print(lines[-1], flush=True)
     emit(lines, "varlen_attention_probe")
 

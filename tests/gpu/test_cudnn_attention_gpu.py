@@ -128,23 +128,15 @@ def test_a_refused_shape_is_remembered_with_its_reason():
 def test_served_towers_with_cudnn_attention_match_hf(kind):
     """Several images per graph (full attention over frames, Qwen2.5-VL's window layers too),
     every segment kernel in the graphs cuDNN's."""
-    from test_packed_gpu import PATCH, _call, _hf, _tower
+    from test_packed_gpu import PATCH, _tower, _worst_error_vs_hf
 
     from vit_graph_backend import serve
 
     tower = _tower(kind)
     patch = 16 if kind == "qwen3" else PATCH
     served = serve(tower, max_items_per_graph=4, max_budget=512, attention="cudnn")
-    rng = random.Random(5)
-    worst = 0.0
-    for _ in range(10):
-        pv, grid = _call(rng, rng.randint(1, 4), patch)
-        got = served(pv, grid)
-        got = got if isinstance(got, tuple) else (got,)
-        for g, r in zip(got, _hf(tower, pv, grid), strict=True):
-            assert torch.isfinite(g).all()
-            worst = max(worst, (g.float() - r.float()).abs().max().item()
-                        / max(r.float().abs().max().item(), 1.0))
+    worst = _worst_error_vs_hf(served, tower, random.Random(5), 10,
+                               lambda rng: rng.randint(1, 4), patch)
     state = served.encoder.attention_state
     print(f"{kind}, attention='cudnn': max relative error vs HF (bf16) {worst:.3g}; "
           f"cuDNN {state['cudnn']}")

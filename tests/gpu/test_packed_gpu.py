@@ -59,6 +59,21 @@ def _hf(tower, pv, grid):
     return (out.pooler_output, *(getattr(out, "deepstack_features", None) or ()))
 
 
+def _worst_error_vs_hf(served, tower, rng, calls, images, patch):
+    """Max over ``calls`` calls of ``images(rng)`` images each of every output's max abs error
+    against HF's, relative to HF's max abs value (at least 1); every output finite."""
+    worst = 0.0
+    for _ in range(calls):
+        pv, grid = _call(rng, images(rng), patch)
+        got = served(pv, grid)
+        got = got if isinstance(got, tuple) else (got,)
+        for g, r in zip(got, _hf(tower, pv, grid), strict=True):
+            assert torch.isfinite(g).all()
+            worst = max(worst, (g.float() - r.float()).abs().max().item()
+                        / max(r.float().abs().max().item(), 1.0))
+    return worst
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2_5", "qwen3"])
 @torch.no_grad()
 def test_served_tower_matches_hf_in_bf16(kind):
@@ -282,16 +297,7 @@ def test_full_attention_kernel_per_one_image_budget_matches_hf(kind, attention):
     tower = _tower(kind)
     patch = 16 if kind == "qwen3" else PATCH
     served = serve(tower, max_items_per_graph=1, max_budget=512, attention=attention)
-    rng = random.Random(17)
-    worst = 0.0
-    for _ in range(8):
-        pv, grid = _call(rng, 1, patch)
-        got = served(pv, grid)
-        got = got if isinstance(got, tuple) else (got,)
-        for g, r in zip(got, _hf(tower, pv, grid), strict=True):
-            assert torch.isfinite(g).all()
-            worst = max(worst, (g.float() - r.float()).abs().max().item()
-                        / max(r.float().abs().max().item(), 1.0))
+    worst = _worst_error_vs_hf(served, tower, random.Random(17), 8, lambda rng: 1, patch)
     state = served.encoder.attention_state
     print(f"{kind}, attention={attention}: max relative error vs HF (bf16) {worst:.3g}; "
           f"kernels {state['by_rows']}; timings ms {state['timings_ms']}")

@@ -116,6 +116,9 @@ class AttentionChoice:
             if setting == "cudnn" and self.cudnn_off is not None:
                 raise MissingDependencyError(f"attention='cudnn' needs cuDNN's frontend: "
                                              f"{self.cudnn_off}")
+            if self.cudnn_off is not None:
+                log.info("vitgraph: full attention in graphs runs flash varlen: %s",
+                         self.cudnn_off)
         #: cuDNN segment attention for the graphs, or ``None`` (flash varlen serves)
         self.ragged = RaggedAttention() if self.cudnn_off is None else None
         #: static row count of a captured budget -> "dense" or "varlen" (segment attention)

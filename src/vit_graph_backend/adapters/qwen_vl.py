@@ -80,9 +80,8 @@ class _QwenVisionAdapter(nn.Module):
             (default) runs full attention through cuDNN's ragged kernel where
             ``nvidia-cudnn-frontend`` is installed (``pip install 'vit-graph-backend[cudnn]'``;
             1.5 to 2x faster than flash varlen on an H100; window layers stay on flash varlen),
-            else flash varlen; ``"cudnn"``
-            the same, refused at construction without the library; ``"varlen"`` flash varlen
-            always. For budgets whose batches hold one single-frame item, ``"auto"`` times
+            else flash varlen; ``"cudnn"`` the same, refused at construction without the
+            library; ``"varlen"`` flash varlen always. For budgets whose batches hold one single-frame item, ``"auto"`` times
             segment attention against dense SDPA before the budget's capture and keeps the
             faster, and ``"dense"`` always takes dense SDPA there (the fastest where budgets
             fit the images exactly). Eager calls run flash varlen. ``attention_state``
@@ -239,8 +238,9 @@ class _QwenVisionAdapter(nn.Module):
 
     @property
     def attention_state(self) -> dict[str, Any]:
-        """The ``attention`` setting, the segment kernel of the graphs (``"cudnn"`` or ``"flash
-        varlen"``, with why cuDNN is off and the shapes it refused) and the full-attention
+        """The ``attention`` setting, the kernel of the graphs' full attention over segments
+        (``"cudnn"`` or ``"flash varlen"``, with why cuDNN is off and the shapes it refused;
+        window layers always run flash varlen) and the full-attention
         kernel chosen for each captured budget (by its static row count), with the timings
         ``"auto"`` measured. Under ``inner_compiler="inductor"`` the compute is traced once for
         every budget and always runs flash varlen, whatever is recorded here."""
