@@ -26,7 +26,7 @@ from vit_graph_backend.benchmarking import (
     validate,
 )
 from vit_graph_backend.benchmarking.models import availability, build_model, call_specs
-from vit_graph_backend.benchmarking.runner import stream_budget_range
+from vit_graph_backend.benchmarking.runner import attention_note, stream_budget_range
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.plan_preview import plan_stream, summarize_plans
 from vit_graph_backend.benchmarking.timing import percentile, summarize
@@ -381,3 +381,18 @@ def test_a_run_without_a_bytecode_cache_says_its_first_pass_includes_compiling_i
                                     modes=("eager",), calls=2, max_batch=2, progress=False))
     assert (BYTECODE_NOTE in doc["notes"]) == off
     assert "PYTHONDONTWRITEBYTECODE" in BYTECODE_NOTE
+
+
+def test_the_attention_note_names_the_kernel_and_why_not_cudnn():
+    """Served packed towers say in the bench notes which kernel runs their full attention."""
+    from types import SimpleNamespace
+
+    from vit_graph_backend.adapters._attention_choice import AttentionChoice
+
+    served = SimpleNamespace(encoder=SimpleNamespace(
+        attention_state=AttentionChoice("varlen").state))
+    assert attention_note(served) == ("full attention in the graphs: flash varlen "
+                                      "(attention='varlen')")
+    served.encoder.attention_state = {"segments": "cudnn", "cudnn_off": None}
+    assert attention_note(served) == "full attention in the graphs: cudnn"
+    assert attention_note(SimpleNamespace()) is None  # a batched mode: no packed encoder

@@ -231,6 +231,16 @@ def _max_abs_error(out: Any, ref: Any) -> float | None:
     return float((got - ref).abs().max()) if got.numel() else 0.0
 
 
+def attention_note(fn: Any) -> str | None:
+    """What runs a served packed tower's full attention in its graphs (cuDNN or flash varlen,
+    and why not cuDNN), from ``served.encoder.attention_state``; ``None`` for other modes."""
+    state = getattr(getattr(fn, "encoder", None), "attention_state", None)
+    if not isinstance(state, dict) or "segments" not in state:
+        return None
+    off = f" ({state['cudnn_off']})" if state.get("cudnn_off") else ""
+    return f"full attention in the graphs: {state['segments']}{off}"
+
+
 def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]],
               refs: list[Any], timer: CallTimer) -> dict[str, Any]:
     import torch
@@ -277,6 +287,8 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
             result["max_abs_error"] = max(errors)
         if timer.cuda:
             result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(timer.device))
+            if (note := attention_note(prepared.fn)) is not None:
+                result["notes"].append(note)
         report = backend_report(prepared)
         if report is not None:
             stats = report.get("stats", {})
