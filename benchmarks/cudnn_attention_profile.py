@@ -43,21 +43,19 @@ def profile_call(fn, calls: int = 5) -> tuple[int, dict[str, float], dict[str, f
     return len(events) // calls, dict(kinds), dict(kernels.most_common(4)), attention
 
 
-FULL_LAYERS = (7, 15, 23, 31)  # the Qwen2.5-VL-3B tower's full-attention blocks
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sides", default="32,64,128")
     args = parser.parse_args()
     hf = tower()
+    full_layers = set(hf.config.fullatt_block_indexes)
     modes = {"varlen": {"attention": "varlen"}, "default": {},
              "varlen, 1 item/graph": {"attention": "varlen", "max_items_per_graph": 1},
              "default, 1 item/graph": {"max_items_per_graph": 1}}
     served = {name: serve(hf, **kwargs) for name, kwargs in modes.items()}
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; Qwen2.5-VL-3B-"
-             "shaped tower, bf16; attention ms per call split into the 4 full-attention and 28 "
-             "window layers; default segments: "
+             "shaped tower, bf16; attention ms per call split into the full-attention layers "
+             f"{sorted(full_layers)} and the window layers; default segments: "
              f"{served['default'].encoder.attention_state['segments']}"]
     with torch.inference_mode():
         for side in (int(s) for s in args.sides.split(",")):
@@ -66,7 +64,7 @@ def main() -> None:
                 launches, kinds, top, attention = profile_call(
                     lambda s=served[name]: s(pv, [[1, side, side]]))
                 per_call = len(attention) // 5
-                full = sum(ms for i, ms in enumerate(attention) if i % per_call in FULL_LAYERS) / 5
+                full = sum(ms for i, ms in enumerate(attention) if i % per_call in full_layers) / 5
                 window = sum(attention) / 5 - full
                 lines.append(f"{side * side} patches, {name}: {launches} kernels, "
                              f"{sum(kinds.values()):.2f} ms per call; attention full {full:.2f} + "

@@ -48,17 +48,22 @@ def table(title, columns, rows):
         print("".join(f"{v:10.3f}" if isinstance(v, float) else f"{v:>10}" for v in row))
 
 
-def graphed(fn):
+def capture(fn, warmup=3):
+    """``fn`` run ``warmup`` times on a side stream, then captured: ``(graph, captured output)``."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    return g
+        out = fn()
+    return g, out
+
+
+def graphed(fn):
+    return capture(fn)[0]
 
 
 def mlp_section():

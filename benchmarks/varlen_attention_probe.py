@@ -20,6 +20,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 from _bench_out import emit
+from diagnose import capture
 
 CASES = {
     # Qwen3-VL-8B tower, one 1312 px image (41 x 41 tokens, 6724 rows) in the 1681-token budget
@@ -87,15 +88,7 @@ def masked_keys(backend=None):
 
 
 def time_graph(fn, reps=20):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture(fn, warmup=2)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

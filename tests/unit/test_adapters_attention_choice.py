@@ -30,6 +30,7 @@ from vit_graph_backend.adapters._packed_attention import (
     key_masked_attention,
     packed_attention,
     segment_loop_attention,
+    varlen_attention,
 )
 from vit_graph_backend.errors import InvalidOptionError, MissingDependencyError
 
@@ -117,7 +118,8 @@ def test_segment_attention_runs_flash_varlen_where_cudnn_does_not_serve():
         calls.append(args)
         return torch.zeros(1)
 
-    out = choice.segment_attention(q, k, v, offsets, 10, 8 ** -0.5, varlen)
+    out = varlen_attention(q, k, v, Segments(offsets, 10), 8 ** -0.5, varlen,
+                           choice.graph_kernel())
     assert out.shape == (1,) and len(calls) == 1
     assert calls[0][3] is offsets and calls[0][4] is offsets and calls[0][5:] == (10, 10)
     assert choice.ragged.state == {"plans": 0, "refused": {}}

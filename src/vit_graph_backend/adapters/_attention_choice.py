@@ -53,7 +53,7 @@ import torch
 
 from ..errors import InvalidOptionError, MissingDependencyError
 from ._cudnn_attention import RaggedAttention, cudnn_frontend_reason
-from ._packed_attention import dense_sdpa, widen_for_dense
+from ._packed_attention import Segments, dense_sdpa, varlen_attention, widen_for_dense
 
 __all__ = ["ATTENTION_SETTINGS", "AttentionChoice"]
 
@@ -110,15 +110,12 @@ class AttentionChoice:
                 "SDPA per budget at capture)")
         self.setting = setting
         #: why cuDNN segment attention is off (``None``: on), for reports
-        self.cudnn_off: str | None = "attention='varlen'" if setting == "varlen" else None
-        if setting != "varlen":
-            self.cudnn_off = cudnn_frontend_reason()
-            if setting == "cudnn" and self.cudnn_off is not None:
-                raise MissingDependencyError(f"attention='cudnn' needs cuDNN's frontend: "
-                                             f"{self.cudnn_off}")
-            if self.cudnn_off is not None:
-                log.info("vitgraph: full attention in graphs runs flash varlen: %s",
-                         self.cudnn_off)
+        self.cudnn_off = "attention='varlen'" if setting == "varlen" else cudnn_frontend_reason()
+        if setting == "cudnn" and self.cudnn_off is not None:
+            raise MissingDependencyError(f"attention='cudnn' needs cuDNN's frontend: "
+                                         f"{self.cudnn_off}")
+        if setting != "varlen" and self.cudnn_off is not None:
+            log.info("vitgraph: full attention in graphs runs flash varlen: %s", self.cudnn_off)
         #: cuDNN segment attention for the graphs, or ``None`` (flash varlen serves)
         self.ragged = RaggedAttention() if self.cudnn_off is None else None
         #: static row count of a captured budget -> "dense" or "varlen" (segment attention)
@@ -140,19 +137,10 @@ class AttentionChoice:
         self.by_rows[rows] = choice
         return choice
 
-    def segment_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          offsets: torch.Tensor, max_seqlen: int, scale: float,
-                          varlen: Callable[..., Any],
-                          cache: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
-        """Attention within segments in a graph: cuDNN's ragged kernel where it serves the
-        shape, else ``varlen`` (flash varlen, called without ``scale``: it defaults to
-        ``head_dim ** -0.5``, the towers' own). ``cache``: where the layers sharing ``offsets``
-        keep cuDNN's layout tensors (``Segments.derived``)."""
-        if self.ragged is not None and not torch.compiler.is_compiling():
-            out = self.ragged(q, k, v, offsets, max_seqlen, scale, cache)
-            if out is not None:
-                return out
-        return varlen(q, k, v, offsets, offsets, max_seqlen, max_seqlen)
+    def graph_kernel(self) -> RaggedAttention | None:
+        """cuDNN's ragged attention for a graph's full attention, or ``None`` (flash varlen):
+        never while an inner compiler traces (the frontend's call is opaque to it)."""
+        return None if torch.compiler.is_compiling() else self.ragged
 
     def dense(self, rows: int) -> bool:
         """True if the budget of ``rows`` static rows runs dense attention. Never while an inner
@@ -178,8 +166,10 @@ class AttentionChoice:
         real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)
         offsets = torch.tensor([0, real, rows], dtype=torch.int32, device=device)
 
+        segments = Segments(offsets, rows)
+
         def flash() -> torch.Tensor:  # segment attention: cuDNN where it serves, else flash
-            return self.segment_attention(q, k, v, offsets, rows, scale, varlen)
+            return varlen_attention(q, k, v, segments, scale, varlen, self.graph_kernel())
 
         # timed without the widening, which the graph does in the rotary embedding's kernel
         # (``_fused.rotate_qk_wide``), as flash varlen is timed without the rotary embedding

@@ -11,7 +11,8 @@ head_dim)`` sequence. :func:`packed_attention` picks:
 
 1. ``varlen_attn`` (``torch.nn.attention.varlen``, PyTorch 2.11+) on CUDA in fp16/bf16: offsets
    are a tensor and ``max_seqlen`` a Python int, so it captures in a CUDA graph. Zero-length
-   segments (a repeated offset) are skipped by the kernel.
+   segments (a repeated offset) are skipped by the kernel. In a graph, a ``ragged`` kernel
+   (cuDNN's, ``_cudnn_attention``) is tried first where the caller gives one.
 2. A per-segment loop of SDPA calls when the offsets are known on the host (eager only: it
    slices with Python ints, exactly like HF's own non-flash path).
 3. SDPA with a block-diagonal boolean mask built from the offsets with tensor ops only
@@ -32,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["Segments", "dense_sdpa", "key_masked_attention", "masked_attention",
-           "packed_attention", "segment_loop_attention", "varlen_supported", "wide_width",
-           "widen_for_dense"]
+           "packed_attention", "segment_loop_attention", "varlen_attention", "varlen_supported",
+           "wide_width", "widen_for_dense"]
 
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -145,20 +146,36 @@ def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dense_sdpa(wide, q.shape[-1], scale)
 
 
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                     scale: float, varlen: Callable[..., Any],
+                     ragged: Callable[..., torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Segment attention through an offsets kernel: ``ragged`` (cuDNN's,
+    ``_cudnn_attention.RaggedAttention``) for a graph's segments (no host offsets) where it
+    serves the shape, else ``varlen`` (flash varlen)."""
+    if ragged is not None and segments.host_offsets is None:
+        out = ragged(q, k, v, segments.offsets, segments.max_seqlen, scale, segments.derived)
+        if out is not None:
+            return out
+    return varlen(q, k, v, segments.offsets, segments.offsets, segments.max_seqlen,
+                  segments.max_seqlen)
+
+
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
-                     scale: float, varlen: Callable[..., Any] | None) -> torch.Tensor:
+                     scale: float, varlen: Callable[..., Any] | None,
+                     ragged: Callable[..., torch.Tensor | None] | None = None) -> torch.Tensor:
     """Attention of ``(rows, heads, head_dim)`` ``q, k, v`` within ``segments``.
 
     Args:
         scale: softmax scale; ``varlen`` is called without it and must default to the same value
             (``head_dim ** -0.5``, which is what the Qwen towers use).
         varlen: ``torch.nn.attention.varlen.varlen_attn``, or ``None`` where torch lacks it.
+        ragged: cuDNN's ragged attention to try first where flash varlen would serve a graph's
+            segments (:func:`varlen_attention`), or ``None``.
     """
     if segments.dense:
         return key_masked_attention(q, k, v, segments, scale)
     if varlen is not None and q.is_cuda and varlen_supported(q.dtype, q.shape[-1]):
-        return varlen(q, k, v, segments.offsets, segments.offsets, segments.max_seqlen,
-                      segments.max_seqlen)
+        return varlen_attention(q, k, v, segments, scale, varlen, ragged)
     if segments.host_offsets is not None:
         return segment_loop_attention(q, k, v, segments.host_offsets, scale)
     return masked_attention(q, k, v, segments.offsets, scale)

@@ -265,15 +265,10 @@ class _QwenVisionAdapter(nn.Module):
         # q and k rotated together: half the launches of rotating them one by one
         q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
         v = qkv[:, 2]
-        # a graph's full attention: cuDNN where it serves (window layers stay on flash varlen,
-        # where cuDNN is slower: ``_cudnn_attention``)
-        if (full and segments.host_offsets is None and self._varlen is not None and q.is_cuda
-                and varlen_supported(q.dtype, q.shape[-1])):
-            out = self.attention.segment_attention(q, k, v, segments.offsets,
-                                                   segments.max_seqlen, attn.scaling, self._varlen,
-                                                   segments.derived)
-        else:
-            out = packed_attention(q, k, v, segments, attn.scaling, self._varlen)
+        # full attention tries cuDNN in graphs; window layers stay on flash varlen, where cuDNN
+        # is slower (``_cudnn_attention``)
+        out = packed_attention(q, k, v, segments, attn.scaling, self._varlen,
+                               self.attention.graph_kernel() if full else None)
         return attn.proj(out.reshape(rows, -1))
 
     def _run(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None) -> Any:
