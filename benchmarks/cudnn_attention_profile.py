@@ -5,7 +5,7 @@ defaults (full attention through cuDNN when ``nvidia-cudnn-frontend`` is install
 layers through flash varlen) and with ``attention="varlen"``, each also with
 ``max_items_per_graph=1``; each call replayed from its graph and profiled with
 ``torch.profiler`` over 5 calls after a warm-up. Per mode: kernel launches and kernel ms per
-call, summed by kind (``fp8_profile._kind``), the attention split into full and window layers,
+call, summed by kind (``clip_kernel_profile._kind``), the attention split into full and window layers,
 and the top kernels.
 
 Usage: python benchmarks/cudnn_attention_profile.py [--sides 32,128]. Text to stdout and
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
-from fp8_profile import _kind  # noqa: E402
+from clip_kernel_profile import _kind  # noqa: E402
 from packed_kernel_profile import kernel_events  # noqa: E402
 from qwen_stream import tower  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Two calls issue 13's targets are about, each served from its CUDA graph and profiled with
 ``torch.profiler`` over 5 calls (after a warm-up), kernels summed by kind with
-``fp8_profile._kind`` (GEMM, attention, Inductor's Triton kernels, other):
+``clip_kernel_profile._kind`` (GEMM, attention, Inductor's Triton kernels, other):
 
 - the Qwen3-VL-8B-shaped tower on one 1312 x 1312 px image in the budget that fits it exactly
   (``budgets=[1681]``, ``max_items_per_graph=1``), with ``attention="varlen"`` and ``"dense"``;
@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
-from fp8_profile import _kind  # noqa: E402
+from clip_kernel_profile import _kind  # noqa: E402
 from qwen_stream import tower as qwen25_tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402

@@ -29,6 +29,7 @@ from . import _compat
 from .batched import BatchedGraphEncoder
 from .errors import InvalidOptionError
 from .fp8_linear import Fp8Weights, check_fp8_device, graph_device, quantize_linears
+from .fused_linear import fuse_linear_activations, fused_epilogue_unavailable
 from .inner import compile_inner, inner_compiler_name
 from .options import VitGraphOptions
 from .graph_report import summarize
@@ -48,6 +49,8 @@ class VitGraphBackend:
         self._encoders: weakref.WeakSet[BatchedGraphEncoder] = weakref.WeakSet()
         self._lock = threading.Lock()
         self.compiles = 0
+        #: linear + activation pairs rewritten into one op (``fused_linear.py``) since reset
+        self.fused_linear_activations = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                  options: dict[str, Any] | None = None, mode: str | None = None,
@@ -73,11 +76,13 @@ class VitGraphBackend:
                             "write; call torch.compiler.reset() after changing them in place",
                             weights.untracked)
         inner = inner_compiler_name(example_inputs, opts)
+        fused = self._fuse_epilogues(gm, example_inputs, opts, inner)
         encoder = BatchedGraphEncoder(gm, example_inputs, opts,
                                       functools.partial(compile_inner, gm, example_inputs, opts),
                                       defer=None if inner == "eager" else self._alone)
         with self._lock:
             self.compiles += 1
+            self.fused_linear_activations += fused
             self._encoders.add(encoder)
         log.info("vitgraph: compiled graph %d (%s, batch axis %s, inner %s%s)", self.compiles,
                  "static" if encoder.static_shape else "dynamic",
@@ -86,6 +91,27 @@ class VitGraphBackend:
         if weights is not None and weights.entries:
             return _Fp8Graph(encoder, weights)
         return encoder
+
+    @staticmethod
+    def _fuse_epilogues(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                        opts: VitGraphOptions, inner: str) -> int:
+        """``epilogue_fusion="auto"``: rewrite the graph's linear + GELU pairs where the fused
+        op can serve; returns how many (the reason it does not is logged at info level)."""
+        if opts.epilogue_fusion == "off":
+            return 0
+        why = fused_epilogue_unavailable(graph_device(example_inputs))
+        if why is None and inner == "tensorrt":
+            why = "inner_compiler='tensorrt' compiles only PyTorch's own ops"
+        if why is None and torch.is_grad_enabled() and any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+            why = "the graph records gradients (the fused op has no backward)"
+        if why is not None:
+            log.info("vitgraph: epilogue_fusion='auto' leaves linear layers as they are: %s", why)
+            return 0
+        fused = fuse_linear_activations(gm, example_inputs)
+        log.info("vitgraph: epilogue_fusion='auto': %d linear + GELU pairs as one op, each shape "
+                 "timed against cuBLAS + a separate activation at its first run", fused)
+        return fused
 
     def _alone(self, encoder: BatchedGraphEncoder) -> bool:
         """Whether a static graph called again deserves its deferred inner compile
@@ -101,6 +127,7 @@ class VitGraphBackend:
             encoders = list(self._encoders)
             self._encoders = weakref.WeakSet()
             self.compiles = 0
+            self.fused_linear_activations = 0
         for encoder in encoders:
             encoder.clear()
 
@@ -111,15 +138,15 @@ class VitGraphBackend:
             return list(self._encoders)
 
     def report(self, served: Sequence[Any] = ()) -> dict[str, Any]:
-        """What the live compiled graphs did: ``compiles`` plus the fields of
-        :func:`vit_graph_backend.report` (the README's ``report()`` section), totalled with the
-        ``served`` towers' managers when given."""
+        """What the live compiled graphs did: ``compiles``, ``fused_linear_activations`` and the
+        fields of :func:`vit_graph_backend.report` (the README's ``report()`` section), totalled
+        with the ``served`` towers' managers when given."""
         with self._lock:
             encoders = list(self._encoders)
-            compiles = self.compiles
+            compiles, fused = self.compiles, self.fused_linear_activations
         managers = [m for encoder in encoders for m in encoder.managers]
         managers += [tower.manager for tower in served]
-        return {"compiles": compiles,
+        return {"compiles": compiles, "fused_linear_activations": fused,
                 **summarize(managers, [encoder.stats for encoder in encoders])}
 
 
@@ -153,11 +180,15 @@ def register() -> bool:
 def report() -> dict[str, Any]:
     """What every compiled graph and served tower of this process did, in one dictionary.
 
-    ``compiles`` (Dynamo compiles through the ``vitgraph`` backend), ``served_towers`` (live
-    ``serve()`` results) and, totalled over both, the fields of ``PackedGraphEncoder.report()``:
-    graphs, graph memory, capture time and the call counters. Fields are true on every device
-    (the README's ``report()`` section); read one tower alone with ``served.report()``.
+    ``compiles`` (Dynamo compiles through the ``vitgraph`` backend), ``fused_linear_activations``
+    (linear + GELU pairs those compiles rewrote into one op: ``epilogue_fusion``),
+    ``served_towers`` (live ``serve()`` results) and, totalled over both, the fields of
+    ``PackedGraphEncoder.report()``: graphs, graph memory, capture time and the call counters.
+    Fields are true on every device (the README's ``report()`` section); read one tower alone
+    with ``served.report()``.
     """
     towers = live_served()
     summary = vitgraph.report(towers)
-    return {"compiles": summary.pop("compiles"), "served_towers": len(towers), **summary}
+    return {"compiles": summary.pop("compiles"),
+            "fused_linear_activations": summary.pop("fused_linear_activations"),
+            "served_towers": len(towers), **summary}

@@ -25,12 +25,15 @@ from .planner import POLICIES
 from .specs import check_positive_int
 
 __all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAULT_LADDER_STEPS",
-           "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS", "QUANTIZATIONS", "VitGraphOptions"]
+           "EPILOGUE_FUSIONS", "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS", "QUANTIZATIONS",
+           "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
 #: ``quantization`` values besides ``None`` (the model's own dtype); vLLM's name for the setting.
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+#: ``epilogue_fusion`` values: a linear layer's GELU in its GEMM's epilogue where timed faster.
+EPILOGUE_FUSIONS: tuple[str, ...] = ("auto", "off")
 
 #: ``torch.compile(mode=...)`` presets. Every mode replays CUDA graphs; they differ in what runs
 #: inside the graph. ``reduce-overhead`` is accepted because users reach for it for this exact
@@ -107,6 +110,14 @@ class VitGraphOptions:
             warm-up runs out of memory, are skipped, largest first, each with a logged reason
             (``memory_report()["skipped_budgets"]``); their calls use the next larger captured
             budget or run eagerly. ``None``: no bound beyond what the device has.
+        quantization: ``"fp8"`` runs the linear layers of ``torch.compile`` graphs as FP8 GEMMs
+            (``fp8_linear.py``); ``None`` keeps the model's dtype.
+        epilogue_fusion: ``"auto"`` (the default) rewrites each linear layer followed by a GELU
+            (exact, tanh or HF's quick GELU) of a ``torch.compile`` graph on a Hopper or newer
+            GPU into one op that runs, per shape, whichever was timed faster the first time the
+            shape ran: a Triton GEMM with bias and activation in its epilogue, or cuBLAS and a
+            separate activation kernel (``fused_linear.py``). ``"off"`` leaves the layers to the
+            inner compiler.
 
     Example::
 
@@ -131,6 +142,7 @@ class VitGraphOptions:
     verify_tolerance: float | None = None
     max_graph_memory: int | float | None = None
     quantization: str | None = None
+    epilogue_fusion: str = "auto"
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -150,6 +162,7 @@ class VitGraphOptions:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
         _check_choice("capture", self.capture, CAPTURE_MODES)
+        _check_choice("epilogue_fusion", self.epilogue_fusion, EPILOGUE_FUSIONS)
         for name in ("static_graphs", "backed_size_oblivious", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(

@@ -46,7 +46,7 @@ from .options import VitGraphOptions
 from .protocol import SupportsEncoderCudaGraph
 from .runtime import EncoderCudaGraphManager, infer_device_dtype
 
-__all__ = ["PackedGraphEncoder", "live_served", "serve"]
+__all__ = ["SHARED_SETTINGS", "PackedGraphEncoder", "live_served", "serve"]
 
 _served: weakref.WeakSet[PackedGraphEncoder] = weakref.WeakSet()
 _served_lock = threading.Lock()
@@ -138,6 +138,12 @@ class PackedGraphEncoder(nn.Module):
         return self.manager.run(inputs)
 
 
+#: Settings that are both a :class:`VitGraphOptions` field and an adapter keyword, and that both
+#: read: ``epilogue_fusion`` turns off the rewrite of ``torch.compile`` graphs and the adapters'
+#: fused fc1 + GELU alike.
+SHARED_SETTINGS: tuple[str, ...] = ("epilogue_fusion",)
+
+
 def serve(model: nn.Module, options: VitGraphOptions | None = None,
           **kwargs: Any) -> PackedGraphEncoder:
     """Serve a packed encoder from CUDA graphs, adapting it first if it needs an adapter.
@@ -162,6 +168,8 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
     for key, value in kwargs.items():
         if key in option_names:
             option_kwargs[key] = value
+            if key in SHARED_SETTINGS and accepted is not None and key in accepted:
+                adapter_kwargs[key] = value
         elif accepted is None or key in accepted:  # None: the adapter takes any keyword
             adapter_kwargs[key] = value
         else:
@@ -172,6 +180,10 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
                 + (f" (did you mean {hint[0]!r}?)" if hint else "")
                 + f"; vitgraph options: {', '.join(option_names)}; adapter keywords of "
                 f"{type(model).__name__}: {', '.join(adapter_only) or 'none'}")
+    for key in SHARED_SETTINGS:  # given inside an options object rather than as a keyword
+        if (options is not None and key not in kwargs and accepted is not None
+                and key in accepted):
+            adapter_kwargs[key] = getattr(options, key)
     return PackedGraphEncoder(adapt(model, **adapter_kwargs), options, **option_kwargs)
 
 

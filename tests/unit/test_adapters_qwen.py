@@ -637,3 +637,50 @@ def test_compiled_served_tower_traces_the_compute_once_and_never_the_routing(tow
     assert len(used) >= 4, used  # the stream really spans several budget shapes
     assert len(traced) == 1, [shapes[0] for shapes in traced]
     assert vitgraph.report()["compiles"] == 0
+
+
+def test_gelu_mlps_run_fc1_and_gelu_as_one_op_where_fusion_is_on(towers, monkeypatch):
+    """Towers whose MLP is ``fc2(gelu(fc1 x))`` run ``fc1`` + GELU through ``fused_linear``'s
+    op on the graph path with fusion on (on CPU the op computes with PyTorch's ops, so the output
+    still equals HF's); gated MLPs (Qwen2.5-VL) and the eager path never call it."""
+    from vit_graph_backend import fused_linear
+
+    expected = {"qwen2": "quick_gelu", "qwen2_5": None, "qwen3": "gelu_tanh"}
+    calls: list[str] = []
+    run = fused_linear.CHOICES.run
+
+    def counting(x, weight, bias, activation):
+        calls.append(activation)
+        return run(x, weight, bias, activation)
+
+    monkeypatch.setattr(fused_linear.CHOICES, "run", counting)
+    for family, gelu in expected.items():
+        hf, _ = towers[family]
+        adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, fuse=True)
+        assert adapter.kernels.gelu == gelu, family
+        calls.clear()
+        _serve_mixed_call(hf, adapter)   # checks the served output against HF's
+        depth = len(hf.blocks)
+        if gelu is None:
+            assert calls == [], family
+        else:
+            assert calls and set(calls) == {gelu} and len(calls) % depth == 0, (family, calls)
+        calls.clear()
+        with torch.no_grad():   # the eager path: the tower's own modules
+            adapter(*_inputs(MIXED_CALL, seed=5).values())
+        assert calls == [], family
+
+
+def test_epilogue_fusion_off_reaches_the_adapter_through_serve(towers):
+    from vit_graph_backend import VitGraphOptions, serve
+
+    hf, _ = towers["qwen3"]
+    on = serve(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET)
+    off = serve(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, epilogue_fusion="off")
+    via_options = serve(hf, VitGraphOptions(min_budget=MIN_BUDGET, max_budget=MAX_BUDGET,
+                                            epilogue_fusion="off"))
+    assert on.encoder.kernels.gelu == "gelu_tanh"
+    assert off.encoder.kernels.gelu is None and via_options.encoder.kernels.gelu is None
+    assert off.manager.options.epilogue_fusion == "off"
+    with pytest.raises(InvalidOptionError, match="epilogue_fusion='never'"):
+        adapt(hf, epilogue_fusion="never")

@@ -37,7 +37,8 @@ _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors"
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
 _BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
-                                         "batched_layout", "packed", "inner", "fp8_linear"}
+                                         "batched_layout", "packed", "inner", "fp8_linear",
+                                         "fused_linear"}
 
 #: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
@@ -55,7 +56,8 @@ LAYERS: dict[str, set[str]] = {
     "options": {"budgets", "specs", "planner", "errors"},
     "protocol": {"specs", "budgets"},
     "_compat": set(),
-    "adapters": {"protocol", "budgets", "specs", "errors", "_compat"},
+    # fused_linear's op: the Qwen-VL adapters run fc1 + GELU through it (it imports nothing above)
+    "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear"},
     "stream_order": set(),
     "graph_capture": {"_compat"},
     "replay_io": {"planner"},
@@ -70,6 +72,11 @@ LAYERS: dict[str, set[str]] = {
     "inner": {"options", "errors", "_compat"},
     # quantization="fp8": a rewrite of the traced graph, applied by the backend before `inner`.
     "fp8_linear": {"errors", "_compat"},
+    # epilogue_fusion="auto": linear + GELU rewritten into one op (applied by the backend, called
+    # by the adapters); its Triton kernels (imported only when a CUDA graph uses them) are the
+    # private module below it.
+    "fused_linear": {"_linear_act_kernels"},
+    "_linear_act_kernels": set(),
     "backend": _BELOW_BACKEND,
     "__init__": _BELOW_BACKEND | {"backend", "hf", "parallel", "assignment"},
     # Integrations: one call on a whole Hugging Face model (packed serving + the backend).

@@ -35,10 +35,11 @@ PACKAGE = vit_graph_backend.__name__
 OPTIONAL_DEPENDENCIES: dict[str, str] = {
     f"{PACKAGE}.testing": "hypothesis",
     f"{PACKAGE}.testing.strategies": "hypothesis",
+    f"{PACKAGE}._linear_act_kernels": "triton",
 }
 
 #: Never imported by ``import vit_graph_backend``: optional, test-only or heavy dependencies.
-LAZY_DEPENDENCIES = ("hypothesis", "torch_tensorrt", "timm", "transformers")
+LAZY_DEPENDENCIES = ("hypothesis", "torch_tensorrt", "timm", "transformers", "triton")
 
 
 def _walk() -> list[str]:

@@ -39,8 +39,10 @@ def _hf_vit():
 def test_report_is_public_at_top_level_with_documented_fields():
     report = vit_graph_backend.report()
     assert "report" in vit_graph_backend.__all__
-    assert set(report) == {"compiles", "served_towers", *REPORT_FIELDS}
+    assert set(report) == {"compiles", "fused_linear_activations", "served_towers",
+                           *REPORT_FIELDS}
     assert report["compiles"] == 0 and report["stats"]["calls"] == 0
+    assert report["fused_linear_activations"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a report says without CUDA")

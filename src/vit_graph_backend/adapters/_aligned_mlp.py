@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..budgets import ceil_div
+from ..fused_linear import linear_act
 
 __all__ = ["ALIGNMENT", "AlignedMLPs", "MLPWeights", "UntrackedWeights", "intermediate_size"]
 
@@ -83,6 +84,14 @@ def _shape(mlp: nn.Module) -> tuple[tuple[str, ...], str] | None:
         if all(isinstance(getattr(mlp, n, None), nn.Linear) for n in (*ins, out)):
             return ins, out
     return None
+
+
+def mlp_linears(mlp: nn.Module) -> tuple[tuple[nn.Linear, ...], nn.Linear] | None:
+    """The MLP's in projections and out projection, or ``None`` if it is not a known shape."""
+    shape = _shape(mlp)
+    if shape is None:
+        return None
+    return tuple(getattr(mlp, n) for n in shape[0]), getattr(mlp, shape[1])
 
 
 def intermediate_size(mlp: nn.Module) -> int | None:
@@ -207,10 +216,12 @@ class AlignedMLPs:
         return MLPWeights(ins, zeros_like_padded(out.weight, 1), out_bias)
 
     def forward(self, layer: int, x: torch.Tensor,
-                silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                gelu: str | None = None) -> torch.Tensor:
         """Block ``layer``'s MLP on ``x`` with the padded weights (same math as the module).
-        ``silu_mul(gate, up)``, if given, replaces ``act(gate) * up`` when ``act`` is SiLU."""
+        ``silu_mul(gate, up)``, if given, replaces ``act(gate) * up`` when ``act`` is SiLU;
+        ``gelu``, if given, runs ``act(fc1 x)`` as ``fused_linear.linear_act`` (``act`` is that
+        GELU: ``_qwen_kernels`` checked)."""
         mlp, w = self.mlps[layer], self.weights[layer]
         act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.act
         if len(w.ins) == 2:
@@ -220,5 +231,5 @@ class AlignedMLPs:
                 act(gate) * up)
         else:
             ((fw, fb),) = w.ins
-            hidden = act(F.linear(x, fw, fb))
+            hidden = linear_act(x, fw, fb, gelu) if gelu else act(F.linear(x, fw, fb))
         return F.linear(hidden, w.out_weight, w.out_bias)

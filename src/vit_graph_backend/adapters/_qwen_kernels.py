@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from ..errors import InvalidOptionError
-from ._aligned_mlp import AlignedMLPs, UntrackedWeights
+from ..options import EPILOGUE_FUSIONS
+from ..fused_linear import activation_of, linear_act
+from ._aligned_mlp import AlignedMLPs, UntrackedWeights, mlp_linears
 from ._fused import Ops, fusion_available, ops
 
 __all__ = ["KernelChoices"]
@@ -32,12 +34,17 @@ class KernelChoices:
             ``False`` never.
         fuse: ``None`` fuses the graph path's elementwise ops where Triton is available;
             ``True`` everywhere (Inductor's C++ code on CPU); ``False`` never.
+        epilogue_fusion: ``"auto"``: with fusion on, an ``fc2(gelu(fc1 x))`` MLP (Qwen2-VL's
+            quick GELU, Qwen3-VL's tanh GELU) runs its ``fc1`` and GELU as ``fused_linear``'s
+            op: one GEMM with the GELU in its epilogue where that was timed faster on the shape
+            (Hopper and newer), cuBLAS and one activation kernel otherwise; ``"off"``: never.
 
     Raises:
         InvalidOptionError: for a value other than ``True``, ``False`` or ``None``.
     """
 
-    def __init__(self, mlps: list[nn.Module], align_mlp: bool | None, fuse: bool | None) -> None:
+    def __init__(self, mlps: list[nn.Module], align_mlp: bool | None, fuse: bool | None,
+                 epilogue_fusion: str = "auto") -> None:
         if align_mlp is not None and not isinstance(align_mlp, bool):
             raise InvalidOptionError(
                 f"align_mlp={align_mlp!r} is invalid: must be True, False or None (auto: pad on "
@@ -46,6 +53,9 @@ class KernelChoices:
             raise InvalidOptionError(
                 f"fuse={fuse!r} is invalid: must be True, False or None (auto: fuse on CUDA "
                 "when Triton is installed)")
+        if epilogue_fusion not in EPILOGUE_FUSIONS:
+            raise InvalidOptionError(f"epilogue_fusion={epilogue_fusion!r} is invalid: must be "
+                                     f"one of {EPILOGUE_FUSIONS}")
         self.align_mlp, self.fuse = align_mlp, fuse
         #: the zero-padded weight copies, or ``None`` when every MLP width is aligned already
         self.aligned = AlignedMLPs(mlps) if AlignedMLPs.needed(mlps) else None
@@ -53,6 +63,9 @@ class KernelChoices:
         #: why the padded copies are off although asked for (inference-tensor weights), or None
         self.untracked: str | None = None
         self._fusion_reason: dict[str, str | None] = {}
+        #: the GELU of fc1/fc2 MLPs (``fused_linear.ACTIVATIONS``) run through the fused op, or
+        #: ``None`` (another MLP, or ``epilogue_fusion="off"``)
+        self.gelu = _gelu_of(mlps[0]) if mlps and epilogue_fusion == "auto" else None
 
     def sync(self, device: torch.device) -> None:
         """Decide whether the padded MLP weights are used on ``device`` and bring them up to
@@ -73,8 +86,12 @@ class KernelChoices:
 
     def mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Block ``layer``'s MLP: from the padded copies when in use, else the tower's own."""
+        gelu = self.gelu if fns is not ops(False) else None   # only where fusion is on
         if self.use_aligned and self.aligned is not None:
-            return self.aligned.forward(layer, x, fns.silu_mul)
+            return self.aligned.forward(layer, x, fns.silu_mul, gelu)
+        if gelu is not None:
+            (fc1,), fc2 = mlp_linears(block.mlp)
+            return fc2(linear_act(x, fc1.weight, fc1.bias, gelu))
         return block.mlp(x)
 
     def ops_for(self, device: torch.device, graph: bool) -> Ops:
@@ -102,3 +119,11 @@ class KernelChoices:
         compile failures (functions then run unfused)."""
         return {"fuse": self.fuse, "unavailable": dict(self._fusion_reason),
                 "compile_failures": ops(True).failures() if self.fuse is not False else {}}
+
+
+def _gelu_of(mlp: nn.Module) -> str | None:
+    """The GELU of an ``fc2(act(fc1 x))`` MLP as ``fused_linear`` names it, else ``None``."""
+    linears = mlp_linears(mlp)
+    if linears is None or len(linears[0]) != 1:
+        return None
+    return activation_of(getattr(mlp, "act_fn", None) or getattr(mlp, "act", None))

@@ -81,11 +81,17 @@ class _QwenVisionAdapter(nn.Module):
             ``nvidia-cudnn-frontend`` is installed (``pip install 'vit-graph-backend[cudnn]'``;
             1.5 to 2x faster than flash varlen on an H100; window layers stay on flash varlen),
             else flash varlen; ``"cudnn"`` the same, refused at construction without the
-            library; ``"varlen"`` flash varlen always. For budgets whose batches hold one single-frame item, ``"auto"`` times
+            library; ``"varlen"`` flash varlen always. For budgets whose batches hold one
+            single-frame item, ``"auto"`` times
             segment attention against dense SDPA before the budget's capture and keeps the
             faster, and ``"dense"`` always takes dense SDPA there (the fastest where budgets
             fit the images exactly). Eager calls run flash varlen. ``attention_state``
             reports the choices.
+        epilogue_fusion: ``"auto"`` (default): with ``fuse`` on, an ``fc2(gelu(fc1 x))`` MLP
+            (Qwen2-VL, Qwen3-VL) runs ``fc1`` and its GELU as one op that takes, per shape, the
+            faster of a GEMM with the GELU in its epilogue and cuBLAS + one activation kernel
+            (``fused_linear``); ``"off"``: the tower's own modules. The ``VitGraphOptions``
+            field of the same name: ``serve()`` hands it to both.
     """
 
     #: fully qualified name of the wrapped class (checked at construction).
@@ -93,7 +99,8 @@ class _QwenVisionAdapter(nn.Module):
 
     def __init__(self, model: nn.Module, *, min_budget: int | None = None,
                  max_budget: int | None = None, align_mlp: bool | None = None,
-                 fuse: bool | None = None, attention: str | None = None) -> None:
+                 fuse: bool | None = None, attention: str | None = None,
+                 epilogue_fusion: str = "auto") -> None:
         super().__init__()
         names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
         if self.wrapped_class not in names:
@@ -112,7 +119,8 @@ class _QwenVisionAdapter(nn.Module):
         #: inputs -> graph buffers and attention segments (``_qwen_packing``)
         self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
         #: which kernels the blocks run (``_qwen_kernels``)
-        self.kernels = KernelChoices([block.mlp for block in model.blocks], align_mlp, fuse)
+        self.kernels = KernelChoices([block.mlp for block in model.blocks], align_mlp, fuse,
+                                     epilogue_fusion)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
         #: the full-attention kernel per captured budget (``_attention_choice``)
         self.attention = AttentionChoice(attention)

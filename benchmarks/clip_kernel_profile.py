@@ -19,8 +19,16 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 
+MODES = {"bf16": {}, "bf16-epilogue-off": {"epilogue_fusion": "off"},
+         "fp8": {"quantization": "fp8"}}
+
+
 def _kind(name: str) -> str:
     low = name.lower()
+    if "linear_act_kernel" in low:  # fused_linear's GEMM with its activation
+        return "gemm"
+    if "activation_kernel" in low:  # fused_linear's activation after cuBLAS
+        return "triton (fused elementwise, norms, quantization)"
     if any(k in low for k in ("flash", "fmha", "attention", "attn")):
         return "attention"
     if any(k in low for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
@@ -54,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--modes", default="bf16-epilogue-off,bf16,fp8",
+                        help=f"comma-separated, of {sorted(MODES)}")
     parser.add_argument("--json")
     args = parser.parse_args()
     config = transformers.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096,
@@ -65,8 +75,8 @@ def main() -> None:
     base = {"budgets": [args.batch], "inner_compiler": "inductor"}
     result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0),
               "batch": args.batch, "modes": {}}
-    modes = (("vitgraph-inductor (bf16)", {}), ("vitgraph-fp8", {"quantization": "fp8"}))
-    for name, extra in modes:
+    for name in args.modes.split(","):
+        extra = MODES[name]
         fn = torch.compile(copy.deepcopy(model), backend="vitgraph", options={**base, **extra})
         result["modes"][name] = got = _profile(fn, x, args.calls)
         print(f"== {name}: {got['total_ms_per_call']:.2f} ms of kernels per call")

@@ -1,0 +1,55 @@
+"""What a CLIP ViT-L/14-336 first pass spends with a warm compile cache, ``epilogue_fusion`` on
+and off: wall time of the first call (every budget compiled and captured), Inductor's FX graph
+cache hits, misses and bypasses, and the time spent timing fused linear shapes.
+
+Run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``: the second run
+is the warm one. Usage: python benchmarks/first_pass_cache_probe.py auto|off
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import transformers
+from torch._dynamo.utils import counters
+
+from vit_graph_backend import fused_linear
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    spent = [0.0]
+    timer = fused_linear.LinearActChoices._time
+
+    def timed(self, *args):
+        start = time.perf_counter()
+        try:
+            return timer(self, *args)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    fused_linear.LinearActChoices._time = timed
+    cfg = transformers.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096,
+                                        num_hidden_layers=24, num_attention_heads=16,
+                                        image_size=336, patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.CLIPVisionModel(cfg).cuda().eval().to(torch.bfloat16)
+    x = torch.randn(48, 3, 336, 336, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="vitgraph",
+                             options={"max_budget": 48, "epilogue_fusion": mode})
+    start = time.perf_counter()
+    with torch.no_grad():
+        for batch in (3, 48):
+            compiled(pixel_values=x[:batch])
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    inductor = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
+    print(f"epilogue_fusion={mode}: first pass {wall:.2f} s, of which timing fused shapes "
+          f"{spent[0]:.2f} s ({len(fused_linear.CHOICES.state['chosen'])} shapes); "
+          f"Inductor FX graph cache {inductor}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call for epilogue_fusion (linear + GELU as one op, fused_linear.py): its GPU tests,
+# the kernel probe, CLIP ViT-L/14-336 at fixed batches 8/24/48 with the fusion on (default) and
+# off beside eager and Inductor static in one CUDA graph, the kernel time by kind at batch 48,
+# and the ViT-B/16 default stream (launch-bound). Short table last.
+# Usage (CUDA machine, repo root): bash scripts/epilogue_check.sh [parts...]
+#   parts: tests probe fixed profile vitb (default: all)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/json"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+bench() { vitgraph bench --no-progress "$@" 2>&1 | grep -vE "^WARNING|^\[rank|UserWarning|warnings.warn"; }
+for part in ${*:-tests probe fixed profile vitb}; do
+  case $part in
+  tests)
+    echo "== fused linear GPU tests"
+    python3 -m pytest tests/gpu/test_fused_linear_gpu.py tests/unit/test_fused_linear.py -q -p no:cacheprovider 2>&1 \
+      | tee "$OUT/tests.log" | grep -vE "Warning|warn" | tail -25 ;;
+  probe)
+    echo "== linear + activation probe"
+    (cd benchmarks && python3 linear_act_probe.py 2>&1 | grep -E "^(#|##|best)" | tee "$OUT/probe.log") ;;
+  fixed)
+    for b in ${BATCHES:-48 24 8}; do
+      echo "== CLIP ViT-L/14-336, fixed batch $b"
+      bench --model clip-l14-336 --workload fixed-batch --max-batch "$b" --calls 10 \
+        --modes eager,reduce-overhead,vitgraph,vitgraph-epilogue-off --json "$OUT/json/fixed_$b.json" | tee -a "$OUT/fixed.log"
+    done ;;
+  profile)
+    echo "== kernel time by kind, batch 48"
+    python3 benchmarks/clip_kernel_profile.py --batch 48 --modes bf16-epilogue-off,bf16 \
+      --json "$OUT/json/profile_48.json" 2>&1 | grep -vE "Warning|warn" | tee "$OUT/profile.log" ;;
+  vitb)
+    echo "== ViT-B/16 default stream"
+    bench --modes eager,vitgraph,vitgraph-epilogue-off --json "$OUT/json/vit_b16.json" | tee -a "$OUT/vitb.log" ;;
+  esac
+done
+tar -C "$OUT" -czf "$OUT/json.tgz" json && rm -rf "$OUT/json"
+echo "== summary"
+tail -1 "$OUT/tests.log" 2>/dev/null
+grep -h "^best" "$OUT/probe.log" 2>/dev/null
+grep -hE "^(eager|reduce-overhead|vitgraph|vitgraph-epilogue-off) +ok|^== |of peak|ms of kernels" "$OUT"/fixed.log "$OUT"/profile.log "$OUT"/vitb.log 2>/dev/null | cut -c1-150

@@ -1,0 +1,143 @@
+"""Triton kernels for ``act(x @ W.T + b)`` with the activation applied in the GEMM's epilogue.
+
+Imported only on CUDA and only when a graph uses :mod:`vit_graph_backend.fused_linear` (Triton is
+not installed with PyTorch's CPU wheels). The GEMM is a persistent kernel: one program per
+multiprocessor walks the output tiles in groups of ``GROUP_M`` row tiles (so neighbouring programs
+share a weight tile in L2), loading operand tiles through Hopper's tensor memory accelerator
+(host-side descriptors, which a CUDA graph captures by value). The accumulator stays in fp32
+through bias and activation and is rounded to the output dtype once.
+
+``activation_`` is the same epilogue as a separate pointwise kernel, in place: what runs after a
+cuBLAS GEMM where that pair is the faster one for a shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+__all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act"]
+
+#: Activation name -> the code the kernels branch on (0 is none).
+ACTIVATIONS = {"none": 0, "quick_gelu": 1, "gelu": 2, "gelu_tanh": 3}
+
+#: Tile configurations (BM, BN, BK, stages, warps, warp-specialized, split store) that
+#: ``benchmarks/linear_act_probe.py`` times; the first is the default. Also tried on an H100 and
+#: dropped: a whole-tile store (slower at every CLIP-L fc1 size) and Triton's warp specialization
+#: (no faster).
+CONFIGS = (
+    (128, 256, 64, 3, 8, 0, 1),
+    (128, 256, 64, 4, 8, 0, 1),
+    (256, 128, 64, 3, 8, 0, 1),
+    (128, 128, 64, 4, 8, 0, 1),
+    (128, 128, 64, 5, 4, 0, 1),
+)
+
+
+@triton.jit
+def _tanh(x, APPROX: tl.constexpr):
+    if APPROX:  # one special-function op (max relative error 2**-10.7, below bf16's 2**-8)
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr, APPROX: tl.constexpr):
+    # sigmoid(v) = (1 + tanh(v / 2)) / 2: in the GEMM's epilogue the special-function unit,
+    # not the tensor cores, bounds a tile's epilogue, and tanh costs it one op (exp + divide, two)
+    if ACT == 1:  # HF QuickGELUActivation: x * sigmoid(1.702 x)
+        x = 0.5 * x * (1.0 + _tanh(0.851 * x, APPROX))
+    elif ACT == 2:  # exact GELU
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 3:  # GELU, tanh approximation
+        x = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x), APPROX))
+    return x
+
+
+@triton.jit
+def _tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    width = GROUP_M * num_n
+    first_m = (tile // width) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % width) % rows, (tile % width) // rows
+
+
+@triton.jit
+def _linear_act_kernel(x_desc, w_desc, out_desc, bias_ptr, M, N, K,
+                       HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                       SPLIT_STORE: tl.constexpr, APPROX: tl.constexpr):
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):
+        pm, pn = _tile(tile, num_m, num_n, GROUP_M)
+        om = pm * BM
+        on = pn * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(k_tiles):
+            a = x_desc.load([om, kt * BK])
+            w = w_desc.load([on, kt * BK])
+            acc = tl.dot(a, w.T, acc)
+        if HAS_BIAS:
+            cols = on + tl.arange(0, BN)
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = _act(acc, ACT, APPROX)
+        if SPLIT_STORE:  # two half-width stores: half the shared memory the copy out needs
+            lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            out_desc.store([om, on], lo.to(out_desc.dtype))
+            out_desc.store([om, on + BN // 2], hi.to(out_desc.dtype))
+        else:
+            out_desc.store([om, on], acc.to(out_desc.dtype))
+
+
+@triton.jit
+def _activation_kernel(x_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(x_ptr + offs, _act(x, ACT, False).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str, config: tuple[int, ...] = CONFIGS[0], *,
+               approx: bool = True) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` for 2-D contiguous ``x`` ([M, K]) and ``weight`` ([N, K]) of
+    one 16-bit dtype, ``K`` and ``N`` multiples of 8 (the descriptors' 16-byte strides).
+    ``approx``: the GELUs' tanh as the hardware's approximate instruction."""
+    bm, bn, bk, stages, warps, specialize, split = config
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    _linear_act_kernel[(min(sms, tiles),)](
+        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn // 2 if split else bn]),
+        out if bias is None else bias, m, n, k,
+        HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], BM=bm, BN=bn, BK=bk,
+        GROUP_M=8, NUM_SMS=sms, WARP_SPECIALIZE=bool(specialize), SPLIT_STORE=bool(split),
+        APPROX=approx, num_stages=stages, num_warps=warps)
+    return out
+
+
+def activation_(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``x`` (contiguous) replaced by ``act(x)``, computed in fp32; returns ``x``."""
+    n = x.numel()
+    block = 2048
+    _activation_kernel[(triton.cdiv(n, block),)](x, n, ACT=ACTIVATIONS[activation], BLOCK=block,
+                                                 num_warps=8)
+    return x

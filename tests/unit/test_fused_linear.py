@@ -1,0 +1,169 @@
+"""``epilogue_fusion`` on CPU: which Dynamo graph nodes the rewrite takes (HF CLIP's quick GELU,
+exact and tanh GELU) and which it leaves, that a rewritten graph computes what the original did
+(the op's PyTorch path runs here), the op's registration, and the option's checks. The Triton
+kernels, the per-shape timing and captured graphs are ``tests/gpu/test_fused_linear_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import vit_graph_backend
+from vit_graph_backend import VitGraphOptions
+from vit_graph_backend.errors import InvalidOptionError
+from vit_graph_backend.fused_linear import (
+    CHOICES,
+    fuse_linear_activations,
+    fused_epilogue_unavailable,
+    linear_act_reference,
+)
+
+DT = torch.bfloat16
+
+
+class _Mlp(nn.Module):
+    def __init__(self, act, width=32, hidden=64, bias=True):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(width, hidden, bias), nn.Linear(hidden, width), act
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _QuickGelu(nn.Module):  # HF's QuickGELUActivation, written the two ways Python allows
+    def __init__(self, scale_first=True, method=False):
+        super().__init__()
+        self.scale_first, self.method = scale_first, method
+
+    def forward(self, y):
+        scaled = 1.702 * y if self.scale_first else y * 1.702
+        return y * (scaled.sigmoid() if self.method else torch.sigmoid(scaled))
+
+
+def _rewrite(model, x):
+    """Trace ``model`` with Dynamo, rewrite its graph; returns (count, original out, rewritten
+    out, the rewritten graph's call targets)."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        original = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())  # the graph before
+        seen["original"] = original
+        seen["count"] = fuse_linear_activations(gm, example_inputs)
+        seen["targets"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        seen["args"] = example_inputs
+        return gm
+
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+        ref = seen["original"](*seen["args"])[0]   # Dynamo's graphs return a tuple
+    return seen["count"], ref, out, seen["targets"]
+
+
+OP = torch.ops.vitgraph.linear_act.default
+
+
+@pytest.mark.parametrize("act, name", [
+    (_QuickGelu(), "quick_gelu"),
+    (_QuickGelu(scale_first=False, method=True), "quick_gelu"),
+    (nn.GELU(), "gelu"),
+    (nn.GELU(approximate="tanh"), "gelu_tanh"),
+])
+def test_linear_then_gelu_becomes_one_op_with_the_same_result(act, name):
+    torch.manual_seed(0)
+    model = _Mlp(act).to(DT).eval()
+    count, ref, out, targets = _rewrite(model, torch.randn(3, 5, 32, dtype=DT))
+    assert count == 1
+    assert targets.count(OP) == 1 and targets.count(F.linear) == 1   # fc2 stays a linear
+    assert not {torch.sigmoid, F.gelu} & set(targets)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)   # the same ops, on CPU
+
+
+def test_hf_clip_every_mlp_is_rewritten_and_matches():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.CLIPVisionModel(cfg).to(DT).eval()
+    count, ref, out, _ = _rewrite(lambda x: model(pixel_values=x).last_hidden_state,
+                                  torch.randn(2, 3, 28, 28, dtype=DT))
+    assert count == 3
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["fp32", "odd width", "other constant", "y read again",
+                                  "erf-free gelu", "no activation"])
+def test_what_the_rewrite_leaves_alone(case):
+    torch.manual_seed(0)
+    act, dtype, hidden = _QuickGelu(), DT, 64
+    if case == "fp32":
+        dtype = torch.float32            # the kernel runs 16-bit floats only
+    elif case == "odd width":
+        hidden = 60                      # N not a multiple of 8: no 16-byte descriptor stride
+    elif case == "other constant":
+        act = _Lambda(lambda y: y * torch.sigmoid(1.5 * y))
+    elif case == "y read again":
+        act = _Lambda(lambda y: y * torch.sigmoid(1.702 * y) + y)
+    elif case == "erf-free gelu":
+        act = _Lambda(lambda y: 0.5 * y * (1 + torch.tanh(0.79788456 * (y + 0.044715 * y ** 3))))
+    elif case == "no activation":
+        act = nn.Identity()
+    model = _Mlp(act, hidden=hidden).to(dtype).eval()
+    count, ref, out, targets = _rewrite(model, torch.randn(4, 32, dtype=dtype))
+    assert count == 0 and OP not in targets
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+class _Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, y):
+        return self.fn(y)
+
+
+def test_the_op_has_a_fake_kernel_and_a_schema_torch_accepts():
+    x, w, b = torch.randn(6, 16, dtype=DT), torch.randn(8, 16, dtype=DT), torch.randn(8, dtype=DT)
+    before = CHOICES.state["chosen"]
+    for bias in (b, None):
+        torch.library.opcheck(OP, (x, w, bias, "quick_gelu"))
+        torch.testing.assert_close(OP(x, w, bias, "gelu"), linear_act_reference(x, w, bias, "gelu"),
+                                   rtol=0, atol=0)
+    assert CHOICES.state["chosen"] == before   # CPU tensors never reach the timing
+
+
+def test_reference_activations_are_the_textbook_formulas():
+    y = torch.linspace(-6, 6, 101, dtype=torch.float64)
+    eye = torch.eye(101, dtype=torch.float64)
+    torch.testing.assert_close(linear_act_reference(eye, y.diag(), None, "quick_gelu").diagonal(),
+                               y / (1 + torch.exp(-1.702 * y)))
+    torch.testing.assert_close(linear_act_reference(eye, y.diag(), None, "gelu").diagonal(),
+                               0.5 * y * (1 + torch.erf(y / 2 ** 0.5)))
+    tanh = 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3)))
+    torch.testing.assert_close(linear_act_reference(eye, y.diag(), None, "gelu_tanh").diagonal(),
+                               tanh)
+
+
+def test_option_is_checked_when_built():
+    assert VitGraphOptions().epilogue_fusion == "auto"
+    assert VitGraphOptions(epilogue_fusion="off").epilogue_fusion == "off"
+    with pytest.raises(InvalidOptionError, match=r"epilogue_fusion='on' is invalid.*'auto', 'off'"):
+        VitGraphOptions.from_compile_kwargs({"epilogue_fusion": "on"})
+
+
+def test_cpu_graph_is_left_alone_and_says_why(caplog):
+    assert "not a CUDA GPU" in fused_epilogue_unavailable(torch.device("cpu"))
+    torch.manual_seed(0)
+    model = _Mlp(_QuickGelu()).to(DT).eval()
+    x = torch.randn(4, 32, dtype=DT)
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend"), torch.no_grad():
+        out = torch.compile(model, backend="vitgraph")(x)
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    assert vit_graph_backend.report()["fused_linear_activations"] == 0
+    assert any("epilogue_fusion='auto' leaves linear layers" in r.message and "cpu" in r.message
+               for r in caplog.records)
