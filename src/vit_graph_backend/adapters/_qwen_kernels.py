@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidOptionError
-from ..options import EPILOGUE_FUSIONS
 from ..fused_linear import activation_of, linear_act
+from ..options import EPILOGUE_FUSIONS
 from ._aligned_mlp import AlignedMLPs, UntrackedWeights, mlp_linears
 from ._fused import Ops, fusion_available, ops
 
