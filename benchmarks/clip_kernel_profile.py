@@ -18,7 +18,6 @@ import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
-
 MODES = {"bf16": {}, "bf16-epilogue-off": {"epilogue_fusion": "off"},
          "fp8": {"quantization": "fp8"}}
 
