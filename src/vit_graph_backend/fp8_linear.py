@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from . import _compat
 from .errors import InvalidOptionError
+from .fused_linear import linear_layers
 
 __all__ = ["E4M3_MAX", "FP8_MIN_CAPABILITY", "Fp8Weights", "check_fp8_device", "fp8_linear",
            "graph_device", "quantize_linears", "quantize_rows", "quantize_weight"]
@@ -152,8 +152,7 @@ def quantize_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
 
     A layer is eligible when its weight is a parameter of two dimensions whose sizes are multiples
     of 16, and it returns a floating tensor. Others stay as they are (the count is logged).
-    Dynamo hands module parameters to backends as graph inputs (placeholders) on every supported
-    torch, so that is where weights are looked for.
+    Weights are found as :func:`~vit_graph_backend.fused_linear.linear_layers` says.
 
     The result is a new ``GraphModule`` over the rewritten graph, holding the FP8 weights as
     buffers. It does not carry Dynamo's module metadata: AOTAutograd matches every buffer of a
@@ -161,13 +160,8 @@ def quantize_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     buffers have none; as a plain module, its buffers are simply inputs of the compiled code.
     """
     weights = Fp8Weights()
-    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     kept = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not F.linear:
-            continue
-        x, weight_node, bias = _linear_args(node)
-        source = index.get(weight_node)
+    for node, (x, _, bias), source in linear_layers(gm):
         weight = None if source is None else example_inputs[source]
         out = _compat.example_value(node)
         if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2 or any(s % _ALIGN for s in weight.shape)
@@ -193,8 +187,3 @@ def quantize_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
              "parameters, or sides not multiples of %d)", len(weights.entries), kept, _ALIGN)
     return rewritten, weights
 
-
-def _linear_args(node: torch.fx.Node) -> list[Any]:
-    """``input``, ``weight`` and ``bias`` of an ``F.linear`` node, given by position or name."""
-    return [node.args[i] if i < len(node.args) else node.kwargs.get(name)
-            for i, name in enumerate(("input", "weight", "bias"))]

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 __all__ = ["ACTIVATIONS", "CHOICES", "LinearActChoices", "activation_of", "activation_reference",
            "fuse_linear_activations", "fused_epilogue_unavailable", "linear_act",
-           "linear_act_reference"]
+           "linear_act_reference", "linear_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -239,19 +239,29 @@ def _describe(key: tuple[Any, ...]) -> str:
 CHOICES = LinearActChoices()
 
 
+def linear_layers(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[Any], int | None]]:
+    """Each ``F.linear`` node of ``gm`` (a list: the caller may rewrite the graph) with its
+    ``[input, weight, bias]`` (given by position or name) and the weight's position among the
+    graph's inputs (``None`` when the weight is not an input). Dynamo hands module parameters to
+    backends as graph inputs (placeholders) on every supported torch, so that is where the graph
+    rewrites (this module's and ``fp8_linear.py``'s) look for weights."""
+    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    layers = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is F.linear:
+            args = [node.args[i] if i < len(node.args) else node.kwargs.get(name)
+                    for i, name in enumerate(("input", "weight", "bias"))]
+            layers.append((node, args, index.get(args[1])))
+    return layers
+
+
 def fuse_linear_activations(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     """Rewrite, in place, every ``act(F.linear(x, W, b))`` of ``gm`` whose weight is a 2-D
     bf16/fp16 graph input with both sides multiples of 8 into ``vitgraph::linear_act``; returns
-    how many. Dynamo hands module parameters to backends as placeholders, so that is where
-    weights are looked for (as in ``fp8_linear.py``)."""
-    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    how many (weights found as :func:`linear_layers` says)."""
     fused = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not F.linear:
-            continue
-        x, weight_node, bias = (node.args[i] if i < len(node.args) else node.kwargs.get(name)
-                                for i, name in enumerate(("input", "weight", "bias")))
-        weight = example_inputs[index[weight_node]] if weight_node in index else None
+    for node, (x, weight_node, bias), source in linear_layers(gm):
+        weight = None if source is None else example_inputs[source]
         if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in _DTYPES
                 or any(s % 8 for s in weight.shape)):
             continue

@@ -71,7 +71,7 @@ LAYERS: dict[str, set[str]] = {
     "packed": _RUNTIME_DEPS | {"runtime", "adapters", "inner"},
     "inner": {"options", "errors", "_compat"},
     # quantization="fp8": a rewrite of the traced graph, applied by the backend before `inner`.
-    "fp8_linear": {"errors", "_compat"},
+    "fp8_linear": {"errors", "_compat", "fused_linear"},
     # epilogue_fusion="auto": linear + GELU rewritten into one op (applied by the backend, called
     # by the adapters); its Triton kernels (imported only when a CUDA graph uses them) are the
     # private module below it.
