@@ -12,8 +12,15 @@ For each shape (rows, K, N, activation), on CUDA in bf16:
   overhead is out of the figures.
 - the fused kernel's and Inductor's max abs error against a float32 reference.
 
-Usage: python benchmarks/linear_act_probe.py [clip] (clip: CLIP-L's fc1 in the first two
-configurations only). Text to stdout and $OUT/linear_act_probe.txt.
+The gated form (``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)``, Qwen2.5-VL's MLP, width 3420): cuBLAS
+for each weight then Inductor's fused SiLU-mul (what the adapter ran before), cuBLAS on the packed
+gate/up weight (``fused_linear.pack_gated``, 2 x 3456 rows) then Inductor's SiLU-mul on its views
+or our SiLU-mul kernel, and the gated Triton kernel in each 256-wide tile configuration of
+``CONFIGS`` (and one warp-specialized).
+
+Usage: python benchmarks/linear_act_probe.py [clip | gated] (clip: CLIP-L's fc1 in the first two
+configurations only; gated: the gated shapes only). Text to stdout and
+$OUT/linear_act_probe.txt.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ ALL_SHAPES = {
     # SigLIP so400m/14-384: 729 tokens, hidden 1152, MLP 4304, tanh GELU
     "siglip fc1 b16": (16 * 729, 1152, 4304, "gelu_tanh"),
 }
+
+#: Qwen2.5-VL-3B's vision MLP: hidden 1280, gate and up 3420 wide padded to 3424, SiLU
+GATED_SHAPES = {f"qwen2.5 gate/up {rows} rows": (rows, 1280, 3420)
+                for rows in (1024, 4096, 16384)}
 
 REPEAT = 10
 #: ``--shapes clip``: only CLIP-L's fc1, for quick comparisons of tile configurations
@@ -115,9 +126,75 @@ def probe(name, rows, k, n, activation, lines):
                  f"{results['cublas+inductor act'] / best[0]:.2f}x")
 
 
+def probe_gated(name, rows, k, width, lines):
+    from vit_graph_backend.fused_linear import GATE_CHUNK, pack_gated
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gw, uw = (torch.randn(width, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
+              for _ in range(2))
+    gb, ub = (torch.randn(width, device="cuda", dtype=torch.bfloat16, generator=gen)
+              for _ in range(2))
+    pw, pb = pack_gated(gw, uw), pack_gated(gb, ub)
+    # the adapter's separate copies (epilogue_fusion="off"): zero-padded to a multiple of 8 rows
+    pad = -width % 8
+    gw8, uw8 = (F.pad(w, (0, 0, 0, pad)) for w in (gw, uw))
+    gb8, ub8 = (F.pad(b, (0, pad)) for b in (gb, ub))
+    ref = F.silu(F.linear(x.float(), gw.float(), gb.float())) * F.linear(x.float(), uw.float(),
+                                                                          ub.float())
+    flops = 2 * 2 * rows * k * width
+    silu_mul = torch.compile(lambda g, u: F.silu(g) * u, dynamic=False)
+
+    def separate():  # epilogue_fusion="off": two GEMMs on the padded copies + Inductor
+        return silu_mul(F.linear(x, gw8, gb8), F.linear(x, uw8, ub8))
+
+    def packed_views():  # epilogue_fusion="off" on the packed copy: one GEMM + Inductor on views
+        y = F.linear(x, pw, pb).unflatten(-1, (-1, 2, GATE_CHUNK))
+        return silu_mul(y[..., 0, :], y[..., 1, :]).flatten(-2)
+
+    results = {
+        "cublas x2 (padded to 8)": ms_per_call(lambda: (F.linear(x, gw8, gb8),
+                                                         F.linear(x, uw8, ub8))),
+        "cublas x2+inductor silu_mul": ms_per_call(separate),
+        "cublas packed": ms_per_call(lambda: F.linear(x, pw, pb)),
+        "cublas packed+inductor on views": ms_per_call(packed_views),
+        "cublas packed+our silu_mul": ms_per_call(
+            lambda: K.silu_mul_packed(F.linear(x, pw, pb), GATE_CHUNK)),
+    }
+    errors = {"cublas x2+inductor silu_mul": (separate()[:, :width].float() - ref).abs().max()
+              .item(),
+              "cublas packed+our silu_mul": (K.silu_mul_packed(F.linear(x, pw, pb), GATE_CHUNK)
+                                             [:, :width].float() - ref).abs().max().item()}
+    for cfg in [c for c in K.CONFIGS if c[1] == 2 * GATE_CHUNK] + [(128, 256, 64, 3, 8, 1, 1)]:
+        label = "gated " + "x".join(map(str, cfg))
+        try:
+            out = K.linear_act(x, pw, pb, "silu_mul", cfg)
+            errors[label] = (out[:, :width].float() - ref).abs().max().item()
+            results[label] = ms_per_call(lambda cfg=cfg: K.linear_act(x, pw, pb, "silu_mul", cfg))
+        except Exception as exc:  # a configuration that does not fit this shape
+            results[label] = float("nan")
+            errors[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+    lines.append(f"\n## {name}: rows {rows}, K {k}, width {width} (packed {pw.shape[0]}), "
+                 f"silu_mul ({flops / 1e9:.1f} GFLOP of the unpadded MLP)")
+    lines.append(f"{'mode':<40}{'ms':>9}{'TFLOP/s':>9}  max abs err vs fp32")
+    for label, ms in results.items():
+        err = errors.get(label, "")
+        err = f"{err:.2e}" if isinstance(err, float) else err
+        lines.append(f"{label:<40}{ms:9.4f}{flops / ms / 1e9:9.0f}  {err}")
+    best = min((v, k_) for k_, v in results.items() if k_.startswith("gated") and v == v)
+    base = results["cublas x2+inductor silu_mul"]
+    lines.append(f"best gated {best[1]} {best[0]:.4f} ms vs cublas x2+inductor silu_mul "
+                 f"{base:.4f} ms: {base / best[0]:.2f}x; vs cublas packed+inductor on views "
+                 f"{results['cublas packed+inductor on views'] / best[0]:.2f}x")
+
+
 def main():
     global SHAPES, CONFIGS
+    gated = dict(GATED_SHAPES)
+    if "gated" in sys.argv[1:]:
+        SHAPES = {}
     if "clip" in sys.argv[1:]:
+        gated = {}
         SHAPES = {k: v for k, v in ALL_SHAPES.items() if k.startswith("clip-l fc1")}
         CONFIGS = K.CONFIGS[:2]
     lines = [f"# linear + activation: cuBLAS + separate kernel vs one Triton GEMM with the "
@@ -125,6 +202,9 @@ def main():
              f"torch {torch.__version__}, bf16, ms per call in a CUDA graph of {REPEAT} calls"]
     for name, shape in SHAPES.items():
         probe(name, *shape, lines)
+        print("\n".join(lines[-12:]), flush=True)
+    for name, shape in gated.items():
+        probe_gated(name, *shape, lines)
         print("\n".join(lines[-12:]), flush=True)
     emit(lines, "linear_act_probe", echo=False)
 

@@ -6,18 +6,20 @@ Two calls issue 13's targets are about, each served from its CUDA graph and prof
 
 - the Qwen3-VL-8B-shaped tower on one 1312 x 1312 px image in the budget that fits it exactly
   (``budgets=[1681]``, ``max_items_per_graph=1``), with ``attention="varlen"`` and ``"dense"``;
-- the Qwen2.5-VL-3B-shaped tower on one image of 16,384 patches (defaults).
+- the Qwen2.5-VL-3B-shaped tower on one image of 16,384 patches (defaults, and with
+  ``epilogue_fusion="off"`` in part ``qwen25-epilogue-off``).
 
 Each row also gives the FLOP rate of the attention kernels (attention FLOPs counted as
 ``4 * rows^2 * hidden`` per full-attention layer, the window layers' as ``4 * rows * window_rows *
 hidden``) so the attention's distance from the matmul peak shows.
 
-Usage: python benchmarks/packed_kernel_profile.py. Text to stdout and
+Usage: python benchmarks/packed_kernel_profile.py [--parts qwen3,qwen25,qwen25-epilogue-off]. Text to stdout and
 $OUT/packed_kernel_profile.txt when $OUT is set.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import sys
 from pathlib import Path
@@ -71,10 +73,23 @@ def report(name: str, fn, attention_flops: float) -> list[str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="qwen3,qwen25")
+    parts = parser.parse_args().parts.split(",")
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; bf16, random "
              "weights; ms per call, summed over the graph's kernels"]
     # towers built outside inference_mode: inference-tensor weights turn the padded MLP copies
     # off (adapters/_aligned_mlp.py), which would not be the default configuration
+    if "qwen3" in parts:
+        lines += qwen3_rows()
+    for part, settings in (("qwen25", {}), ("qwen25-epilogue-off", {"epilogue_fusion": "off"})):
+        if part in parts:
+            lines += qwen25_rows(settings)
+    emit(lines, "packed_kernel_profile")
+
+
+def qwen3_rows() -> list[str]:
+    lines = []
     built = build_model(MODELS["qwen3-vl-8b"], device="cuda", dtype=torch.bfloat16,
                         dynamic_size=True)
     rows, hidden, depth = 82 * 82, 1152, 27
@@ -89,16 +104,19 @@ def main() -> None:
         del served
     del built
     torch.cuda.empty_cache()
-    served = serve(qwen25_tower())
+    return lines
+
+
+def qwen25_rows(settings: dict) -> list[str]:
+    served = serve(qwen25_tower(), **settings)
     rows, hidden = 128 * 128, 1280
     pv = torch.randn(rows, 1176, device="cuda", dtype=torch.bfloat16)
     grid = [[1, 128, 128]]
     window_rows = 8 * 8 * 4  # 112 px windows: 8 x 8 tokens of 4 rows
     flops = 4 * 4 * rows * rows * hidden + 28 * 4 * rows * window_rows * hidden
     with torch.inference_mode():
-        lines += report("qwen2.5-vl-3b, 16384 patches (default options)",
-                        lambda: served(pv, grid), flops)
-    emit(lines, "packed_kernel_profile")
+        return report(f"qwen2.5-vl-3b, 16384 patches ({settings or 'default options'})",
+                      lambda: served(pv, grid), flops)
 
 
 if __name__ == "__main__":

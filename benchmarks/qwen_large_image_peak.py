@@ -9,7 +9,10 @@ FLOPs per call are counted by PyTorch's ``FlopCounterMode`` on the HF tower's ea
 in the same run (``matmul_peak_tflops``). Times are medians of CUDA-synchronized calls after a
 warm-up (the served tower's first call captures its graphs).
 
-Usage: python benchmarks/qwen_large_image_peak.py [--reps 20]. Text to stdout and to
+``--modes`` picks among those and ``epilogue-off`` (``epilogue_fusion="off"``: the gated MLP's
+GEMMs through cuBLAS and a separate SiLU-mul kernel).
+
+Usage: python benchmarks/qwen_large_image_peak.py [--reps 20] [--modes vitgraph,varlen,...]. Text to stdout and to
 $OUT/qwen_large_image_peak.txt when $OUT is set.
 """
 
@@ -33,7 +36,10 @@ from vit_graph_backend.benchmarking.roofline import (  # noqa: E402
 )
 from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
 
-SIDES = (32, 64, 128)  # patches per side: 1,024 / 4,096 / 16,384 patches
+SIDES = (32, 64, 128)
+#: Each mode's serve() settings beside the defaults.
+SETTINGS = {"vitgraph": {}, "varlen": {"attention": "varlen"},
+            "1-item": {"max_items_per_graph": 1}, "epilogue-off": {"epilogue_fusion": "off"}}  # patches per side: 1,024 / 4,096 / 16,384 patches
 
 
 def median_ms(fn, reps: int) -> float:
@@ -47,16 +53,18 @@ def median_ms(fn, reps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--modes", default="vitgraph,varlen,1-item",
+                        help="comma-separated, from: " + ", ".join(SETTINGS))
     args = parser.parse_args()
     hf = tower()
-    modes = {"vitgraph": serve(hf), "varlen": serve(hf, attention="varlen"),
-             "1 item/graph": serve(hf, max_items_per_graph=1)}
+    modes = {name: serve(hf, **SETTINGS[name]) for name in args.modes.split(",")}
     peak = matmul_peak_tflops("cuda", torch.bfloat16)
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; Qwen2.5-VL-3B-"
              f"shaped tower, one image per call, bf16; matmul peak {peak:.0f} TFLOP/s (measured)",
              "vitgraph: defaults (segment kernel: "
-             f"{modes['vitgraph'].encoder.attention_state['segments']}); varlen: "
-             "attention='varlen'; each mode: ms, fraction of peak",
+             f"{next(iter(modes.values())).encoder.attention_state['segments']}); "
+             + "; ".join(f"{name}: {SETTINGS[name]}" for name in modes)
+             + "; each mode: ms, fraction of peak",
              f"{'patches':>8}{'GFLOP':>9}{'eager':>16}"
              + "".join(f"{name:>22}" for name in modes) + f"{'speed-up':>10}"]
     with torch.inference_mode():

@@ -76,6 +76,9 @@ def run(mode, model, calls):
         elif mode == "vitgraph":
             served = serve(model, max_items_per_graph=4)
             fn = served
+        elif mode == "vitgraph-epilogue-off":  # MLPs' first half not through fused_linear
+            served = serve(model, max_items_per_graph=4, epilogue_fusion="off")
+            fn = served
         elif mode == "vitgraph-varlen":  # flash varlen for full attention too
             served = serve(model, max_items_per_graph=4, attention="varlen")
             fn = served

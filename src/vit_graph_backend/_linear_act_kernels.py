@@ -9,6 +9,12 @@ through bias and activation and is rounded to the output dtype once.
 
 ``activation_`` is the same epilogue as a separate pointwise kernel, in place: what runs after a
 cuBLAS GEMM where that pair is the faster one for a shape.
+
+``silu_mul`` is the gated form of a SiLU-gated MLP's first half: the weight packs the gate and up
+projections in alternating chunks of ``BN // 2`` rows (``fused_linear.pack_gated``), so each output
+tile's accumulator holds a gate half and the matching up half, and the epilogue writes only
+``silu(gate) * up``, half as wide. ``silu_mul_packed`` is that epilogue as a separate kernel after
+a cuBLAS GEMM on the same packed weight.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act"]
+__all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act", "silu_mul_packed"]
 
-#: Activation name -> the code the kernels branch on (0 is none).
-ACTIVATIONS = {"none": 0, "quick_gelu": 1, "gelu": 2, "gelu_tanh": 3}
+#: Activation name -> the code the kernels branch on (0 is none; 4 the gated form).
+ACTIVATIONS = {"none": 0, "quick_gelu": 1, "gelu": 2, "gelu_tanh": 3, "silu_mul": 4}
+_GATED = 4
 
 #: Tile configurations (BM, BN, BK, stages, warps, warp-specialized, split store) that
 #: ``benchmarks/linear_act_probe.py`` times; the first is the default. Also tried on an H100 and
@@ -60,6 +67,11 @@ def _act(x, ACT: tl.constexpr, APPROX: tl.constexpr):
 
 
 @triton.jit
+def _silu(x, APPROX: tl.constexpr):
+    return 0.5 * x * (1.0 + _tanh(0.5 * x, APPROX))  # x * sigmoid(x), as in _act
+
+
+@triton.jit
 def _tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
     width = GROUP_M * num_n
     first_m = (tile // width) * GROUP_M
@@ -89,13 +101,16 @@ def _linear_act_kernel(x_desc, w_desc, out_desc, bias_ptr, M, N, K,
         if HAS_BIAS:
             cols = on + tl.arange(0, BN)
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        acc = _act(acc, ACT, APPROX)
-        if SPLIT_STORE:  # two half-width stores: half the shared memory the copy out needs
+        if ACT == 4:  # the tile's first half of columns is a gate chunk, its second the up chunk
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            out_desc.store([om, pn * (BN // 2)], (_silu(gate, APPROX) * up).to(out_desc.dtype))
+        elif SPLIT_STORE:  # two half-width stores: half the shared memory the copy out needs
+            acc = _act(acc, ACT, APPROX)
             lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             out_desc.store([om, on], lo.to(out_desc.dtype))
             out_desc.store([om, on + BN // 2], hi.to(out_desc.dtype))
         else:
-            out_desc.store([om, on], acc.to(out_desc.dtype))
+            out_desc.store([om, on], _act(acc, ACT, APPROX).to(out_desc.dtype))
 
 
 @triton.jit
@@ -104,6 +119,17 @@ def _activation_kernel(x_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
     tl.store(x_ptr + offs, _act(x, ACT, False).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_packed_kernel(y_ptr, out_ptr, n, width, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row, col = offs // width, offs % width
+    src = row * (2 * width) + (col // CHUNK) * (2 * CHUNK) + col % CHUNK
+    g = tl.load(y_ptr + src, mask=mask).to(tl.float32)
+    u = tl.load(y_ptr + src + CHUNK, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offs, (_silu(g, False) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -116,17 +142,23 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                approx: bool = True) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` for 2-D contiguous ``x`` ([M, K]) and ``weight`` ([N, K]) of
     one 16-bit dtype, ``K`` and ``N`` multiples of 8 (the descriptors' 16-byte strides).
-    ``approx``: the GELUs' tanh as the hardware's approximate instruction."""
+    ``approx``: the GELUs' tanh as the hardware's approximate instruction. ``"silu_mul"``: the
+    gated form, ``weight`` packed in chunks of ``BN // 2`` rows (``N`` a multiple of ``BN``),
+    output ``[M, N // 2]``."""
     bm, bn, bk, stages, warps, specialize, split = config
     m, k = x.shape
+    gated = ACTIVATIONS[activation] == _GATED
+    if gated and weight.shape[0] % bn:
+        raise ValueError(f"a packed gated weight of {weight.shape[0]} rows does not split into "
+                         f"tiles of {bn}")
     n = weight.shape[0]
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    out = torch.empty((m, n // 2 if gated else n), device=x.device, dtype=x.dtype)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
     _linear_act_kernel[(min(sms, tiles),)](
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn // 2 if split else bn]),
+        TensorDescriptor.from_tensor(out, [bm, bn // 2 if split or gated else bn]),
         out if bias is None else bias, m, n, k,
         HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], BM=bm, BN=bn, BK=bk,
         GROUP_M=8, NUM_SMS=sms, WARP_SPECIALIZE=bool(specialize), SPLIT_STORE=bool(split),
@@ -141,3 +173,15 @@ def activation_(x: torch.Tensor, activation: str) -> torch.Tensor:
     _activation_kernel[(triton.cdiv(n, block),)](x, n, ACT=ACTIVATIONS[activation], BLOCK=block,
                                                  num_warps=8)
     return x
+
+
+def silu_mul_packed(y: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``silu(gate) * up`` of ``y`` (contiguous ``[M, 2 * W]``: gate and up columns alternating
+    in chunks of ``chunk``), computed in fp32, as a new ``[M, W]`` tensor."""
+    width = y.shape[-1] // 2
+    out = torch.empty((*y.shape[:-1], width), device=y.device, dtype=y.dtype)
+    n = out.numel()
+    block = 2048
+    _silu_mul_packed_kernel[(triton.cdiv(n, block),)](y, out, n, width, CHUNK=chunk, BLOCK=block,
+                                                      num_warps=8)
+    return out

@@ -29,10 +29,11 @@ from . import _compat
 from .batched import BatchedGraphEncoder
 from .errors import InvalidOptionError
 from .fp8_linear import Fp8Weights, check_fp8_device, graph_device, quantize_linears
-from .fused_linear import fuse_linear_activations, fused_epilogue_unavailable
-from .inner import compile_inner, inner_compiler_name
-from .options import VitGraphOptions
+from .fused_linear import fused_epilogue_unavailable
 from .graph_report import summarize
+from .inner import compile_inner, inner_compiler_name
+from .linear_rewrite import fuse_linear_activations
+from .options import VitGraphOptions
 from .packed import live_served
 
 __all__ = ["VitGraphBackend", "register", "report", "vitgraph"]

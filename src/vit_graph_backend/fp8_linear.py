@@ -35,7 +35,7 @@ import torch
 
 from . import _compat
 from .errors import InvalidOptionError
-from .fused_linear import linear_layers
+from .linear_rewrite import linear_layers
 
 __all__ = ["E4M3_MAX", "FP8_MIN_CAPABILITY", "Fp8Weights", "check_fp8_device", "fp8_linear",
            "graph_device", "quantize_linears", "quantize_rows", "quantize_weight"]
@@ -152,7 +152,7 @@ def quantize_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
 
     A layer is eligible when its weight is a parameter of two dimensions whose sizes are multiples
     of 16, and it returns a floating tensor. Others stay as they are (the count is logged).
-    Weights are found as :func:`~vit_graph_backend.fused_linear.linear_layers` says.
+    Weights are found as :func:`~vit_graph_backend.linear_rewrite.linear_layers` says.
 
     The result is a new ``GraphModule`` over the rewritten graph, holding the FP8 weights as
     buffers. It does not carry Dynamo's module metadata: AOTAutograd matches every buffer of a

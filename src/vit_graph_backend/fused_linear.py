@@ -4,10 +4,10 @@ Inductor runs ``act(F.linear(x, W, b))`` as a cuBLAS GEMM and a separate pointwi
 reads and writes the whole intermediate again; its own Triton GEMM templates, which could take the
 activation into their epilogue, lost to cuBLAS at every MLP shape of CLIP ViT-L/14-336
 (``benchmarks/results/clip_l14_336_fixed_batch_inductor_gemm_autotune_*``), so it never fuses.
-:func:`fuse_linear_activations` rewrites the traced graph before the inner compiler sees it: each
-``F.linear`` whose only consumer is an activation this module knows (HF's quick GELU
+``linear_rewrite.fuse_linear_activations`` rewrites the traced graph before the inner compiler
+sees it: each ``F.linear`` whose only consumer is an activation this module knows (HF's quick GELU
 ``y * sigmoid(1.702 y)``, exact GELU, tanh GELU) becomes one call of the custom op
-``vitgraph::linear_act``.
+``vitgraph::linear_act`` defined here.
 
 The op picks, per shape, between a Triton GEMM with bias and activation in its epilogue (two tile
 configurations, ``_linear_act_kernels.py``) and cuBLAS followed by an in-place activation kernel,
@@ -16,6 +16,15 @@ capture (the runtime's warm-up runs before each capture are such runs); a shape 
 a capture takes cuBLAS + activation and is timed at its next run outside one. The fused kernel
 wins on the large GPU-bound shapes (CLIP-L fc1 at 48 images: 0.38 against 0.49 ms) and cuBLAS on
 small ones (ViT-B fc1 at 8 images); ``benchmarks/results/linear_act_probe_*`` has the table.
+
+A SiLU-gated MLP's first half, ``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` (Qwen2.5-VL's vision
+blocks), is the op ``vitgraph::linear_silu_mul`` on one weight that packs the gate and up
+projections in alternating chunks of :data:`GATE_CHUNK` rows (:func:`pack_gated`): a 128x256 tile
+of that GEMM holds a gate chunk and its up chunk, so the Triton kernel's epilogue writes only the
+gated product, half as wide, and the GEMM itself runs at the speed of one wide GEMM (two separate
+narrow ones were slower; ``benchmarks/results/linear_act_probe_gated_*``). Its rival per shape is
+cuBLAS on the packed weight followed by one SiLU-mul kernel. The packed adapters call it
+(``adapters/_aligned_mlp.py`` keeps the packed copies); the graph rewrite does not look for it.
 
 Where the fused path cannot run (no CUDA, a GPU older than Hopper's tensor memory accelerator, no
 Triton, an operand the kernel's descriptors cannot address), the op computes the same thing with
@@ -26,33 +35,41 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import statistics
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "CHOICES", "LinearActChoices", "activation_of", "activation_reference",
-           "fuse_linear_activations", "fused_epilogue_unavailable", "linear_act",
-           "linear_act_reference", "linear_layers"]
+__all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATE_CHUNK", "GATED", "LinearActChoices",
+           "activation_of", "activation_reference", "fused_epilogue_unavailable", "gated_width",
+           "linear_act", "linear_act_reference", "linear_silu_mul", "linear_silu_mul_reference",
+           "pack_gated"]
 
 log = logging.getLogger(__name__)
 
 #: The activations the op takes (``_linear_act_kernels.ACTIVATIONS`` codes them for the kernels).
 ACTIVATIONS: tuple[str, ...] = ("quick_gelu", "gelu", "gelu_tanh")
+#: The gated form's name where the choices and kernels name an activation.
+GATED = "silu_mul"
+#: Rows of the gate, then of the up projection, that alternate in a packed gated weight: half
+#: the fused kernel's tile width.
+GATE_CHUNK = 128
 #: Fused tile configurations timed per shape (``_linear_act_kernels.CONFIGS`` says the fields).
 #: 128x256 won every large shape of the probe, 128x128 the small ones
 #: (``benchmarks/linear_act_probe.py``).
 FUSED_CONFIGS: tuple[tuple[int, ...], ...] = ((128, 256, 64, 3, 8, 0, 1),
                                               (128, 256, 64, 4, 8, 0, 1),
                                               (128, 128, 64, 4, 8, 0, 1))
+#: The gated form's configurations: a tile is ``2 * GATE_CHUNK`` wide (one gate and one up chunk).
+GATED_CONFIGS: tuple[tuple[int, ...], ...] = ((128, 256, 64, 3, 8, 0, 1),
+                                              (128, 256, 64, 4, 8, 0, 1))
 #: The tensor memory accelerator the kernel loads through: Hopper (9.0) and newer.
 MIN_CAPABILITY = (9, 0)
-_DTYPES = (torch.bfloat16, torch.float16)
-_UNFUSED = "cublas+activation"
+#: The dtypes the fused kernels take.
+DTYPES = (torch.bfloat16, torch.float16)
+_UNFUSED = "cublas+activation"  # cuBLAS, then one activation (or SiLU-mul) kernel
 _PYTORCH = "pytorch"  # what runs when neither Triton path does for a shape
 _TIMED_RUNS = 5
 #: Shapes timed at most: past this (an eager fallback meeting a new row count at every call,
@@ -71,6 +88,44 @@ def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          activation: str) -> torch.Tensor:
     """What the rewritten nodes computed, in PyTorch's ops."""
     return activation_reference(F.linear(x, weight, bias), activation)
+
+
+def gated_width(width: int) -> int:
+    """The packed width of a gated MLP ``width`` wide: a multiple of :data:`GATE_CHUNK`."""
+    return -(-width // GATE_CHUNK) * GATE_CHUNK
+
+
+def pack_gated(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """The gate and up projections' weights (``[W, K]`` each) or biases (``[W]``) packed for
+    :func:`linear_silu_mul`: ``[2 * gated_width(W), ...]``, chunks of :data:`GATE_CHUNK` rows
+    alternating gate, up, gate, up..., zero rows past ``W`` in each. Written into ``out`` when
+    given (whose padding rows must already be zero: only the real rows are written)."""
+    width, rest = gate.shape[0], tuple(gate.shape[1:])
+    padded = gated_width(width)
+    if out is None:
+        out = gate.new_zeros((2 * padded, *rest))
+    chunks = out.view(padded // GATE_CHUNK, 2, GATE_CHUNK, *rest)
+    full, tail = divmod(width, GATE_CHUNK)
+    for half, src in enumerate((gate, up)):
+        chunks[:full, half].copy_(src[:full * GATE_CHUNK].view(full, GATE_CHUNK, *rest))
+        if tail:
+            chunks[full, half, :tail].copy_(src[full * GATE_CHUNK:])
+    return out
+
+
+def linear_silu_mul_reference(x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear_silu_mul` in PyTorch's ops."""
+    y = F.linear(x, weight, bias).unflatten(-1, (-1, 2, GATE_CHUNK))
+    return (F.silu(y[..., 0, :]) * y[..., 1, :]).flatten(-2)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str) -> torch.Tensor:
+    if activation == GATED:
+        return linear_silu_mul_reference(x, weight, bias)
+    return linear_act_reference(x, weight, bias, activation)
 
 
 def activation_of(module: Any) -> str | None:
@@ -109,6 +164,35 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.vitgraph.linear_act.default(x, weight, bias, activation)
 
 
+def _check_packed(weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.shape[0] % (2 * GATE_CHUNK):
+        raise ValueError(f"linear_silu_mul takes a weight packed by pack_gated: 2-D with rows a "
+                         f"multiple of {2 * GATE_CHUNK}, not of shape {tuple(weight.shape)}")
+
+
+@torch.library.custom_op("vitgraph::linear_silu_mul", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+def _linear_silu_mul_op(x, weight, bias):
+    _check_packed(weight)
+    return CHOICES.run(x, weight, bias, GATED)
+
+
+@_linear_silu_mul_op.register_fake
+def _(x, weight, bias):
+    _check_packed(weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu)`` through the op
+    ``vitgraph::linear_silu_mul``, with ``weight``/``bias`` the two projections packed by
+    :func:`pack_gated` (the result is ``gated_width(W)`` wide; its padding columns are zero): the
+    faster of the gated Triton GEMM and cuBLAS + a SiLU-mul kernel per shape on a Hopper GPU,
+    PyTorch's ops elsewhere."""
+    return torch.ops.vitgraph.linear_silu_mul.default(x, weight, bias)
+
+
 def fused_epilogue_unavailable(device: torch.device | None) -> str | None:
     """Why the fused kernel cannot run on ``device`` (``None``: it can)."""
     if device is None or device.type != "cuda":
@@ -131,44 +215,50 @@ def _kernels() -> tuple[Any, str | None]:
         return None, f"Triton's kernels do not import ({type(exc).__name__}: {exc})"
 
 
+#: What runs for a shape: ``_UNFUSED``, ``_PYTORCH`` or a fused tile configuration.
+Choice = str | tuple[int, ...]
+
+
 class LinearActChoices:
     """Which way each shape runs, timed once per shape (thread-safe; one per process)."""
 
     def __init__(self) -> None:
-        #: (device index, dtype, rows, K, N, activation, has bias) -> "cublas+activation" or
-        #: "fused " and the tile configuration's fields joined by "x" (``CONFIGS``' order)
-        self.chosen: dict[tuple[Any, ...], str] = {}
-        #: fused configuration -> why it failed to compile or run (not tried again)
-        self.refused: dict[tuple[int, ...], str] = {}
+        #: (device index, dtype, rows, K, N, activation, has bias) -> ``_UNFUSED``, ``_PYTORCH``
+        #: or a fused tile configuration (``CONFIGS``' fields)
+        self.chosen: dict[tuple[Any, ...], Choice] = {}
+        #: (gated, fused configuration) -> why it failed to compile or run (not tried again)
+        self.refused: dict[tuple[bool, tuple[int, ...]], str] = {}
         self._lock = threading.Lock()
 
     @property
     def state(self) -> dict[str, Any]:
         """Shapes timed and what won each, and refused configurations with their reasons."""
         with self._lock:
-            return {"chosen": {_describe(k): v for k, v in self.chosen.items()},
-                    "refused": {"x".join(map(str, c)): why for c, why in self.refused.items()}}
+            return {"chosen": {_describe(k): _name(v) for k, v in self.chosen.items()},
+                    "refused": {_name(c).removeprefix("fused ") + (" gated" if gated else ""): why
+                                for (gated, c), why in self.refused.items()}}
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             activation: str) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if not self._fusable(rows, weight, bias):
-            return linear_act_reference(x, weight, bias, activation)
-        key = (x.device.index, x.dtype, *rows.shape, weight.shape[0], activation,
-               bias is not None)
-        with self._lock, torch.cuda.device(x.device):
-            choice = self.chosen.get(key)
-            if (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
-                    and not torch.cuda.is_current_stream_capturing()):
-                choice = self.chosen[key] = self._time(rows, weight, bias, activation)
+            return _reference(x, weight, bias, activation)
+        n = weight.shape[0] // 2 if activation == GATED else weight.shape[0]
+        key = (x.device.index, x.dtype, *rows.shape, n, activation, bias is not None)
         with torch.cuda.device(x.device):  # Triton launches on the current device
-            out = self._launch(choice or _UNFUSED, rows, weight, bias, activation)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+            with self._lock:
+                choice = self.chosen.get(key)
+                if (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
+                        and not torch.cuda.is_current_stream_capturing()):
+                    choice = self.chosen[key] = self._time(rows, weight, bias, activation)
+            out = self._launch(_UNFUSED if choice is None else choice, rows, weight, bias,
+                               activation)
+        return out.reshape(*x.shape[:-1], n)
 
     @staticmethod
     def _fusable(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         # the descriptors need 16-byte aligned bases and row strides
-        return (rows.is_cuda and rows.dtype in _DTYPES and weight.dtype == rows.dtype
+        return (rows.is_cuda and rows.dtype in DTYPES and weight.dtype == rows.dtype
                 and rows.is_contiguous() and weight.is_contiguous() and rows.shape[0] > 0
                 and rows.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
                 and rows.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
@@ -176,23 +266,27 @@ class LinearActChoices:
                 and _kernels()[0] is not None
                 and tuple(torch.cuda.get_device_capability(rows.device)) >= MIN_CAPABILITY)
 
-    def _launch(self, choice: str, rows: torch.Tensor, weight: torch.Tensor,
+    @staticmethod
+    def _launch(choice: Choice, rows: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, activation: str) -> torch.Tensor:
         kernels = _kernels()[0]
         if choice == _PYTORCH:
-            return linear_act_reference(rows, weight, bias, activation)
+            return _reference(rows, weight, bias, activation)
         if choice == _UNFUSED:
+            if activation == GATED:
+                return kernels.silu_mul_packed(F.linear(rows, weight, bias), GATE_CHUNK)
             return kernels.activation_(F.linear(rows, weight, bias), activation)
-        config = tuple(int(v) for v in choice.split()[1].split("x"))
-        return kernels.linear_act(rows, weight, bias, activation, config)
+        return kernels.linear_act(rows, weight, bias, activation, choice)
 
     def _time(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              activation: str) -> str:
+              activation: str) -> Choice:
         """The fastest way for this shape (median of CUDA-event timed runs on the current
         stream); each candidate also runs once before, which compiles its kernel."""
-        candidates = [_UNFUSED] + [f"fused {'x'.join(map(str, c))}" for c in FUSED_CONFIGS
-                                   if c not in self.refused]
-        times = {}
+        gated = activation == GATED
+        candidates: list[Choice] = [_UNFUSED, *(
+            c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
+            if (gated, c) not in self.refused)]
+        times: dict[Choice, float] = {}
         for choice in candidates:
             try:
                 self._launch(choice, rows, weight, bias, activation)
@@ -201,19 +295,24 @@ class LinearActChoices:
             except Exception as exc:  # a kernel this GPU or Triton cannot build
                 reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
                 if choice == _UNFUSED:
-                    log.warning("vitgraph: the activation kernel after cuBLAS failed at %d x %d "
-                                "-> %d (%s)", *rows.shape, weight.shape[0], reason)
+                    log.warning("vitgraph: the %s kernel after cuBLAS failed at %d x %d -> %d "
+                                "(%s)", activation, *rows.shape, weight.shape[0], reason)
                     continue
-                config = tuple(int(v) for v in choice.split()[1].split("x"))
-                self.refused[config] = reason
-                log.warning("vitgraph: fused linear+activation tile %s refused (%s); not tried "
-                            "again", choice.split()[1], reason)
+                self.refused[(gated, choice)] = reason  # type: ignore[index]
+                log.warning("vitgraph: fused linear+%s tile %s refused (%s); not tried again",
+                            activation, _name(choice), reason)
         if not times:
             return _PYTORCH
         best = min(times, key=times.__getitem__)
         log.debug("vitgraph: linear+%s at %d x %d -> %d: %s (%s)", activation, *rows.shape,
-                  weight.shape[0], best, ", ".join(f"{k} {v:.4f} ms" for k, v in times.items()))
+                  weight.shape[0], _name(best),
+                  ", ".join(f"{_name(k)} {v:.4f} ms" for k, v in times.items()))
         return best
+
+
+def _name(choice: Choice) -> str:
+    """``"cublas+activation"``, ``"pytorch"`` or ``"fused "`` and the tile's fields."""
+    return choice if isinstance(choice, str) else "fused " + "x".join(map(str, choice))
 
 
 def _median_ms(fn: Any) -> float:
@@ -237,88 +336,3 @@ def _describe(key: tuple[Any, ...]) -> str:
 
 #: The process's choices (shapes are the same whichever graph meets them).
 CHOICES = LinearActChoices()
-
-
-def linear_layers(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[Any], int | None]]:
-    """Each ``F.linear`` node of ``gm`` (a list: the caller may rewrite the graph) with its
-    ``[input, weight, bias]`` (given by position or name) and the weight's position among the
-    graph's inputs (``None`` when the weight is not an input). Dynamo hands module parameters to
-    backends as graph inputs (placeholders) on every supported torch, so that is where the graph
-    rewrites (this module's and ``fp8_linear.py``'s) look for weights."""
-    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
-    layers = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is F.linear:
-            args = [node.args[i] if i < len(node.args) else node.kwargs.get(name)
-                    for i, name in enumerate(("input", "weight", "bias"))]
-            layers.append((node, args, index.get(args[1])))
-    return layers
-
-
-def fuse_linear_activations(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
-    """Rewrite, in place, every ``act(F.linear(x, W, b))`` of ``gm`` whose weight is a 2-D
-    bf16/fp16 graph input with both sides multiples of 8 into ``vitgraph::linear_act``; returns
-    how many (weights found as :func:`linear_layers` says)."""
-    fused = 0
-    for node, (x, weight_node, bias), source in linear_layers(gm):
-        weight = None if source is None else example_inputs[source]
-        if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in _DTYPES
-                or any(s % 8 for s in weight.shape)):
-            continue
-        match = _activation_after(node)
-        if match is None:
-            continue
-        activation, chain = match
-        with gm.graph.inserting_before(chain[-1]):
-            new = gm.graph.call_function(torch.ops.vitgraph.linear_act.default,
-                                         (x, weight_node, bias, activation))
-        new.meta.update(chain[-1].meta)
-        chain[-1].replace_all_uses_with(new)
-        for dead in reversed((node, *chain)):  # users before what they read
-            gm.graph.erase_node(dead)
-        fused += 1
-    if fused:
-        gm.graph.lint()
-        gm.recompile()
-    return fused
-
-
-def _activation_after(linear: torch.fx.Node) -> tuple[str, list[torch.fx.Node]] | None:
-    """``(activation, its nodes in order)`` when ``linear``'s users are one activation whose
-    inner nodes nothing else reads."""
-    users = list(linear.users)
-    if len(users) == 1 and _is_call(users[0], F.gelu, "gelu") and users[0].args[0] is linear:
-        gelu = users[0]
-        approximate = gelu.kwargs.get("approximate", gelu.args[1] if len(gelu.args) > 1 else "none")
-        if approximate in ("none", "tanh"):
-            return ("gelu" if approximate == "none" else "gelu_tanh"), [gelu]
-    if len(users) != 2:  # quick GELU: y * sigmoid(1.702 * y)
-        return None
-    scaled = next((u for u in users if _is_mul(u) and _other(u, linear) == 1.702), None)
-    if scaled is None or len(scaled.users) != 1:
-        return None
-    sig = next(iter(scaled.users))
-    if (not _is_call(sig, torch.sigmoid, "sigmoid") or sig.args[0] is not scaled
-            or len(sig.users) != 1):
-        return None
-    last = next(iter(sig.users))
-    if last in users and _is_mul(last) and _other(last, linear) is sig:
-        return "quick_gelu", [scaled, sig, last]
-    return None
-
-
-def _is_call(node: torch.fx.Node, fn: Any, method: str) -> bool:
-    return ((node.op == "call_function" and node.target is fn)
-            or (node.op == "call_method" and node.target == method))
-
-
-def _is_mul(node: torch.fx.Node) -> bool:
-    return ((node.op == "call_function" and node.target in (operator.mul, torch.mul))
-            or (node.op == "call_method" and node.target == "mul"))
-
-
-def _other(node: torch.fx.Node, value: torch.fx.Node) -> Any:
-    """The operand of a two-operand node that is not ``value`` (``None`` if neither is)."""
-    a, b = (list(node.args) + [None, None])[:2]
-    return b if a is value else a if b is value else None
-

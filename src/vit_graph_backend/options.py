@@ -117,7 +117,8 @@ class VitGraphOptions:
             GPU into one op that runs, per shape, whichever was timed faster the first time the
             shape ran: a Triton GEMM with bias and activation in its epilogue, or cuBLAS and a
             separate activation kernel (``fused_linear.py``). ``"off"`` leaves the layers to the
-            inner compiler.
+            inner compiler. Packed towers (``serve``) take it too (``adapters/_qwen_kernels.py``:
+            GELU MLPs, and SiLU-gated ones as one GEMM on a packed gate/up weight).
 
     Example::
 

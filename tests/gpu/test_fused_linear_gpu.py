@@ -14,7 +14,16 @@ import torch
 
 import vit_graph_backend
 from vit_graph_backend import fused_linear
-from vit_graph_backend.fused_linear import CHOICES, FUSED_CONFIGS, linear_act_reference
+from vit_graph_backend.fused_linear import (
+    CHOICES,
+    FUSED_CONFIGS,
+    GATE_CHUNK,
+    GATED,
+    GATED_CONFIGS,
+    linear_act_reference,
+    linear_silu_mul_reference,
+    pack_gated,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(fused_linear.fused_epilogue_unavailable(
@@ -23,6 +32,7 @@ pytestmark = [pytest.mark.gpu,
 
 DEV, DT = "cuda", torch.bfloat16
 OP = torch.ops.vitgraph.linear_act.default
+GATED_OP = torch.ops.vitgraph.linear_silu_mul.default
 
 
 def _operands(rows, k, n, seed=0, bias=True):
@@ -37,12 +47,14 @@ def _fp32(x, w, b, activation):
     return linear_act_reference(x.float(), w.float(), None if b is None else b.float(), activation)
 
 
-def _bf16_close(out, ref):
-    """Within bf16's rounding of the result (8 bits of mantissa: 2**-8 relative) plus the fp32
-    accumulation's order; the unfused path rounds the GEMM's output once more before its
-    activation, hence the factor 2."""
+def _bf16_close(out, ref, roundings=2):
+    """Within bf16's rounding of the result (8 bits of mantissa: up to 2**-8 relative) plus the
+    fp32 accumulation's order; the unfused path rounds the GEMM's output once more before its
+    activation, hence 2 roundings; the gated form's unfused path rounds the gate and the up
+    projection before their product (and SiLU's slope reaches 1.1), hence 4 for it. The 1e-2
+    absolute term covers the approximate tanh where 1 + tanh cancels (large negative inputs)."""
     err = (out.float() - ref).abs()
-    bound = 2 * 2.0 ** -8 * ref.abs() + 1e-2
+    bound = roundings * 2.0 ** -8 * ref.abs() + 1e-2
     assert (err <= bound).all(), f"max error {err.max().item():.3e}"
 
 
@@ -66,6 +78,81 @@ def test_separate_activation_kernel_matches(activation):
     y = torch.randn(1001, 72, device=DEV, dtype=DT) * 4
     ref = linear_act_reference(torch.eye(72, device=DEV), y.float(), None, activation).t()
     _bf16_close(K.activation_(y.clone(), activation), ref)
+
+
+def _gated_operands(rows, k, width, seed, bias=True):
+    """x and the packed gate/up weight and bias (``pack_gated``) of a ``width``-wide MLP."""
+    x, gw, gb = _operands(rows, k, width, seed=seed, bias=bias)
+    _, uw, ub = _operands(rows, k, width, seed=seed + 100, bias=bias)
+    return x, pack_gated(gw, uw), pack_gated(gb, ub) if bias else None
+
+
+def _gated_fp32(x, weight, bias):
+    return linear_silu_mul_reference(x.float(), weight.float(),
+                                     None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("config", GATED_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("bias", [True, False])
+def test_gated_kernel_matches_fp32_reference(config, bias):
+    from vit_graph_backend import _linear_act_kernels as K
+
+    # 392 wide: packed to 2 x 512 rows, the last chunk partly padding; rows not a tile multiple
+    x, w, b = _gated_operands(3 * 577, 256, 392, seed=11, bias=bias)
+    out = K.linear_act(x, w, b, GATED, config)
+    assert out.shape == (3 * 577, 512) and out.dtype == DT
+    _bf16_close(out, _gated_fp32(x, w, b), roundings=4)
+    assert not out[:, 392:].any()
+
+
+def test_separate_silu_mul_kernel_matches():
+    from vit_graph_backend import _linear_act_kernels as K
+
+    y = torch.randn(1001, 2 * 384, device=DEV, dtype=DT) * 4
+    ref = linear_silu_mul_reference(y.float(), torch.eye(2 * 384, device=DEV), None)
+    _bf16_close(K.silu_mul_packed(y, GATE_CHUNK), ref, roundings=4)
+
+
+@pytest.mark.parametrize("forced", [None, "cublas+activation", GATED_CONFIGS[0]],
+                         ids=["timed", "unfused", "fused"])
+def test_a_gated_shape_is_timed_once_and_replays_right_in_a_graph(forced, monkeypatch):
+    x, w, b = _gated_operands(4 * 256 + 5, 128, 264, seed=15)
+    if forced is not None:   # each way runs in the graph, whichever the timing would pick
+        monkeypatch.setitem(CHOICES.chosen, (x.device.index, DT, x.shape[0], 128, 384, GATED,
+                                             True), forced)
+    key = f"cuda:{x.device.index} bfloat16 {x.shape[0]}x128 -> 384 silu_mul +bias"
+    _bf16_close(GATED_OP(x, w, b), _gated_fp32(x, w, b), roundings=4)
+    choice = CHOICES.state["chosen"][key]
+    assert choice.split()[0] in ("fused", "cublas+activation")
+    static = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = GATED_OP(static, w, b)
+    for seed in (17, 18):
+        static.copy_(_operands(static.shape[0], 128, 264, seed=seed)[0])
+        g.replay()
+        torch.cuda.synchronize()
+        _bf16_close(captured, _gated_fp32(static, w, b), roundings=4)
+    assert CHOICES.state["chosen"][key] == choice
+
+
+def test_gated_operands_the_kernel_cannot_take_run_the_reference():
+    _, w, b = _gated_operands(64, 128, 200, seed=19)
+    strided = torch.randn(64, 256, device=DEV, dtype=DT)[:, ::2]   # not contiguous
+    before = dict(CHOICES.state["chosen"])
+    out = GATED_OP(strided, w, b)
+    assert torch.equal(out, linear_silu_mul_reference(strided, w, b))   # PyTorch's ops ran
+    assert CHOICES.state["chosen"] == before                            # never timed
+
+
+def test_gated_fused_wins_at_qwen2_5_vl_large_images():
+    """Qwen2.5-VL-3B's MLP at one 16,384-patch image: the probe measured the gated kernel
+    faster than cuBLAS on the packed weight + the SiLU-mul kernel
+    (``benchmarks/results/linear_act_probe_gated_*``); the timing must pick it."""
+    x, w, b = _gated_operands(16384, 1280, 3420, seed=21)
+    GATED_OP(x, w, b)
+    key = f"cuda:{x.device.index} bfloat16 16384x1280 -> 3456 silu_mul +bias"
+    assert CHOICES.state["chosen"][key].startswith("fused"), CHOICES.state["chosen"][key]
 
 
 def test_a_shape_is_timed_once_outside_a_capture_and_replays_right():
@@ -193,13 +280,16 @@ def test_kernels_that_fail_leave_the_shape_to_pytorch(monkeypatch):
         def linear_act(*args, **kwargs):
             raise RuntimeError("out of resources")
 
-        activation_ = linear_act
+        activation_ = silu_mul_packed = linear_act
 
     monkeypatch.setattr(fused_linear, "_kernels", lambda: (Broken, None))
     choices = fused_linear.LinearActChoices()
     x, w, b = _operands(333, 64, 128, seed=9)
     out = choices.run(x, w, b, "quick_gelu")
-    assert list(choices.state["chosen"].values()) == ["pytorch"]
+    _, pw, pb = _gated_operands(333, 64, 128, seed=10)
+    gated = choices.run(x, pw, pb, GATED)
+    assert list(choices.state["chosen"].values()) == ["pytorch", "pytorch"]
     assert set(choices.state["refused"].values()) == {"RuntimeError: out of resources"}
-    assert len(choices.state["refused"]) == len(FUSED_CONFIGS)
+    assert len(choices.state["refused"]) == len(FUSED_CONFIGS) + len(GATED_CONFIGS)
     _bf16_close(out, _fp32(x, w, b, "quick_gelu"))
+    assert torch.equal(gated, linear_silu_mul_reference(x, pw, pb))

@@ -101,16 +101,18 @@ def test_served_tower_matches_hf_in_bf16(kind):
     assert fusion["unavailable"].get("cuda") is None and fusion["compile_failures"] == {}, fusion
     assert mgr.num_graphs == len(mgr.token_budgets) == mgr.get_num_graphs_to_capture()
     assert mgr.stats.graph_replays > 0 and mgr.stats.eager_items == 0
-    # fc2(gelu(fc1 x)) MLPs run fc1 + GELU through fused_linear's op, timed per budget's rows
-    gelu = {"qwen2": "quick_gelu", "qwen3": "gelu_tanh"}.get(kind)
-    assert served.encoder.kernels.gelu == gelu
-    if gelu is not None:
-        from vit_graph_backend.adapters._aligned_mlp import mlp_linears
-        from vit_graph_backend.fused_linear import CHOICES
+    # each MLP's first half runs through fused_linear's ops (fc1 + GELU, or the SiLU gate on
+    # the padded width), timed per budget's rows
+    from vit_graph_backend.adapters._aligned_mlp import mlp_linears
+    from vit_graph_backend.fused_linear import CHOICES, gated_width
 
-        width = mlp_linears(tower.blocks[0].mlp)[0][0].out_features
-        assert any(k.endswith(f"x64 -> {width} {gelu} +bias")
-                   for k in CHOICES.state["chosen"]), CHOICES.state
+    epilogue = {"qwen2": "quick_gelu", "qwen2_5": "silu_mul", "qwen3": "gelu_tanh"}[kind]
+    assert served.encoder.kernels.epilogue == epilogue
+    width = mlp_linears(tower.blocks[0].mlp)[0][0].out_features
+    if epilogue == "silu_mul":   # the packed gate/up copy: 122 -> 128 wide
+        width = gated_width(width)
+    assert any(k.endswith(f"x64 -> {width} {epilogue} +bias")
+               for k in CHOICES.state["chosen"]), CHOICES.state
 
 
 @torch.no_grad()

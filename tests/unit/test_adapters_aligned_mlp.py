@@ -3,7 +3,10 @@ kept in step when the tower's weights change, padded storage never moved (a capt
 it), and a clear error for a bad value.
 
 The tiny Qwen2.5-VL tower here has ``intermediate_size=42`` (not a multiple of 8, like the real
-3420), so ``align_mlp=True`` pads it to 48. Tolerance: padding adds exact zeros, but a wider GEMM
+3420), so ``align_mlp=True`` pads it to 48 with ``epilogue_fusion="off"``; with the default
+``"auto"`` its gate and up weights are one packed copy, 2 x 128 rows (``fused_linear.pack_gated``),
+which the plain path reads as one GEMM and two views, and the graph path through
+``fused_linear.linear_silu_mul`` (PyTorch's ops on CPU). Tolerance: padding adds exact zeros, but a wider GEMM
 may sum in another order: float32 outputs of magnitude ~10 agree to 1e-5 (measured ~2e-6).
 """
 
@@ -56,7 +59,7 @@ GRIDS = [(1, 4, 4), (1, 8, 4), (2, 4, 8)]
 @torch.no_grad()
 def test_padded_mlp_matches_the_hf_tower_and_holds_the_expected_bytes():
     hf = _tower()
-    adapter = adapt(hf, align_mlp=True)
+    adapter = adapt(hf, align_mlp=True, epilogue_fusion="off")
     pv, grid = _call(GRIDS)
     torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
     # per block: gate and up (48 x 32 weight + 48 bias each), down (32 x 48 weight + 32 bias)
@@ -69,6 +72,30 @@ def test_padded_mlp_matches_the_hf_tower_and_holds_the_expected_bytes():
     # the adapter really reads the copies: nudge one (the tower is unchanged, so no refresh)
     adapter.kernels.aligned.weights[0].out_bias.add_(1.0)
     assert not torch.allclose(adapter(pv, grid), hf(pv, grid).pooler_output, atol=1e-2)
+
+
+@torch.no_grad()
+def test_packed_gate_up_copy_matches_the_hf_tower_on_both_paths():
+    hf = _tower()
+    adapter = adapt(hf, align_mlp=True)   # epilogue_fusion="auto": a SiLU-gated MLP is packed
+    assert adapter.kernels.epilogue == "silu_mul" and adapter.kernels.aligned.gated
+    pv, grid = _call(GRIDS)
+    torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    # per block: packed gate/up (256 x 32 weight + 256 bias), down (32 x 128 weight + 32 bias)
+    per_block = (256 * HIDDEN + 256) + (HIDDEN * 128 + HIDDEN)
+    assert adapter.aligned_mlp_bytes == DEPTH * per_block * 4
+    for block, weights in zip(hf.blocks, adapter.kernels.aligned.weights):
+        ((weight, bias),) = weights.ins
+        mlp = block.mlp
+        for rows, proj in ((slice(0, 128), mlp.gate_proj), (slice(128, 256), mlp.up_proj)):
+            assert torch.equal(weight[rows][:WIDTH], proj.weight)      # chunk 0: gate, then up
+            assert torch.equal(bias[rows][:WIDTH], proj.bias)
+            assert not weight[rows][WIDTH:].any() and not bias[rows][WIDTH:].any()
+        assert not weights.out_weight[:, WIDTH:].any()
+    # the graph path runs the op (PyTorch's ops here) on the same copy: same numbers as HF
+    served = PackedGraphEncoder(adapt(hf, align_mlp=True, fuse=True), max_items_per_graph=2,
+                                budgets=[16, 64])
+    torch.testing.assert_close(served(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
 
 
 @torch.no_grad()

@@ -639,13 +639,15 @@ def test_compiled_served_tower_traces_the_compute_once_and_never_the_routing(tow
     assert vitgraph.report()["compiles"] == 0
 
 
-def test_gelu_mlps_run_fc1_and_gelu_as_one_op_where_fusion_is_on(towers, monkeypatch):
+def test_mlps_run_their_first_half_as_one_op_where_fusion_is_on(towers, monkeypatch):
     """Towers whose MLP is ``fc2(gelu(fc1 x))`` run ``fc1`` + GELU through ``fused_linear``'s
-    op on the graph path with fusion on (on CPU the op computes with PyTorch's ops, so the output
-    still equals HF's); gated MLPs (Qwen2.5-VL) and the eager path never call it."""
+    ``linear_act`` op on the graph path with fusion on, gated MLPs (Qwen2.5-VL) their
+    ``silu(gate x) * up x`` through ``linear_silu_mul`` on the packed copy (``align_mlp=True``
+    has the copies on CPU too; on CPU the ops compute with PyTorch's ops, so the output still
+    equals HF's); the eager path never calls them."""
     from vit_graph_backend import fused_linear
 
-    expected = {"qwen2": "quick_gelu", "qwen2_5": None, "qwen3": "gelu_tanh"}
+    expected = {"qwen2": "quick_gelu", "qwen2_5": "silu_mul", "qwen3": "gelu_tanh"}
     calls: list[str] = []
     run = fused_linear.CHOICES.run
 
@@ -654,17 +656,15 @@ def test_gelu_mlps_run_fc1_and_gelu_as_one_op_where_fusion_is_on(towers, monkeyp
         return run(x, weight, bias, activation)
 
     monkeypatch.setattr(fused_linear.CHOICES, "run", counting)
-    for family, gelu in expected.items():
+    for family, epilogue in expected.items():
         hf, _ = towers[family]
-        adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, fuse=True)
-        assert adapter.kernels.gelu == gelu, family
+        adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, fuse=True,
+                        align_mlp=True)
+        assert adapter.kernels.epilogue == epilogue, family
         calls.clear()
         _serve_mixed_call(hf, adapter)   # checks the served output against HF's
         depth = len(hf.blocks)
-        if gelu is None:
-            assert calls == [], family
-        else:
-            assert calls and set(calls) == {gelu} and len(calls) % depth == 0, (family, calls)
+        assert calls and set(calls) == {epilogue} and len(calls) % depth == 0, (family, calls)
         calls.clear()
         with torch.no_grad():   # the eager path: the tower's own modules
             adapter(*_inputs(MIXED_CALL, seed=5).values())
@@ -679,8 +679,8 @@ def test_epilogue_fusion_off_reaches_the_adapter_through_serve(towers):
     off = serve(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, epilogue_fusion="off")
     via_options = serve(hf, VitGraphOptions(min_budget=MIN_BUDGET, max_budget=MAX_BUDGET,
                                             epilogue_fusion="off"))
-    assert on.encoder.kernels.gelu == "gelu_tanh"
-    assert off.encoder.kernels.gelu is None and via_options.encoder.kernels.gelu is None
+    assert on.encoder.kernels.epilogue == "gelu_tanh"
+    assert off.encoder.kernels.epilogue is None and via_options.encoder.kernels.epilogue is None
     assert off.manager.options.epilogue_fusion == "off"
     with pytest.raises(InvalidOptionError, match="epilogue_fusion='never'"):
         adapt(hf, epilogue_fusion="never")

@@ -38,7 +38,7 @@ _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors"
 #: What ``backend`` may import: every layer below it.
 _BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
                                          "batched_layout", "packed", "inner", "fp8_linear",
-                                         "fused_linear"}
+                                         "fused_linear", "linear_rewrite"}
 
 #: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
@@ -71,11 +71,13 @@ LAYERS: dict[str, set[str]] = {
     "packed": _RUNTIME_DEPS | {"runtime", "adapters", "inner"},
     "inner": {"options", "errors", "_compat"},
     # quantization="fp8": a rewrite of the traced graph, applied by the backend before `inner`.
-    "fp8_linear": {"errors", "_compat", "fused_linear"},
-    # epilogue_fusion="auto": linear + GELU rewritten into one op (applied by the backend, called
-    # by the adapters); its Triton kernels (imported only when a CUDA graph uses them) are the
-    # private module below it.
+    "fp8_linear": {"errors", "_compat", "linear_rewrite"},
+    # epilogue_fusion="auto": linear + GELU (or a SiLU gate) as one op, called by the adapters
+    # and by the graphs the rewrite below makes; its Triton kernels (imported only when a CUDA
+    # graph uses them) are the private module below it.
     "fused_linear": {"_linear_act_kernels"},
+    # The backend's graph rewrites' walk over linear layers, and linear + GELU -> the op.
+    "linear_rewrite": {"fused_linear"},
     "_linear_act_kernels": set(),
     "backend": _BELOW_BACKEND,
     "__init__": _BELOW_BACKEND | {"backend", "hf", "parallel", "assignment"},

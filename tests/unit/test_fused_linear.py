@@ -18,10 +18,14 @@ from vit_graph_backend import VitGraphOptions
 from vit_graph_backend.errors import InvalidOptionError
 from vit_graph_backend.fused_linear import (
     CHOICES,
-    fuse_linear_activations,
     fused_epilogue_unavailable,
+    gated_width,
     linear_act_reference,
+    linear_silu_mul,
+    linear_silu_mul_reference,
+    pack_gated,
 )
+from vit_graph_backend.linear_rewrite import fuse_linear_activations
 
 DT = torch.bfloat16
 
@@ -134,6 +138,43 @@ def test_the_op_has_a_fake_kernel_and_a_schema_torch_accepts():
         torch.library.opcheck(OP, (x, w, bias, "quick_gelu"))
         torch.testing.assert_close(OP(x, w, bias, "gelu"), linear_act_reference(x, w, bias, "gelu"),
                                    rtol=0, atol=0)
+    assert CHOICES.state["chosen"] == before   # CPU tensors never reach the timing
+
+
+def test_pack_gated_alternates_chunks_of_gate_and_up_rows_and_pads_with_zeros():
+    gate = torch.arange(200 * 3, dtype=torch.float32).view(200, 3) + 1
+    up = -gate
+    packed = pack_gated(gate, up)
+    assert packed.shape == (512, 3) and gated_width(200) == 256 and gated_width(256) == 256
+    torch.testing.assert_close(packed[:128], gate[:128])            # chunk 0: gate, then up
+    torch.testing.assert_close(packed[128:256], up[:128])
+    torch.testing.assert_close(packed[256:328], gate[128:])         # chunk 1: 72 real rows
+    torch.testing.assert_close(packed[384:456], up[128:])
+    assert not packed[328:384].any() and not packed[456:].any()
+    biases = pack_gated(gate[:, 0], up[:, 0])
+    torch.testing.assert_close(biases, packed[:, 0])
+
+
+def test_the_gated_op_has_a_fake_kernel_and_computes_silu_gate_times_up():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 16, dtype=DT, generator=gen)
+    gw, uw = (torch.randn(200, 16, dtype=DT, generator=gen) for _ in range(2))
+    gb, ub = (torch.randn(200, dtype=DT, generator=gen) for _ in range(2))
+    before = CHOICES.state["chosen"]
+    for bias in (pack_gated(gb, ub), None):
+        weight = pack_gated(gw, uw)
+        torch.library.opcheck(torch.ops.vitgraph.linear_silu_mul.default, (x, weight, bias))
+        gate, up = x.float() @ gw.float().T, x.float() @ uw.float().T
+        if bias is not None:
+            gate, up = gate + gb.float(), up + ub.float()
+        expected = gate / (1 + torch.exp(-gate)) * up       # silu(gate) * up, the textbook way
+        out = linear_silu_mul(x, weight, bias)
+        assert out.shape == (2, 3, 256) and out.dtype == DT
+        torch.testing.assert_close(out[..., :200].float(), expected, rtol=2e-2, atol=2e-2)
+        assert not out[..., 200:].any()                   # the padding columns are zero
+        torch.testing.assert_close(out, linear_silu_mul_reference(x, weight, bias), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"packed by pack_gated.*multiple of 256.*\(200, 16\)"):
+        linear_silu_mul(x, gw, gb)
     assert CHOICES.state["chosen"] == before   # CPU tensors never reach the timing
 
 

@@ -8,6 +8,12 @@ activations hold is multiplied by zero) and on an H100 makes the 32 MLPs of the 
 at 4096 rows (18.7 -> 6.9 ms; ``benchmarks/diagnose.py mlp``). Padding to a multiple of 8 measured
 the same as a multiple of 64, so the pad is the smallest that aligns.
 
+A SiLU-gated MLP whose first half runs through ``fused_linear.linear_silu_mul`` (``gated=True``)
+keeps its gate and up weights as one packed copy instead (``fused_linear.pack_gated``: chunks of
+128 rows alternating, the width padded to a multiple of 128, 3420 -> 3456): one GEMM of twice the
+width, whose fused epilogue writes only ``silu(gate) * up``. The plain path reads the same copy as
+one cuBLAS GEMM and takes the gate and up halves as views.
+
 The padded tensors are copies (the tower's own parameters are left alone, so saving, loading and
 ``.to()`` behave as before); :meth:`AlignedMLPs.refresh` brings them in step with the originals
 whenever a parameter was written in place or replaced, copying into the same padded storage so a
@@ -29,9 +35,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..budgets import ceil_div
-from ..fused_linear import linear_act
+from ..fused_linear import (
+    GATE_CHUNK,
+    GATED,
+    gated_width,
+    linear_act,
+    linear_silu_mul,
+    pack_gated,
+)
 
-__all__ = ["ALIGNMENT", "AlignedMLPs", "MLPWeights", "UntrackedWeights", "intermediate_size"]
+__all__ = ["ALIGNMENT", "AlignedMLPs", "MLPWeights", "UntrackedWeights", "intermediate_size",
+           "is_silu", "mlp_linears"]
 
 #: Elements per row that make a bf16/fp16 GEMM operand 16-byte aligned.
 ALIGNMENT = 8
@@ -74,7 +88,8 @@ def _install_registration_hook() -> None:
             _hook_installed = True
 
 
-def _is_silu(act: object) -> bool:
+def is_silu(act: object) -> bool:
+    """Whether ``act`` is a SiLU module."""
     # transformers 5 wraps F.silu in its own SiLUActivation; older releases used nn.SiLU
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
@@ -119,9 +134,11 @@ class AlignedMLPs:
 
     Args:
         mlps: each block's MLP module (all of one shape).
+        gated: keep a gate/up MLP's two in projections as one packed copy (see the module's
+            docstring); ignored for fc1/fc2 MLPs.
     """
 
-    def __init__(self, mlps: Sequence[nn.Module]) -> None:
+    def __init__(self, mlps: Sequence[nn.Module], gated: bool = False) -> None:
         self.mlps = list(mlps)
         shapes = {_shape(m) for m in self.mlps}
         if len(shapes) != 1 or None in shapes:
@@ -129,7 +146,10 @@ class AlignedMLPs:
         self.ins, self.out = shapes.pop()  # type: ignore[misc]
         width = getattr(self.mlps[0], self.out).in_features
         self.width = width
-        self.padded_width = ceil_div(width, ALIGNMENT) * ALIGNMENT
+        #: the gate and up projections packed into one weight (``fused_linear.pack_gated``)
+        self.gated = gated and len(self.ins) == 2
+        self.padded_width = (gated_width(width) if self.gated
+                             else ceil_div(width, ALIGNMENT) * ALIGNMENT)
         self.weights: list[MLPWeights] = []
         self._fingerprint: tuple | None = None
         self._param_list: list[torch.Tensor] | None = None
@@ -139,10 +159,13 @@ class AlignedMLPs:
         _install_registration_hook()
 
     @staticmethod
-    def needed(mlps: Sequence[nn.Module]) -> bool:
-        """True if the MLPs have a known shape whose intermediate width is misaligned."""
+    def needed(mlps: Sequence[nn.Module], gated: bool = False) -> bool:
+        """True if the MLPs have a known shape whose intermediate width is misaligned, or
+        ``gated`` and they are gate/up MLPs (the packed copy is wanted whatever the width)."""
         widths = {intermediate_size(m) for m in mlps}
-        return len(widths) == 1 and None not in widths and widths.pop() % ALIGNMENT != 0
+        if len(widths) != 1 or None in widths:
+            return False
+        return widths.pop() % ALIGNMENT != 0 or (gated and len(_shape(mlps[0])[0]) == 2)
 
     @property
     def nbytes(self) -> int:
@@ -187,7 +210,9 @@ class AlignedMLPs:
                                               for w in self.weights}:
                 self.weights = [self._allocate(mlp) for mlp in self.mlps]
             for mlp, w in zip(self.mlps, self.weights):
-                for name, (weight, bias) in zip(self.ins, w.ins):
+                if self.gated:
+                    self._pack(mlp, w)
+                for name, (weight, bias) in zip(() if self.gated else self.ins, w.ins):
                     linear = getattr(mlp, name)
                     weight[:self.width].copy_(linear.weight)
                     if bias is not None:
@@ -200,14 +225,27 @@ class AlignedMLPs:
         self._fingerprint = fingerprint
         return True
 
+    def _pack(self, mlp: nn.Module, w: MLPWeights) -> None:
+        gate, up = (getattr(mlp, name) for name in self.ins)
+        (weight, bias), = w.ins
+        pack_gated(gate.weight, up.weight, out=weight)
+        if bias is not None:  # a missing one of the two biases is zeros
+            pack_gated(*(torch.zeros_like(weight[:self.width, 0]) if b is None else b
+                         for b in (gate.bias, up.bias)), out=bias)
+
     def _allocate(self, mlp: nn.Module) -> MLPWeights:
-        def zeros_like_padded(t: torch.Tensor, dim: int) -> torch.Tensor:
+        def zeros_like_padded(t: torch.Tensor, dim: int, scale: int = 1) -> torch.Tensor:
             shape = list(t.shape)
-            shape[dim] = self.padded_width
+            shape[dim] = self.padded_width * scale
             return torch.zeros(shape, device=t.device, dtype=t.dtype)
 
         ins = []
-        for name in self.ins:
+        if self.gated:
+            gate, up = (getattr(mlp, name) for name in self.ins)
+            bias = gate.bias if gate.bias is not None else up.bias
+            ins.append((zeros_like_padded(gate.weight, 0, 2),
+                        None if bias is None else zeros_like_padded(bias, 0, 2)))
+        for name in () if self.gated else self.ins:
             linear = getattr(mlp, name)
             ins.append((zeros_like_padded(linear.weight, 0),
                         None if linear.bias is None else zeros_like_padded(linear.bias, 0)))
@@ -217,19 +255,29 @@ class AlignedMLPs:
 
     def forward(self, layer: int, x: torch.Tensor,
                 silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                gelu: str | None = None) -> torch.Tensor:
+                epilogue: str | None = None) -> torch.Tensor:
         """Block ``layer``'s MLP on ``x`` with the padded weights (same math as the module).
         ``silu_mul(gate, up)``, if given, replaces ``act(gate) * up`` when ``act`` is SiLU;
-        ``gelu``, if given, runs ``act(fc1 x)`` as ``fused_linear.linear_act`` (``act`` is that
-        GELU: ``_qwen_kernels`` checked)."""
+        ``epilogue`` (``_qwen_kernels`` checked it names ``act``), if given, runs the first half
+        through ``fused_linear``'s ops: ``fused_linear.GATED`` as ``linear_silu_mul``, a GELU's
+        name as ``linear_act``."""
         mlp, w = self.mlps[layer], self.weights[layer]
         act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.act
-        if len(w.ins) == 2:
+        if self.gated:
+            ((pw, pb),) = w.ins
+            if epilogue == GATED:
+                hidden = linear_silu_mul(x, pw, pb)
+            else:  # one GEMM; its gate and up chunks as views
+                y = F.linear(x, pw, pb).unflatten(-1, (-1, 2, GATE_CHUNK))
+                gate, up = y[..., 0, :], y[..., 1, :]
+                hidden = (silu_mul(gate, up) if silu_mul is not None and is_silu(act)
+                          else act(gate) * up).flatten(-2)
+        elif len(w.ins) == 2:
             (gw, gb), (uw, ub) = w.ins
             gate, up = F.linear(x, gw, gb), F.linear(x, uw, ub)
-            hidden = silu_mul(gate, up) if silu_mul is not None and _is_silu(act) else (
+            hidden = silu_mul(gate, up) if silu_mul is not None and is_silu(act) else (
                 act(gate) * up)
         else:
             ((fw, fb),) = w.ins
-            hidden = linear_act(x, fw, fb, gelu) if gelu else act(F.linear(x, fw, fb))
+            hidden = linear_act(x, fw, fb, epilogue) if epilogue else act(F.linear(x, fw, fb))
         return F.linear(hidden, w.out_weight, w.out_bias)

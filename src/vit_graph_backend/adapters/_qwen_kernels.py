@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ..errors import InvalidOptionError
-from ..fused_linear import activation_of, linear_act
+from ..fused_linear import GATED, activation_of, linear_act
 from ..options import EPILOGUE_FUSIONS
-from ._aligned_mlp import AlignedMLPs, UntrackedWeights, mlp_linears
+from ._aligned_mlp import AlignedMLPs, UntrackedWeights, is_silu, mlp_linears
 from ._fused import Ops, fusion_available, ops
 
 __all__ = ["KernelChoices"]
@@ -30,14 +30,18 @@ class KernelChoices:
 
     Args:
         mlps: the tower's MLP modules, one per block.
-        align_mlp: ``None`` pads misaligned MLP weights on CUDA only; ``True`` everywhere;
-            ``False`` never.
+        align_mlp: ``None`` uses padded (or packed) MLP weight copies on CUDA only; ``True``
+            everywhere; ``False`` never.
         fuse: ``None`` fuses the graph path's elementwise ops where Triton is available;
             ``True`` everywhere (Inductor's C++ code on CPU); ``False`` never.
         epilogue_fusion: ``"auto"``: with fusion on, an ``fc2(gelu(fc1 x))`` MLP (Qwen2-VL's
             quick GELU, Qwen3-VL's tanh GELU) runs its ``fc1`` and GELU as ``fused_linear``'s
             op: one GEMM with the GELU in its epilogue where that was timed faster on the shape
-            (Hopper and newer), cuBLAS and one activation kernel otherwise; ``"off"``: never.
+            (Hopper and newer), cuBLAS and one activation kernel otherwise; a SiLU-gated MLP
+            (Qwen2.5-VL) runs ``silu(gate x) * up x`` through its gated op the same way, from a
+            packed gate/up copy (``_aligned_mlp``; so not with ``align_mlp=False`` nor with
+            inference-tensor weights, where the tower's own MLP runs); ``"off"``: never, and
+            gated MLPs keep separate padded gate and up copies as before.
 
     Raises:
         InvalidOptionError: for a value other than ``True``, ``False`` or ``None``.
@@ -57,15 +61,19 @@ class KernelChoices:
             raise InvalidOptionError(f"epilogue_fusion={epilogue_fusion!r} is invalid: must be "
                                      f"one of {EPILOGUE_FUSIONS}")
         self.align_mlp, self.fuse = align_mlp, fuse
-        #: the zero-padded weight copies, or ``None`` when every MLP width is aligned already
-        self.aligned = AlignedMLPs(mlps) if AlignedMLPs.needed(mlps) else None
+        #: what the MLP's first half runs through ``fused_linear``'s ops: the GELU of an fc1/fc2
+        #: MLP (``fused_linear.ACTIVATIONS``), ``fused_linear.GATED`` for a SiLU-gated one (from
+        #: the packed copies, so only where those are in use), or ``None`` (another MLP, or
+        #: ``epilogue_fusion="off"``)
+        self.epilogue = _epilogue_of(mlps[0]) if mlps and epilogue_fusion == "auto" else None
+        gated = self.epilogue == GATED
+        #: the zero-padded (for the gated op: packed) weight copies, or ``None`` when every MLP
+        #: width is aligned already and no packed copy is wanted
+        self.aligned = AlignedMLPs(mlps, gated) if AlignedMLPs.needed(mlps, gated) else None
         self.use_aligned = False
         #: why the padded copies are off although asked for (inference-tensor weights), or None
         self.untracked: str | None = None
         self._fusion_reason: dict[str, str | None] = {}
-        #: the GELU of fc1/fc2 MLPs (``fused_linear.ACTIVATIONS``) run through the fused op, or
-        #: ``None`` (another MLP, or ``epilogue_fusion="off"``)
-        self.gelu = _gelu_of(mlps[0]) if mlps and epilogue_fusion == "auto" else None
 
     def sync(self, device: torch.device) -> None:
         """Decide whether the padded MLP weights are used on ``device`` and bring them up to
@@ -86,12 +94,12 @@ class KernelChoices:
 
     def mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Block ``layer``'s MLP: from the padded copies when in use, else the tower's own."""
-        gelu = self.gelu if fns is not ops(False) else None   # only where fusion is on
+        epilogue = self.epilogue if fns is not ops(False) else None   # only where fusion is on
         if self.use_aligned and self.aligned is not None:
-            return self.aligned.forward(layer, x, fns.silu_mul, gelu)
-        if gelu is not None:
+            return self.aligned.forward(layer, x, fns.silu_mul, epilogue)
+        if epilogue is not None and epilogue != GATED:
             (fc1,), fc2 = mlp_linears(block.mlp)
-            return fc2(linear_act(x, fc1.weight, fc1.bias, gelu))
+            return fc2(linear_act(x, fc1.weight, fc1.bias, epilogue))
         return block.mlp(x)
 
     def ops_for(self, device: torch.device, graph: bool) -> Ops:
@@ -121,9 +129,13 @@ class KernelChoices:
                 "compile_failures": ops(True).failures() if self.fuse is not False else {}}
 
 
-def _gelu_of(mlp: nn.Module) -> str | None:
-    """The GELU of an ``fc2(act(fc1 x))`` MLP as ``fused_linear`` names it, else ``None``."""
+def _epilogue_of(mlp: nn.Module) -> str | None:
+    """The GELU of an ``fc2(act(fc1 x))`` MLP as ``fused_linear`` names it, ``GATED`` for a
+    ``down(silu(gate x) * up x)`` one, else ``None``."""
     linears = mlp_linears(mlp)
-    if linears is None or len(linears[0]) != 1:
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "act", None)
+    if linears is None:
         return None
-    return activation_of(getattr(mlp, "act_fn", None) or getattr(mlp, "act", None))
+    if len(linears[0]) == 2:
+        return GATED if is_silu(act) else None
+    return activation_of(act)

@@ -90,8 +90,10 @@ class _QwenVisionAdapter(nn.Module):
         epilogue_fusion: ``"auto"`` (default): with ``fuse`` on, an ``fc2(gelu(fc1 x))`` MLP
             (Qwen2-VL, Qwen3-VL) runs ``fc1`` and its GELU as one op that takes, per shape, the
             faster of a GEMM with the GELU in its epilogue and cuBLAS + one activation kernel
-            (``fused_linear``); ``"off"``: the tower's own modules. The ``VitGraphOptions``
-            field of the same name: ``serve()`` hands it to both.
+            (``fused_linear``), and a SiLU-gated MLP (Qwen2.5-VL) its ``silu(gate x) * up x``
+            the same way from a packed gate/up copy (``_aligned_mlp``); ``"off"``: the tower's
+            own modules (or separate padded copies). The ``VitGraphOptions`` field of the same
+            name: ``serve()`` hands it to both.
     """
 
     #: fully qualified name of the wrapped class (checked at construction).
