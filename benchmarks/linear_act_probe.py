@@ -82,6 +82,17 @@ def ms_per_call(fn):
     return statistics.median(times)
 
 
+def table(lines, title, flops, results, errors):
+    """One shape's section: ms, TFLOP/s and max error per mode (an error string where a mode
+    failed)."""
+    lines.append(f"\n## {title}")
+    lines.append(f"{'mode':<40}{'ms':>9}{'TFLOP/s':>9}  max abs err vs fp32")
+    for label, ms in results.items():
+        err = errors.get(label, "")
+        err = f"{err:.2e}" if isinstance(err, float) else err
+        lines.append(f"{label:<40}{ms:9.4f}{flops / ms / 1e9:9.0f}  {err}")
+
+
 def probe(name, rows, k, n, activation, lines):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -112,13 +123,8 @@ def probe(name, rows, k, n, activation, lines):
         except Exception as exc:  # a configuration that does not fit this shape
             results[label] = float("nan")
             errors[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
-    lines.append(f"\n## {name}: rows {rows}, K {k}, N {n}, {activation} "
-                 f"({flops / 1e9:.1f} GFLOP)")
-    lines.append(f"{'mode':<40}{'ms':>9}{'TFLOP/s':>9}  max abs err vs fp32")
-    for label, ms in results.items():
-        err = errors.get(label, "")
-        err = f"{err:.2e}" if isinstance(err, float) else err
-        lines.append(f"{label:<40}{ms:9.4f}{flops / ms / 1e9:9.0f}  {err}")
+    table(lines, f"{name}: rows {rows}, K {k}, N {n}, {activation} ({flops / 1e9:.1f} GFLOP)",
+          flops, results, errors)
     best = min((v, k_) for k_, v in results.items()
                if k_.startswith("fused") and k_.count(" ") == 1 and v == v)
     lines.append(f"best fused {best[1]} {best[0]:.4f} ms vs cublas+inductor act "
@@ -174,13 +180,8 @@ def probe_gated(name, rows, k, width, lines):
         except Exception as exc:  # a configuration that does not fit this shape
             results[label] = float("nan")
             errors[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
-    lines.append(f"\n## {name}: rows {rows}, K {k}, width {width} (packed {pw.shape[0]}), "
-                 f"silu_mul ({flops / 1e9:.1f} GFLOP of the unpadded MLP)")
-    lines.append(f"{'mode':<40}{'ms':>9}{'TFLOP/s':>9}  max abs err vs fp32")
-    for label, ms in results.items():
-        err = errors.get(label, "")
-        err = f"{err:.2e}" if isinstance(err, float) else err
-        lines.append(f"{label:<40}{ms:9.4f}{flops / ms / 1e9:9.0f}  {err}")
+    table(lines, f"{name}: rows {rows}, K {k}, width {width} (packed {pw.shape[0]}), silu_mul "
+          f"({flops / 1e9:.1f} GFLOP of the unpadded MLP)", flops, results, errors)
     best = min((v, k_) for k_, v in results.items() if k_.startswith("gated") and v == v)
     base = results["cublas x2+inductor silu_mul"]
     lines.append(f"best gated {best[1]} {best[0]:.4f} ms vs cublas x2+inductor silu_mul "
