@@ -3,11 +3,19 @@ and off: wall time of the first call (every budget compiled and captured), Induc
 cache hits, misses and bypasses, and the time spent timing fused linear shapes.
 
 Run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``: the second run
-is the warm one. Usage: python benchmarks/first_pass_cache_probe.py auto|off
+is the warm one. Also printed: Dynamo's own phase timings (``torch._dynamo.utils.compile_times``: tracing, the
+backend's compile, Inductor's), the number of Dynamo compiles and the backend's capture seconds.
+``--profile N``: the first pass under cProfile (which slows it), then the N
+functions with the most cumulative time, to say where a warm first pass goes.
+
+Usage: python benchmarks/first_pass_cache_probe.py auto|off [--profile N]
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import sys
 import time
 
@@ -15,6 +23,7 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
+import vit_graph_backend
 from vit_graph_backend import fused_linear
 
 
@@ -39,16 +48,31 @@ def main() -> None:
     x = torch.randn(48, 3, 336, 336, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(model, backend="vitgraph",
                              options={"max_budget": 48, "epilogue_fusion": mode})
+    top = int(sys.argv[sys.argv.index("--profile") + 1]) if "--profile" in sys.argv else 0
+    profiler = cProfile.Profile() if top else None
     start = time.perf_counter()
     with torch.no_grad():
+        if profiler:
+            profiler.enable()
         for batch in (3, 48):
             compiled(pixel_values=x[:batch])
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        if profiler:
+            profiler.disable()
     wall = time.perf_counter() - start
     inductor = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
     print(f"epilogue_fusion={mode}: first pass {wall:.2f} s, of which timing fused shapes "
           f"{spent[0]:.2f} s ({len(fused_linear.CHOICES.state['chosen'])} shapes); "
           f"Inductor FX graph cache {inductor}")
+    report = vit_graph_backend.report()
+    print(f"Dynamo compiles {report['compiles']}; graphs captured {report['graphs_captured']} in "
+          f"{report['capture_seconds']:.2f} s (warm-up runs, choices timed and captures)")
+    print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
+    if profiler:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+        print("\n".join(line[:160] for line in out.getvalue().splitlines()
+                        if line.strip() and not line.startswith("   Ordered")))
 
 
 if __name__ == "__main__":

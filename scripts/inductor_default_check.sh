@@ -6,7 +6,8 @@
 # Usage (CUDA machine, repo root): bash scripts/inductor_default_check.sh [parts...]
 #   parts: firstpass fixed vitb host (default: all); autotune: the fixed batches with Inductor's
 #   GEMM autotuning on (Triton templates beside cuBLAS, epilogues fused where they win), for
-#   every compiled mode alike
+#   every compiled mode alike; firstpass-profile: benchmarks/first_pass_cache_probe.py cold, then
+#   warm under cProfile (where a warm first pass goes), then warm again without it
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/json"
@@ -27,6 +28,15 @@ for part in $parts; do
           TRITON_CACHE_DIR=$cache/triton bench \
           --model clip-l14-336 --workload gpu-bound --max-batch 48 --calls 12 \
           --modes vitgraph,vitgraph-eager --json "$OUT/json/first_pass_$run.json" ) | tee -a "$OUT/firstpass.log"
+    done ;;
+  firstpass-profile)
+    cache=$(mktemp -d)
+    for run in cold warm-profiled warm; do
+      echo "== first pass probe, $run ($cache)"
+      ( unset PYTHONDONTWRITEBYTECODE
+        export PYTHONPYCACHEPREFIX=$cache/pyc TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+        python3 benchmarks/first_pass_cache_probe.py auto $([ $run = warm-profiled ] && echo --profile 60) 2>&1 \
+          | grep -vE "Warning|warn" ) | tee -a "$OUT/firstpass_profile.log"
     done ;;
   fixed)
     for b in 8 24 48; do

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATE_CHUNK", "GATED", "LinearActChoices",
+__all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
            "activation_of", "activation_reference", "fused_epilogue_unavailable", "gated_width",
            "linear_act", "linear_act_reference", "linear_silu_mul", "linear_silu_mul_reference",
            "pack_gated"]

@@ -383,6 +383,24 @@ def test_a_run_without_a_bytecode_cache_says_its_first_pass_includes_compiling_i
     assert "PYTHONDONTWRITEBYTECODE" in BYTECODE_NOTE
 
 
+@pytest.mark.parametrize("job_id", [None, "vitgraph-test"])
+def test_a_run_without_a_compile_job_id_says_a_new_process_traces_twice(job_id):
+    import torch
+
+    from vit_graph_backend.benchmarking.runner import JOB_ID_NOTE
+
+    with torch.compiler.config.patch(job_id=job_id):
+        doc = run_benchmark(BenchConfig(model="qwen2.5-vl-tiny", workload="multi-image",
+                                        modes=("eager", "vitgraph"), calls=2, max_batch=2,
+                                        progress=False))
+        eager_only = run_benchmark(BenchConfig(model="qwen2.5-vl-tiny", workload="multi-image",
+                                               modes=("eager",), calls=2, max_batch=2,
+                                               progress=False))
+    assert (JOB_ID_NOTE in doc["notes"]) == (job_id is None)
+    assert "TORCH_COMPILE_JOB_ID" in JOB_ID_NOTE
+    assert JOB_ID_NOTE not in eager_only["notes"]   # nothing compiled: nothing to say
+
+
 def test_the_attention_note_names_the_kernel_and_why_not_cudnn():
     """Served packed towers say in the bench notes which kernel runs their full attention."""
     from types import SimpleNamespace
