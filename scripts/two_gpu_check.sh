@@ -2,7 +2,9 @@
 # One call on a two-GPU machine: the NCCL data-parallel test, then `vitgraph bench --data-parallel`
 # under torchrun for a Qwen2.5-VL-3B-shaped tower (calls of 8, 16, 32 mixed-size images and a
 # video stream) and CLIP ViT-L/14-336 (calls of 8, 16, 32 images); prints a table last.
-# Usage (repo root, 2 GPUs): bash scripts/two_gpu_check.sh      VITGRAPH_DP_CALLS=8 calls per run
+# Also the tests of operands and towers on the second GPU while the first is current.
+# Usage (repo root, 2 GPUs): bash scripts/two_gpu_check.sh      VITGRAPH_DP_CALLS=8 calls per run;
+#   VITGRAPH_SECOND_GPU_ONLY=1: the tests only
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/dp"
@@ -10,6 +12,11 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pytest tests/gpu/test_parallel_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 \
   | tee "$OUT/parallel_gpu_tests.log" | grep -E "data_parallel on CUDA|passed|failed|Error" | tail -8
+# operands and towers on the second GPU while the first is current (fused ops, packed serving)
+python3 -m pytest tests/gpu/test_fused_linear_gpu.py tests/gpu/test_packed_gpu.py -m gpu -q -s \
+  -p no:cacheprovider -k "whichever" 2>&1 | tee "$OUT/second_gpu_tests.log" \
+  | grep -E "on cuda:1|passed|failed|Error" | tail -8
+[ "${VITGRAPH_SECOND_GPU_ONLY:-0}" = 1 ] && exit 0
 calls=${VITGRAPH_DP_CALLS:-8}
 bench() {  # name, then bench arguments
   local name=$1; shift

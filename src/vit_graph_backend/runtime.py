@@ -33,7 +33,7 @@ import functools
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch

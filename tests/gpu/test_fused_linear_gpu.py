@@ -293,3 +293,29 @@ def test_kernels_that_fail_leave_the_shape_to_pytorch(monkeypatch):
     assert len(choices.state["refused"]) == len(FUSED_CONFIGS) + len(GATED_CONFIGS)
     _bf16_close(out, _fp32(x, w, b, "quick_gelu"))
     assert torch.equal(gated, linear_silu_mul_reference(x, pw, pb))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_ops_run_on_their_tensors_gpu_whichever_is_current():
+    """Operands on ``cuda:1`` while ``cuda:0`` is current: the timing, the Triton launches and a
+    captured graph all run on ``cuda:1`` (the op enters the tensors' device)."""
+    dev = torch.device("cuda", 1)
+    x, w, b = (t.to(dev) for t in _operands(2 * 577, 256, 1024, seed=30))
+    xg, wg, bg = (t.to(dev) for t in _gated_operands(1000, 256, 392, seed=31))
+    with torch.cuda.device(0):
+        out = OP(x, w, b, "quick_gelu")
+        gated = GATED_OP(xg, wg, bg)
+        assert out.device == dev and gated.device == dev
+        _bf16_close(out, _fp32(x, w, b, "quick_gelu"))
+        _bf16_close(gated, _gated_fp32(xg, wg, bg), roundings=4)
+        chosen = CHOICES.state["chosen"]
+        assert f"cuda:1 bfloat16 {2 * 577}x256 -> 1024 quick_gelu +bias" in chosen
+        assert "cuda:1 bfloat16 1000x256 -> 512 silu_mul +bias" in chosen
+        with torch.cuda.device(dev):   # a graph of dev's ops, captured with dev current
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                captured = GATED_OP(xg, wg, bg)
+        xg.copy_(_operands(1000, 256, 392, seed=32)[0].to(dev))
+        g.replay()
+        torch.cuda.synchronize(dev)
+        _bf16_close(captured, _gated_fp32(xg, wg, bg), roundings=4)
