@@ -171,7 +171,7 @@ def probe_gated(name, rows, k, width, lines):
               .item(),
               "cublas packed+our silu_mul": (K.silu_mul_packed(F.linear(x, pw, pb), GATE_CHUNK)
                                              [:, :width].float() - ref).abs().max().item()}
-    for cfg in [c for c in K.CONFIGS if c[1] == 2 * GATE_CHUNK] + [(128, 256, 64, 3, 8, 1, 1)]:
+    for cfg in [c for c in K.CONFIGS if c[1] == 2 * GATE_CHUNK] + [(128, 256, 64, 3, 8, 1)]:
         label = "gated " + "x".join(map(str, cfg))
         try:
             out = K.linear_act(x, pw, pb, "silu_mul", cfg)

@@ -32,16 +32,16 @@ __all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act", "silu_mul_pack
 ACTIVATIONS = {"none": 0, "quick_gelu": 1, "gelu": 2, "gelu_tanh": 3, "silu_mul": 4}
 _GATED = 4
 
-#: Tile configurations (BM, BN, BK, stages, warps, warp-specialized, split store) that
-#: ``benchmarks/linear_act_probe.py`` times; the first is the default. Also tried on an H100 and
-#: dropped: a whole-tile store (slower at every CLIP-L fc1 size) and Triton's warp specialization
-#: (no faster).
+#: Tile configurations (BM, BN, BK, stages, warps, warp-specialized) that
+#: ``benchmarks/linear_act_probe.py`` times; the first is the default. The output is stored in
+#: two half-width tiles: a whole-tile store was slower at every CLIP-L fc1 size on an H100 and is
+#: gone. Triton's warp specialization was no faster; the probe still times it.
 CONFIGS = (
-    (128, 256, 64, 3, 8, 0, 1),
-    (128, 256, 64, 4, 8, 0, 1),
-    (256, 128, 64, 3, 8, 0, 1),
-    (128, 128, 64, 4, 8, 0, 1),
-    (128, 128, 64, 5, 4, 0, 1),
+    (128, 256, 64, 3, 8, 0),
+    (128, 256, 64, 4, 8, 0),
+    (256, 128, 64, 3, 8, 0),
+    (128, 128, 64, 4, 8, 0),
+    (128, 128, 64, 5, 4, 0),
 )
 
 
@@ -84,7 +84,7 @@ def _linear_act_kernel(x_desc, w_desc, out_desc, bias_ptr, M, N, K,
                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                        NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                       SPLIT_STORE: tl.constexpr, APPROX: tl.constexpr):
+                       APPROX: tl.constexpr):
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -104,13 +104,11 @@ def _linear_act_kernel(x_desc, w_desc, out_desc, bias_ptr, M, N, K,
         if ACT == 4:  # the tile's first half of columns is a gate chunk, its second the up chunk
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             out_desc.store([om, pn * (BN // 2)], (_silu(gate, APPROX) * up).to(out_desc.dtype))
-        elif SPLIT_STORE:  # two half-width stores: half the shared memory the copy out needs
+        else:  # two half-width stores: half the shared memory the copy out needs
             acc = _act(acc, ACT, APPROX)
             lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             out_desc.store([om, on], lo.to(out_desc.dtype))
             out_desc.store([om, on + BN // 2], hi.to(out_desc.dtype))
-        else:
-            out_desc.store([om, on], _act(acc, ACT, APPROX).to(out_desc.dtype))
 
 
 @triton.jit
@@ -145,7 +143,7 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ``approx``: the GELUs' tanh as the hardware's approximate instruction. ``"silu_mul"``: the
     gated form, ``weight`` packed in chunks of ``BN // 2`` rows (``N`` a multiple of ``BN``),
     output ``[M, N // 2]``."""
-    bm, bn, bk, stages, warps, specialize, split = config
+    bm, bn, bk, stages, warps, specialize = config
     m, k = x.shape
     gated = ACTIVATIONS[activation] == _GATED
     if gated and weight.shape[0] % bn:
@@ -158,11 +156,11 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _linear_act_kernel[(min(sms, tiles),)](
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn // 2 if split or gated else bn]),
+        TensorDescriptor.from_tensor(out, [bm, bn // 2]),
         out if bias is None else bias, m, n, k,
         HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], BM=bm, BN=bn, BK=bk,
-        GROUP_M=8, NUM_SMS=sms, WARP_SPECIALIZE=bool(specialize), SPLIT_STORE=bool(split),
-        APPROX=approx, num_stages=stages, num_warps=warps)
+        GROUP_M=8, NUM_SMS=sms, WARP_SPECIALIZE=bool(specialize), APPROX=approx,
+        num_stages=stages, num_warps=warps)
     return out
 
 

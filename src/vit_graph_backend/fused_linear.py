@@ -59,12 +59,13 @@ GATE_CHUNK = 128
 #: Fused tile configurations timed per shape (``_linear_act_kernels.CONFIGS`` says the fields).
 #: 128x256 won every large shape of the probe, 128x128 the small ones
 #: (``benchmarks/linear_act_probe.py``).
-FUSED_CONFIGS: tuple[tuple[int, ...], ...] = ((128, 256, 64, 3, 8, 0, 1),
-                                              (128, 256, 64, 4, 8, 0, 1),
-                                              (128, 128, 64, 4, 8, 0, 1))
-#: The gated form's configurations: a tile is ``2 * GATE_CHUNK`` wide (one gate and one up chunk).
-GATED_CONFIGS: tuple[tuple[int, ...], ...] = ((128, 256, 64, 3, 8, 0, 1),
-                                              (128, 256, 64, 4, 8, 0, 1))
+FUSED_CONFIGS: tuple[tuple[int, ...], ...] = ((128, 256, 64, 3, 8, 0),
+                                              (128, 256, 64, 4, 8, 0),
+                                              (128, 128, 64, 4, 8, 0))
+#: The gated form's configurations: those whose tile is ``2 * GATE_CHUNK`` wide (one gate chunk
+#: and its up chunk).
+GATED_CONFIGS: tuple[tuple[int, ...], ...] = tuple(c for c in FUSED_CONFIGS
+                                                   if c[1] == 2 * GATE_CHUNK)
 #: The tensor memory accelerator the kernel loads through: Hopper (9.0) and newer.
 MIN_CAPABILITY = (9, 0)
 #: The dtypes the fused kernels take.

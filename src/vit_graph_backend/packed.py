@@ -168,8 +168,6 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
     for key, value in kwargs.items():
         if key in option_names:
             option_kwargs[key] = value
-            if key in SHARED_SETTINGS and accepted is not None and key in accepted:
-                adapter_kwargs[key] = value
         elif accepted is None or key in accepted:  # None: the adapter takes any keyword
             adapter_kwargs[key] = value
         else:
@@ -180,10 +178,12 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
                 + (f" (did you mean {hint[0]!r}?)" if hint else "")
                 + f"; vitgraph options: {', '.join(option_names)}; adapter keywords of "
                 f"{type(model).__name__}: {', '.join(adapter_only) or 'none'}")
-    for key in SHARED_SETTINGS:  # given inside an options object rather than as a keyword
-        if (options is not None and key not in kwargs and accepted is not None
-                and key in accepted):
-            adapter_kwargs[key] = getattr(options, key)
+    for key in SHARED_SETTINGS:  # as a keyword, else inside an options object
+        if accepted is not None and key in accepted:
+            if key in option_kwargs:
+                adapter_kwargs[key] = option_kwargs[key]
+            elif options is not None:
+                adapter_kwargs[key] = getattr(options, key)
     return PackedGraphEncoder(adapt(model, **adapter_kwargs), options, **option_kwargs)
 
 

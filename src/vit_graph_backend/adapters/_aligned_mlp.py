@@ -212,11 +212,12 @@ class AlignedMLPs:
             for mlp, w in zip(self.mlps, self.weights):
                 if self.gated:
                     self._pack(mlp, w)
-                for name, (weight, bias) in zip(() if self.gated else self.ins, w.ins):
-                    linear = getattr(mlp, name)
-                    weight[:self.width].copy_(linear.weight)
-                    if bias is not None:
-                        bias[:self.width].copy_(linear.bias)
+                else:
+                    for name, (weight, bias) in zip(self.ins, w.ins):
+                        linear = getattr(mlp, name)
+                        weight[:self.width].copy_(linear.weight)
+                        if bias is not None:
+                            bias[:self.width].copy_(linear.bias)
                 out = getattr(mlp, self.out)
                 w.out_weight[:, :self.width].copy_(out.weight)
                 if w.out_bias is not None:
@@ -230,7 +231,7 @@ class AlignedMLPs:
         (weight, bias), = w.ins
         pack_gated(gate.weight, up.weight, out=weight)
         if bias is not None:  # a missing one of the two biases is zeros
-            pack_gated(*(torch.zeros_like(weight[:self.width, 0]) if b is None else b
+            pack_gated(*(bias.new_zeros(self.width) if b is None else b
                          for b in (gate.bias, up.bias)), out=bias)
 
     def _allocate(self, mlp: nn.Module) -> MLPWeights:
@@ -239,16 +240,15 @@ class AlignedMLPs:
             shape[dim] = self.padded_width * scale
             return torch.zeros(shape, device=t.device, dtype=t.dtype)
 
-        ins = []
-        if self.gated:
+        if self.gated:  # one packed weight, twice the padded width
             gate, up = (getattr(mlp, name) for name in self.ins)
             bias = gate.bias if gate.bias is not None else up.bias
-            ins.append((zeros_like_padded(gate.weight, 0, 2),
-                        None if bias is None else zeros_like_padded(bias, 0, 2)))
-        for name in () if self.gated else self.ins:
-            linear = getattr(mlp, name)
-            ins.append((zeros_like_padded(linear.weight, 0),
-                        None if linear.bias is None else zeros_like_padded(linear.bias, 0)))
+            ins = [(zeros_like_padded(gate.weight, 0, 2),
+                    None if bias is None else zeros_like_padded(bias, 0, 2))]
+        else:
+            ins = [(zeros_like_padded(linear.weight, 0),
+                    None if linear.bias is None else zeros_like_padded(linear.bias, 0))
+                   for linear in (getattr(mlp, name) for name in self.ins)]
         out = getattr(mlp, self.out)
         out_bias = None if out.bias is None else torch.zeros_like(out.bias)
         return MLPWeights(ins, zeros_like_padded(out.weight, 1), out_bias)
