@@ -12,7 +12,8 @@ never waits for the GPU is issued in its host time, one that waits (a device-to-
 plain host-to-device copy, which synchronizes the stream) in about its GPU time. Then the host
 time of ``CUDAGraph.replay()`` alone per captured budget, and ``cProfile`` of the calls with a
 CUDA grid and with a list, the GPU idle at each call's start: the top host functions by own and
-by cumulative time.
+by cumulative time. The forms' rows repeat 40 calls three times; the row ``list, new`` has 40 calls
+whose grids the tower has not seen (their batches' metadata not yet staged).
 
 Usage: python benchmarks/packed_host_overhead.py [--label NAME] [--no-profile]. Text to stdout
 and to $OUT/packed_host_overhead[_NAME].txt when $OUT is set. To compare two source trees in one
@@ -88,6 +89,15 @@ def main():
             torch.cuda.synchronize()
             lines.append(f"{name:<12}{statistics.median(host):12.3f}"
                          f"{statistics.median(total):14.3f}{issue:24.3f}")
+        # grids never seen before (nothing staged for them yet: adapters/_qwen_packing.py)
+        host = []
+        for pv, grid in calls(40, seed=1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            served(pv, grid)
+            host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        lines.append(f"{'list, new':<12}{statistics.median(host):12.3f}{'':>14}{'':>24}")
         # the host time of the graph launch alone, per captured budget, the GPU idle
         lines += ["", f"{'budget':>8}{'replay() host ms p50':>22}"]
         for budget, entry in sorted(served.manager.graphs.entries.items()):

@@ -9,18 +9,19 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT"
 base=${1:-}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch; print('torch', torch.__version__, 'device', torch.cuda.get_device_name(0))"
 if [ -n "$base" ]; then
   echo "== host time, baseline tree $base"
   PYTHONPATH="$base/src" python3 benchmarks/packed_host_overhead.py --label baseline --no-profile 2>&1 \
-    | grep -v WARNING | tee "$OUT/host_baseline.log" | head -7
+    | grep -v WARNING | tee "$OUT/host_baseline.log" | head -8
 fi
 echo "== host time, this tree"
 PYTHONPATH="$PWD/src" python3 benchmarks/packed_host_overhead.py --label this 2>&1 | grep -v WARNING \
-  | tee "$OUT/host_this.log" | head -7
+  | tee "$OUT/host_this.log" | head -8
 echo "== packed GPU tests"
 PYTHONPATH="$PWD/src" python3 -m pytest tests/gpu/test_packed_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 \
   | tee "$OUT/packed_tests.log" | grep -E "returned while|queued behind|max relative|passed|failed|Error" | cut -c1-300 | tail -20
 echo "== summary"
-for f in "$OUT"/host_baseline.log "$OUT"/host_this.log; do [ -f "$f" ] && sed -n 2,6p "$f"; done
+for f in "$OUT"/host_baseline.log "$OUT"/host_this.log; do [ -f "$f" ] && sed -n 2,7p "$f"; done
 tail -1 "$OUT/packed_tests.log"

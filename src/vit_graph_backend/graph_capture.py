@@ -16,7 +16,9 @@ static inputs hold, the bound ``max_graph_memory`` resolves to, and each budget'
    total is checked again and a graph over the bound is dropped; the pool keeps the memory that
    graph touched (the allocator returns a pool's memory only when the whole pool goes), so the
    total can end above the bound by at most about one budget's estimate.
-3. **Capture** into the shared pool on a capture stream of its own. If it fails (out of memory, a
+3. **Capture** into the shared pool on a capture stream of its own, with ``keep_graph=True``: the
+   graph is then instantiated as ``graph_launch.py`` decides (for device launch where the driver
+   allows, which makes a launch cheap for the host). If it fails (out of memory, a
    host sync in the forward), the pool it was capturing into may be unusable for later captures:
    PyTorch's allocator was seen to fail an internal assert (``use_count > 0``) on every later
    capture into it, leaving 0 graphs. So the caller continues in a fresh pool, and the thread's
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from .graph_launch import launch_kind, make_launcher
 
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
            "mib", "storage_bytes"]
@@ -105,12 +108,16 @@ class CaptureOutcome:
     oom: bool = False             # ... because it ran out of memory (pressure, not a bug)
 
 
-def _warmup_bytes(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
-                  iters: int, device: torch.device) -> int | None:
+def _warmup(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
+            iters: int, device: torch.device) -> tuple[int | None, bool | None]:
+    """The bytes the warm-up made the allocator reserve, and whether it advanced the device's
+    random-number generator (``None``, ``None`` without a warm-up)."""
     if iters == 0:
-        return None
+        return None, None
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
+    generator = torch.cuda.default_generators[_index(device)]
+    offset = generator.get_offset()
     current = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(current)
@@ -118,13 +125,18 @@ def _warmup_bytes(forward: Callable[[Any], Any], static: Mapping[str, torch.Tens
         for _ in range(iters):
             forward(static)
     current.wait_stream(stream)
-    return max(0, torch.cuda.memory_reserved(device) - before)
+    return (max(0, torch.cuda.memory_reserved(device) - before),
+            generator.get_offset() != offset)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def capture_budget_graph(
     budget: int, forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor], *,
     pool: Any, device: torch.device, warmup_iters: int, memory: GraphMemory,
-    held: int, new_static: int, live_outputs: int = 0,
+    held: int, new_static: int, live_outputs: int = 0, graph_launch: str = "auto",
 ) -> CaptureOutcome:
     """Warm up, check the bound, capture; never raises for a budget that cannot be captured.
 
@@ -133,11 +145,13 @@ def capture_budget_graph(
         new_static: bytes of this budget's static inputs not yet counted in ``held``.
         live_outputs: bytes of the static outputs of graphs already captured: pool memory a
             new graph cannot reuse.
+        graph_launch: the option of that name: how the graph is instantiated and launched
+            (``graph_launch.py``).
     """
     # resolved before the warm-up, whose cached memory would read as not free
     limit = memory.resolve_limit(device, held)
     try:
-        estimate = _warmup_bytes(forward, static, warmup_iters, device)
+        estimate, uses_rng = _warmup(forward, static, warmup_iters, device)
     except torch.OutOfMemoryError as exc:
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
@@ -153,7 +167,8 @@ def capture_budget_graph(
                 f"needs about {mib(projected)} with the graphs already held, over "
                 f"max_graph_memory={memory.limit_option!r} ({mib(limit)})"))
     stream_before = torch.cuda.current_stream(device)
-    graph = torch.cuda.CUDAGraph()
+    # kept: the driver instantiates it for device launch (graph_launch.py)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
     try:
         # torch.cuda.graph's one capture stream for every budget: the allocator hands a pool's
         # free blocks only to allocations on the stream that freed them, so a stream per
@@ -169,7 +184,13 @@ def capture_budget_graph(
         oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
         return CaptureOutcome(failed=True, oom=oom,
                               skipped=f"capture failed: {type(exc).__name__}: {_first_line(exc)}")
-    return CaptureOutcome(graph=graph, output=output)
+    try:
+        launcher = make_launcher(graph, device, graph_launch, uses_rng)
+    except Exception as exc:  # PyTorch's own instantiation failed: the graph cannot run
+        del graph
+        return CaptureOutcome(failed=True, skipped=f"instantiation failed: {type(exc).__name__}: "
+                                                   f"{_first_line(exc)}")
+    return CaptureOutcome(graph=launcher, output=output)
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -204,8 +225,9 @@ class BudgetGraphs:
 
     def __init__(self, model: Any, warmup_iters: int, max_graph_memory: int | float | None,
                  max_batch_size: int, max_frames_per_batch: int | None,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, graph_launch: str = "auto") -> None:
         self.model = model
+        self.graph_launch = graph_launch
         self.warmup_iters = warmup_iters
         self.slots = (max_batch_size, max_frames_per_batch)
         self.device, self.dtype = device, dtype
@@ -240,6 +262,9 @@ class BudgetGraphs:
         return {
             "graphs": self.num_graphs,
             "captured_budgets": sorted(b for b, g in self.entries.items() if g.graph is not None),
+            # how each captured graph launches (graph_launch.py): "device" or "torch"
+            "graph_launch": {b: launch_kind(g.graph) for b, g in sorted(self.entries.items())
+                             if g.graph is not None},
             "largest_budget": max(self.entries) if self.entries else None,
             "pool_bytes": pool,
             "static_input_bytes": static,
@@ -294,7 +319,8 @@ class BudgetGraphs:
             device=self.device, warmup_iters=self.warmup_iters, memory=self.memory, held=held,
             new_static=storage_bytes(static.values(), held_storages),
             live_outputs=storage_bytes(t for g in self.entries.values()
-                                       for t in _output_tensors(g.output)))
+                                       for t in _output_tensors(g.output)),
+            graph_launch=self.graph_launch)
         if outcome.skipped is None:
             self.entries[budget] = BudgetGraph(budget, static, outcome.graph, outcome.output)
             limit = self.memory.limit

@@ -21,9 +21,9 @@ from .stats import GraphStats
 __all__ = ["REPORT_FIELDS", "summarize"]
 
 #: The keys of :func:`summarize`'s answer, documented in the README's ``report()`` section.
-REPORT_FIELDS = ("cuda_graphs", "graphs_captured", "exact_shape_graphs", "captured_budgets",
-                 "skipped_budgets", "graph_memory_bytes", "static_input_bytes", "capture_seconds",
-                 "stats")
+REPORT_FIELDS = ("cuda_graphs", "graphs_captured", "exact_shape_graphs", "device_launch_graphs",
+                 "captured_budgets", "skipped_budgets", "graph_memory_bytes", "static_input_bytes",
+                 "capture_seconds", "stats")
 
 
 def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
     stats = GraphStats()
     for extra in extra_stats:
         stats.merge(extra)
-    graphs = exact = memory = static = 0
+    graphs = exact = device_launch = memory = static = 0
     seconds = 0.0
     budgets: set[int] = set()
     skipped: dict[str, str] = {}
@@ -43,6 +43,7 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         memory += report["total_bytes"]
         static += report["static_input_bytes"]
         seconds += report["capture_seconds"]
+        device_launch += sum(kind == "device" for kind in report["graph_launch"].values())
         if manager.exact_rows is not None:
             exact += report["graphs"]
             continue
@@ -54,6 +55,7 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         "cuda_graphs": cuda_graphs,
         "graphs_captured": graphs + exact,
         "exact_shape_graphs": exact,
+        "device_launch_graphs": device_launch,
         "captured_budgets": sorted(budgets),
         "skipped_budgets": skipped,
         "graph_memory_bytes": memory,

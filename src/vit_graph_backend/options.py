@@ -25,8 +25,8 @@ from .planner import POLICIES
 from .specs import check_positive_int
 
 __all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAULT_LADDER_STEPS",
-           "EPILOGUE_FUSIONS", "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS", "QUANTIZATIONS",
-           "VitGraphOptions"]
+           "EPILOGUE_FUSIONS", "GRAPH_LAUNCHES", "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS",
+           "QUANTIZATIONS", "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
@@ -34,6 +34,9 @@ CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 #: ``epilogue_fusion`` values: a linear layer's GELU in its GEMM's epilogue where timed faster.
 EPILOGUE_FUSIONS: tuple[str, ...] = ("auto", "off")
+#: ``graph_launch`` values: each graph instantiated for device launch where the CUDA driver allows
+#: (a cheap launch for the host), or always PyTorch's ``CUDAGraph.replay()`` (``graph_launch.py``).
+GRAPH_LAUNCHES: tuple[str, ...] = ("auto", "torch")
 
 #: ``torch.compile(mode=...)`` presets. Every mode replays CUDA graphs; they differ in what runs
 #: inside the graph. ``reduce-overhead`` is accepted because users reach for it for this exact
@@ -119,6 +122,12 @@ class VitGraphOptions:
             separate activation kernel (``fused_linear.py``). ``"off"`` leaves the layers to the
             inner compiler. Packed towers (``serve``) take it too (``adapters/_qwen_kernels.py``:
             GELU MLPs, and SiLU-gated ones as one GEMM on a packed gate/up weight).
+        graph_launch: ``"auto"`` (the default) has the CUDA driver instantiate each captured
+            graph for device launch, whose launch costs the host 10 to 25 µs whatever the graph
+            holds; PyTorch's own executable costs up to 0.6 ms once cuBLAS put memsets in the
+            graph (large GEMMs on Hopper). Graphs that draw random numbers, or that the driver
+            refuses, replay through ``CUDAGraph.replay()`` with a logged reason. ``"torch"``:
+            always ``CUDAGraph.replay()``. ``report()["graph_launch"]`` says which per budget.
 
     Example::
 
@@ -144,6 +153,7 @@ class VitGraphOptions:
     max_graph_memory: int | float | None = None
     quantization: str | None = None
     epilogue_fusion: str = "auto"
+    graph_launch: str = "auto"
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -164,6 +174,7 @@ class VitGraphOptions:
         _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
         _check_choice("capture", self.capture, CAPTURE_MODES)
         _check_choice("epilogue_fusion", self.epilogue_fusion, EPILOGUE_FUSIONS)
+        _check_choice("graph_launch", self.graph_launch, GRAPH_LAUNCHES)
         for name in ("static_graphs", "backed_size_oblivious", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(

@@ -101,7 +101,7 @@ class EncoderCudaGraphManager:
         self.stats = GraphStats()
         self.graphs = BudgetGraphs(model, self.options.warmup_iters, self.options.max_graph_memory,
                                    self.config.max_batch_size, self.config.max_frames_per_batch,
-                                   self.device, self.dtype)
+                                   self.device, self.dtype, self.options.graph_launch)
         self._graphs = self.graphs.entries
         #: the budgets served now, why the others are not, and the plans over them
         self.served = ServedBudgets(self.config, self.options.policy, chunk)

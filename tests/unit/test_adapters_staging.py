@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vit_graph_backend.adapters import _staging
-from vit_graph_backend.adapters._staging import pinned_padded, upload
+from vit_graph_backend.adapters._staging import HostStage, upload
 from vit_graph_backend.errors import UnsupportedGraphError
 
 CPU = torch.device("cpu")
@@ -29,8 +29,8 @@ def _values() -> dict[str, torch.Tensor]:
 SHAPES = {"position_ids": (8, 2), "frame_seqlens": (4,), "weights": (7, 4)}
 
 
-def test_pinned_padded_pads_each_buffer_with_zeros_to_its_shape():
-    staged = pinned_padded(_values(), SHAPES, CPU)
+def test_a_stage_pads_each_buffer_with_zeros_to_its_shape():
+    staged = HostStage(_values(), SHAPES).pinned(CPU)
     assert set(staged) == set(SHAPES)
     for key, value in _values().items():
         out = staged[key]
@@ -49,7 +49,7 @@ def test_padding_never_mixes_buffers_of_one_dtype(sizes):
     for i, (rows, extra) in enumerate(sizes):
         values[f"b{i}"] = torch.arange(rows * 3, dtype=torch.int64).reshape(rows, 3) + 100 * (i + 1)
         shapes[f"b{i}"] = (rows + extra, 3)
-    staged = pinned_padded(values, shapes, CPU)
+    staged = HostStage(values, shapes).pinned(CPU)
     for key, value in values.items():
         expected = torch.zeros(shapes[key], dtype=torch.int64)
         expected[:value.shape[0]] = value
@@ -58,9 +58,9 @@ def test_padding_never_mixes_buffers_of_one_dtype(sizes):
 
 def test_a_longer_buffer_or_other_width_is_refused_with_its_shapes():
     with pytest.raises(UnsupportedGraphError, match=r"'frame_seqlens' of shape \(2,\).*\(1,\)"):
-        pinned_padded(_values(), {**SHAPES, "frame_seqlens": (1,)}, CPU)
+        HostStage(_values(), {**SHAPES, "frame_seqlens": (1,)})
     with pytest.raises(UnsupportedGraphError, match=r"'weights' of shape \(5, 4\).*\(7, 3\)"):
-        pinned_padded(_values(), {**SHAPES, "weights": (7, 3)}, CPU)
+        HostStage(_values(), {**SHAPES, "weights": (7, 3)})
 
 
 def test_upload_keeps_values_shapes_and_dtypes():
@@ -70,21 +70,36 @@ def test_upload_keeps_values_shapes_and_dtypes():
 
 
 def test_without_pinned_memory_the_plain_host_tensors_serve(monkeypatch, caplog):
-    """Pinned memory can run out (or be absent): staging then uses plain host memory, with
-    one warning, and the values are the same."""
-    real = _staging._blocks
+    """Pinned memory can run out (or be absent): a call then copies the stage into plain host
+    memory, with a warning, and the values are the same."""
+    real_empty = torch.empty
     pins = []
 
-    def no_pinned(values, shapes, pin):
-        pins.append(pin)
-        if pin:
+    def no_pinned(*args, pin_memory=False, **kwargs):
+        pins.append(pin_memory)
+        if pin_memory:
             raise RuntimeError("CUDA error: out of memory (pinned)")
-        return real(values, shapes, pin)
+        return real_empty(*args, **kwargs)
 
-    monkeypatch.setattr(_staging, "_blocks", no_pinned)
+    stage = HostStage(_values(), SHAPES)
+    monkeypatch.setattr(torch, "empty", no_pinned)
     with caplog.at_level(logging.WARNING, logger=_staging.__name__):
-        staged = pinned_padded(_values(), SHAPES, torch.device("cuda"))
-    assert pins == [True, False]
+        staged = stage.pinned(torch.device("cuda"))
+    assert pins == [True, True, True]  # one block per dtype
     assert "pinned host memory unavailable" in caplog.text
     assert torch.equal(staged["position_ids"][:5], _values()["position_ids"])
+    assert not staged["position_ids"][5:].any()
     assert not staged["position_ids"].is_pinned()
+
+
+def test_each_call_gets_its_own_copy_of_a_stage():
+    """Calls never share the blocks they hand to the runtime: a later call's copy is another
+    block (on CPU the stage itself serves, and nothing ever writes it)."""
+    stage = HostStage(_values(), SHAPES)
+    if not torch.cuda.is_available():
+        assert stage.pinned(CPU)["weights"] is stage.pinned(CPU)["weights"]
+        return
+    first, second = stage.pinned(torch.device("cuda")), stage.pinned(torch.device("cuda"))
+    assert first["weights"].is_pinned()
+    assert first["weights"].data_ptr() != second["weights"].data_ptr()
+    assert torch.equal(first["weights"], second["weights"])

@@ -32,7 +32,8 @@ _CORE = {"errors", "specs", "budgets", "stats", "planner", "plan_preview", "assi
          "protocol"}
 #: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
 #: its memory book, the book of served budgets and their plans, and the tensor helpers of a replay.
-_GRAPH_PARTS = {"stream_order", "graph_capture", "replay_io", "graph_report", "served_budgets"}
+_GRAPH_PARTS = {"stream_order", "graph_capture", "graph_launch", "replay_io", "graph_report",
+                "served_budgets"}
 _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
@@ -59,7 +60,9 @@ LAYERS: dict[str, set[str]] = {
     # fused_linear's op: the Qwen-VL adapters run fc1 + GELU through it (it imports nothing above)
     "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear"},
     "stream_order": set(),
-    "graph_capture": {"_compat"},
+    "graph_capture": {"_compat", "graph_launch"},
+    # How a captured graph is instantiated and launched (the CUDA driver through ctypes).
+    "graph_launch": set(),
     "replay_io": {"planner"},
     "graph_report": {"stats"},
     "served_budgets": {"budgets", "planner", "specs"},

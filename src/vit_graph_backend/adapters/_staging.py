@@ -1,4 +1,4 @@
-"""Host metadata on its way to the GPU, without a host sync: one fresh pinned block per dtype.
+"""Host metadata on its way to the GPU, without a host sync: one pinned block per dtype and call.
 
 A packed call's metadata (rotary positions, segment lengths, window indices) is built on the host
 from Python ints. Copied to the GPU as plain (pageable) tensors, every copy synchronizes the
@@ -6,15 +6,17 @@ stream: the host waits for all earlier GPU work before each one, so it can never
 busy GPU, and a call pays one wait per buffer. Staged in pinned memory, the copies are
 asynchronous.
 
-- :func:`pinned_padded` writes each buffer into a pinned view of its static buffer's full shape,
-  the tail zeroed on the host, so the runtime's ``copy_padded`` (``replay_io.py``) makes one
-  asynchronous copy per buffer and no device-side zeroing.
+- :class:`HostStage` pads each buffer to its static buffer's full shape once, the tail zeroed on
+  the host, in plain memory that later calls with the same grids reuse; each call gets a pinned
+  copy of it (one host copy per dtype), so the runtime's ``copy_padded`` (``replay_io.py``)
+  makes one asynchronous copy per buffer and no device-side zeroing.
 - :func:`upload` makes one asynchronous copy per dtype (eager batches, the replay's gather index).
 
-Every call allocates its own blocks, so concurrent calls share nothing. The caller never writes a
-staged block again; PyTorch's pinned-memory allocator keeps a freed block until the copies from
-it have run, so dropping the host tensors right after the copy is safe. If pinned memory cannot be
-had, the plain host tensors are used (the copies then synchronize, as before).
+Every call gets its own pinned blocks, so concurrent calls share nothing (a stage is never written
+after it is made). The caller never writes a pinned block again; PyTorch's pinned-memory
+allocator keeps a freed block until the copies from it have run, so dropping the host tensors
+right after the copy is safe. If pinned memory cannot be had, the plain host tensors are used
+(the copies then synchronize, as before).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from ..errors import UnsupportedGraphError
 
-__all__ = ["pinned_padded", "upload"]
+__all__ = ["HostStage", "upload"]
 
 log = logging.getLogger(__name__)
 
@@ -67,24 +69,46 @@ def _pinned_blocks(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shap
     except UnsupportedGraphError:  # a RuntimeError too, but about the values, not the memory
         raise
     except RuntimeError as exc:  # no pinned memory to be had: plain host tensors still work
-        log.warning("vitgraph: pinned host memory unavailable (%s); metadata copies wait for "
-                    "the GPU", str(exc).split("\n")[0])
+        _warn_unpinned(exc)
         return _blocks(values, shapes, pin=False)
 
 
-def pinned_padded(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape],
-                  device: torch.device) -> dict[str, torch.Tensor]:
-    """``values`` (host tensors) zero-padded along dim 0 to ``shapes``, in pinned memory when
-    ``device`` is a GPU (off CUDA the same padding in plain memory: one path on every device).
+def _warn_unpinned(exc: BaseException) -> None:
+    log.warning("vitgraph: pinned host memory unavailable (%s); metadata copies wait for the GPU",
+                str(exc).split("\n")[0])
+
+
+class HostStage:
+    """Values zero-padded to their shapes once, in plain host memory, for reuse by many calls:
+    :meth:`pinned` gives each call its own pinned copy (one host copy per dtype), so staging a
+    batch never allocates pinned memory that stays held (a fresh pinned allocation costs
+    about a millisecond; the allocator recycles the per-call blocks once their copies ran).
 
     Raises:
         UnsupportedGraphError: a value longer than its shape, or of other trailing dims.
     """
-    if torch.device(device).type == "cuda":
-        blocks = _pinned_blocks(values, shapes)
-    else:
-        blocks = _blocks(values, shapes, pin=False)
-    return {key: view for _, views in blocks for key, view in views.items()}
+
+    def __init__(self, values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]) -> None:
+        self._blocks = _blocks(values, shapes, pin=False)
+
+    def pinned(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The values in pinned memory when ``device`` is a GPU, else the staged ones (never
+        written: the runtime only copies from them)."""
+        if device.type != "cuda":
+            return {key: view for _, views in self._blocks for key, view in views.items()}
+        result = {}
+        for block, views in self._blocks:
+            try:
+                copy = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+            except RuntimeError as exc:  # no pinned memory: the copies then synchronize
+                _warn_unpinned(exc)
+                copy = block.clone()
+            copy.copy_(block)
+            start = 0
+            for key, view in views.items():
+                result[key] = copy[start:start + view.numel()].view(view.shape)
+                start += view.numel()
+        return result
 
 
 def upload(values: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

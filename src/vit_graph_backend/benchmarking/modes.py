@@ -18,6 +18,9 @@
 ``vitgraph-epilogue-off``  ``vitgraph`` with ``epilogue_fusion="off"``: linear + GELU left to the
                            inner compiler (cuBLAS and a separate kernel), to compare with the fused
                            default (not in the default list)
+``vitgraph-torch-launch``  ``vitgraph`` with ``graph_launch="torch"``: every graph replayed through
+                           ``CUDAGraph.replay()``, to compare with the default's device-launch
+                           executables (not in the default list)
 =========================  ======================================================================
 
 Packed towers go through :func:`vit_graph_backend.packed.serve` (adapter + router) rather than
@@ -49,7 +52,7 @@ DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead",
                                   "vitgraph-eager")
 #: Every mode ``--modes`` accepts.
 MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor", "vitgraph-fp8",
-                          "vitgraph-epilogue-off")
+                          "vitgraph-epilogue-off", "vitgraph-torch-launch")
 
 #: The vitgraph modes and the backend options each one adds.
 VITGRAPH_MODES: dict[str, dict[str, Any]] = {
@@ -58,6 +61,7 @@ VITGRAPH_MODES: dict[str, dict[str, Any]] = {
     "vitgraph-inductor": {"inner_compiler": "inductor"},
     "vitgraph-fp8": {"quantization": "fp8"},
     "vitgraph-epilogue-off": {"epilogue_fusion": "off"},
+    "vitgraph-torch-launch": {"graph_launch": "torch"},
 }
 
 

@@ -1,0 +1,65 @@
+"""``graph_launch.py`` without a GPU: when a graph stays on PyTorch's replay, and why.
+
+The driver path itself (instantiation for device launch, launches on any stream and thread) runs in
+``tests/gpu/test_graph_launch_gpu.py``. Here fakes stand in for the graph and the driver, so the
+decision and its fallbacks are checked on every machine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vit_graph_backend import graph_launch
+from vit_graph_backend.graph_launch import launch_kind, make_launcher
+
+
+class _FakeGraph:
+    """Stands in for a ``torch.cuda.CUDAGraph`` captured with ``keep_graph=True``."""
+
+    def __init__(self):
+        self.instantiated = 0
+
+    def instantiate(self):
+        self.instantiated += 1
+
+    def raw_cuda_graph(self):  # pragma: no cover - a refused path never reads it
+        raise AssertionError("the driver path must not run here")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_memory(monkeypatch):
+    monkeypatch.setattr(graph_launch, "_logged", set())
+
+
+@pytest.mark.parametrize("mode, uses_rng, reason", [
+    ("torch", False, "graph_launch='torch'"),
+    ("auto", True, "the forward draws random numbers"),
+    ("auto", None, "no warm-up ran (warmup_iters=0)"),
+])
+def test_refused_device_launch_instantiates_through_torch_and_logs_why(
+        mode, uses_rng, reason, caplog):
+    graph = _FakeGraph()
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend.graph_launch"):
+        launcher = make_launcher(graph, torch.device("cuda", 0), mode, uses_rng)
+        make_launcher(_FakeGraph(), torch.device("cuda", 0), mode, uses_rng)
+    assert launcher is graph and graph.instantiated == 1
+    assert launch_kind(launcher) == "torch"
+    messages = [r.getMessage() for r in caplog.records if reason in r.getMessage()]
+    assert len(messages) == 1, caplog.text  # once per reason, not once per graph
+
+
+def test_driver_library_missing_keeps_torch_replay(monkeypatch, caplog):
+    monkeypatch.setattr(graph_launch, "_driver", lambda: OSError("libcuda.so.1: not found"))
+    graph = _FakeGraph()
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend.graph_launch"):
+        assert make_launcher(graph, torch.device("cuda", 0), "auto", False) is graph
+    assert graph.instantiated == 1
+    assert "the CUDA driver library did not load (libcuda.so.1: not found)" in caplog.text
+
+
+def test_launch_kind_of_a_device_launch_graph():
+    assert graph_launch.DeviceLaunchGraph.kind == "device"
+    assert launch_kind(object()) == "torch"
