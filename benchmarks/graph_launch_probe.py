@@ -125,26 +125,27 @@ def memsets(raw_graph: int) -> collections.Counter:
     return found
 
 
-def driver_launch_ms(raw_graph: int, flags: int, reps=20) -> float:
+def driver_launch_ms(raw_graph: int, flags: int, reps=20) -> tuple[float, float]:
     """Host ms of ``cuGraphLaunch`` of the graph instantiated by the driver with ``flags`` and
-    uploaded first (the GPU idle at each launch)."""
+    uploaded first (the GPU idle at each launch), and the latency to the end of its GPU work."""
     cu = _driver()
     exec_ = ctypes.c_void_p()
     rc = cu.cuGraphInstantiateWithFlags(ctypes.byref(exec_), ctypes.c_void_p(raw_graph),
                                         ctypes.c_ulonglong(flags))
     if rc != 0:
-        return float("nan")
+        return float("nan"), float("nan")
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     cu.cuGraphUpload(exec_, stream)
-    times = []
+    times, latency = [], []
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         cu.cuGraphLaunch(exec_, stream)
         times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        latency.append((time.perf_counter() - t0) * 1e3)
     cu.cuGraphExecDestroy(exec_)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(latency)
 
 
 def replay_host_ms(graph, reps=20) -> float:
@@ -202,21 +203,23 @@ def synthetic(lines):
     weight = torch.randn(1280, 1280, device="cuda", dtype=torch.bfloat16)
     for name, rows in (("mm 256x1280x1280", 256), ("mm 1024x1280x1280", 1024),
                        ("mm 4096x1280x1280", 4096), ("mm 16384x1280x1280", 16384),
-                       ("add 4096x1280", 0)):
-        x = torch.randn(max(rows, 4096), 1280, device="cuda", dtype=torch.bfloat16)[:rows or 4096]
+                       ("add 4096x1280", 0), ("add 64x1280", -64)):
+        n = rows if rows > 0 else (-rows or 4096)
+        x = torch.randn(max(n, 4096), 1280, device="cuda", dtype=torch.bfloat16)[:n]
 
         def body(x=x, rows=rows):
             y = x
             for _ in range(300):
-                y = y @ weight if rows else y + 1
+                y = y @ weight if rows > 0 else y + 1
             return y
         graph, _ = capture(body)
         c = census(graph.raw_cuda_graph())
         lines.append(f"{name:<28}{replay_host_ms(graph):16.3f}{gpu_ms(graph):10.3f}  "
                      f"{describe(c)}")
-        lines.append(f"    driver launch ms: instantiated with no flags "
-                     f"{driver_launch_ms(graph.raw_cuda_graph(), 0):.3f}, for device launch "
-                     f"{driver_launch_ms(graph.raw_cuda_graph(), 4):.3f}")
+        plain, device = (driver_launch_ms(graph.raw_cuda_graph(), f) for f in (0, 4))
+        lines.append(f"    driver launch host ms / launch-to-done ms: instantiated with no flags "
+                     f"{plain[0]:.3f} / {plain[1]:.3f}, for device launch {device[0]:.3f} / "
+                     f"{device[1]:.3f}")
         for (size, element, kernel), n in memsets(graph.raw_cuda_graph()).items():
             lines.append(f"    memset: {n} x {size} B (element {element} B) before {kernel}")
         for key in ("cluster", "serial"):

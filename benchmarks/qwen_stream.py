@@ -4,8 +4,10 @@ intermediate 3420, out hidden 2048, patch 14, merge 2, window 112, full attentio
 steps of 28 (seed 0) and (b) 60 calls of 1-4 such images. Modes side by side in one run: HF eager,
 torch.compile default, vitgraph (defaults: ladder of 2 steps per doubling, padded MLP weights,
 Inductor-fused block ops inside the graphs on CUDA; its first pass includes those compiles),
-vitgraph-varlen (the same with flash varlen for full attention too, ``attention="varlen"``:
-the default sends it to cuDNN when nvidia-cudnn-frontend is installed), vitgraph-unfused (the
+vitgraph-torch-launch (the same with ``graph_launch="torch"``: graphs replayed through
+``CUDAGraph.replay()`` instead of device-launch executables), vitgraph-varlen (the same with
+flash varlen for full attention too, ``attention="varlen"``: the default sends it to cuDNN when
+nvidia-cudnn-frontend is installed), vitgraph-unfused (the
 same without the fused ops, ``adapt(tower, fuse=False)``) and vitgraph-v1
 (session 1's configuration: doubling ladder, unpadded MLP, unfused), so the effect of each change
 is measured in the same process. Reports p50/p99/total (second pass), first pass, graph memory,
@@ -78,6 +80,9 @@ def run(mode, model, calls):
             fn = served
         elif mode == "vitgraph-epilogue-off":  # MLPs' first half not through fused_linear
             served = serve(model, max_items_per_graph=4, epilogue_fusion="off")
+            fn = served
+        elif mode == "vitgraph-torch-launch":  # every graph through CUDAGraph.replay()
+            served = serve(model, max_items_per_graph=4, graph_launch="torch")
             fn = served
         elif mode == "vitgraph-varlen":  # flash varlen for full attention too
             served = serve(model, max_items_per_graph=4, attention="varlen")
@@ -165,14 +170,14 @@ def main():
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text(json.dumps(meta, indent=2))
-    print(f"\n{'workload':<8}{'mode':<17}{'p50 ms':>9}{'p99 ms':>9}{'total ms':>10}{'first s':>9}"
+    print(f"\n{'workload':<8}{'mode':<23}{'p50 ms':>9}{'p99 ms':>9}{'total ms':>10}{'first s':>9}"
           f"{'graph MiB':>10}{'graphs':>7}{'pad':>6}{'rel err':>9}")
     for wl, results in all_results.items():
         for r in results:
             if "error" in r:
-                print(f"{wl:<8}{r['mode']:<17} FAILED: {r['error']}")
+                print(f"{wl:<8}{r['mode']:<23} FAILED: {r['error']}")
                 continue
-            print(f"{wl:<8}{r['mode']:<17}{r['p50_ms']:9.2f}{r['p99_ms']:9.2f}{r['total_ms']:10.0f}"
+            print(f"{wl:<8}{r['mode']:<23}{r['p50_ms']:9.2f}{r['p99_ms']:9.2f}{r['total_ms']:10.0f}"
                   f"{r['first_pass_s']:9.1f}{r.get('graph_memory_mib', 0):10.0f}"
                   f"{r.get('graphs', '-'):>7}{r.get('padding_ratio', 0):6.2f}{r.get('max_rel_err_vs_eager', 0):9.3g}")
 
