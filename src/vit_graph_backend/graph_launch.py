@@ -1,12 +1,13 @@
 """How a captured graph is launched: an executable made for device launch, or PyTorch's own.
 
 ``CUDAGraph.replay()`` launches the executable PyTorch instantiated with no flags. That launch costs
-the host about 10 to 20 µs for a graph of kernels only, but once the graph holds memset nodes it
-grows with their number: cuBLAS puts a 4-byte memset before each GEMM whose kernel needs a zeroed
-counter in its workspace, which on an H100 it does for the larger row counts, so the
-Qwen2.5-VL-3B tower's graphs of 768 tokens and more held 60 to 160 memsets and took 0.25 to 0.6 ms
-of host time per launch. The same graphs instantiated with the driver's
-``CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`` launch from the host in 10 to 25 µs whatever they hold
+the host about 5 to 50 µs for a graph of kernels only, but once the graph holds memset nodes it
+grows by about 1.5 µs per memset: cuBLAS puts a 4-byte memset before each GEMM whose kernel needs
+a zeroed counter in its workspace, which on an H100 it does for the larger row counts, so the
+Qwen2.5-VL-3B tower's graphs of 768 tokens and more (36 to 166 memsets, by kernel settings) took
+0.2 to 0.6 ms of host time per launch, and 300 GEMMs of 16,384 rows 0.53 ms. The same graphs
+instantiated with the driver's ``CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`` launch from the host
+in 0.02 to 0.13 ms (the tower) and 0.02 to 0.05 ms (the GEMMs), and their GPU work takes as long
 (``benchmarks/graph_launch_probe.py``; ``benchmarks/results/graph_launch_*``).
 
 :func:`make_launcher` takes a graph captured with ``keep_graph=True`` and returns what the runtime
