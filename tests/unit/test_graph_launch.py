@@ -63,3 +63,15 @@ def test_driver_library_missing_keeps_torch_replay(monkeypatch, caplog):
 def test_launch_kind_of_a_device_launch_graph():
     assert graph_launch.DeviceLaunchGraph.kind == "device"
     assert launch_kind(object()) == "torch"
+
+
+def test_torch_still_offers_what_graph_launch_and_capture_use():
+    """Public PyTorch APIs the capture relies on (``graph_capture.py``, ``graph_launch.py``):
+    a release that renames them should fail here, not inside a user's first capture."""
+    import inspect
+
+    assert "keep_graph" in inspect.signature(torch.cuda.CUDAGraph.__new__).parameters
+    for name in ("raw_cuda_graph", "instantiate", "replay", "pool"):
+        assert callable(getattr(torch.cuda.CUDAGraph, name, None)), name
+    assert hasattr(torch.cuda, "default_generators")
+    assert callable(getattr(torch.Generator, "get_offset", None))
