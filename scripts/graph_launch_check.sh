@@ -3,7 +3,8 @@
 # CUDAGraph.replay() (graph_launch="torch") end to end, side by side in one process each: the
 # Qwen2.5-VL-3B single-image and multi-image streams and the ViT-B/16 stream of `vitgraph bench`
 # (launch-bound), then the launch probe's synthetic part. Short table last.
-# Usage (CUDA machine, repo root): bash scripts/graph_launch_check.sh [qwen] [vit] [clip] [probe]
+# Usage (CUDA machine, repo root): bash scripts/graph_launch_check.sh [qwen] [vit] [clip]
+#   [firstpass] [probe]
 #   BENCH_MODES=eager,vitgraph-torch-launch,vitgraph  the bench parts' modes, in this order
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -24,6 +25,18 @@ for part in $parts; do
         --modes ${BENCH_MODES:-eager,vitgraph,vitgraph-torch-launch} --no-progress \
         --json "$OUT/clip_gpu_bound_graph_launch.json" 2>&1 | grep -v WARNING \
         | tee "$OUT/clip_bench.log" | tail -12 ;;
+    firstpass) cache=$(mktemp -d)
+      # CLIP ViT-L/14-336's first pass with a compile job id: cold, then warm with each launch
+      # kind (device launch twice, around the torch one: the order's own effect shows)
+      for run in cold:vitgraph warm:vitgraph warm:vitgraph-torch-launch warm:vitgraph; do
+        echo "== first pass, ${run%%:*} caches, mode ${run##*:}"
+        ( unset PYTHONDONTWRITEBYTECODE
+          PYTHONPYCACHEPREFIX=$cache/pyc TORCHINDUCTOR_CACHE_DIR=$cache/inductor \
+            TRITON_CACHE_DIR=$cache/triton TORCH_COMPILE_JOB_ID=vitgraph-clip-first-pass \
+            vitgraph bench --model clip-l14-336 --workload gpu-bound --max-batch 48 --calls 12 \
+            --modes "${run##*:}" --no-progress 2>&1 ) | grep -E "^mode|^vitgraph|captured in" \
+          | tee -a "$OUT/firstpass.log"
+      done ;;
     probe) echo "== launch probe, synthetic"
       python3 benchmarks/graph_launch_probe.py --parts synthetic 2>&1 | grep -v Warn \
         | grep -v "    cluster:" | tee "$OUT/probe.log" | tail -14 ;;

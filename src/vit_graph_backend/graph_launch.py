@@ -19,7 +19,9 @@ replays:
   beside it: it owns the captured graph and its memory pool.
 - the ``torch.cuda.CUDAGraph`` itself, instantiated by PyTorch, when ``graph_launch="torch"``, when
   the forward draws random numbers (PyTorch's replay advances the generator's offsets per launch;
-  a launch outside it would repeat the same numbers), when the driver library cannot be loaded,
+  a launch outside it would repeat the same numbers; the check reads the device's default
+  generator in the warm-up, so a forward drawing from a CUDA generator of its own should set
+  ``graph_launch="torch"``), when the driver library cannot be loaded,
   or when the driver refuses device launch for this graph (it allows kernel, memcpy and memset
   nodes on one device only). The reason is logged once.
 
