@@ -192,5 +192,29 @@ def _concat(outputs: list[Any]) -> Any:
     if len(outputs) == 1:  # already the caller's own tensor(s), never a graph's static output
         return first
     if isinstance(first, torch.Tensor):
-        return torch.cat(outputs)
-    return type(first)(torch.cat([o[i] for o in outputs]) for i in range(len(first)))
+        return _joined(outputs)
+    return type(first)(_joined([o[i] for o in outputs]) for i in range(len(first)))
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, or a view when the parts already lie back to back in one storage
+    (one batch's items in the caller's order: views of the rows the runtime cloned out of the
+    graph's output), so such a call copies its output once, not twice."""
+    first = parts[0]
+    # not for outputs that carry autograd history (the eager fallback under grad): cat's
+    # backward is the plain one
+    if first.is_contiguous() and first.dim() >= 1 and not first.requires_grad:
+        row = first[0].numel() * first.element_size() if first.shape[0] else 0
+        end, rows = first.data_ptr(), 0
+        for part in parts:
+            if (part.data_ptr() != end or not part.is_contiguous() or part.dtype != first.dtype
+                    or part.device != first.device or part.shape[1:] != first.shape[1:]
+                    or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+                break
+            end += part.shape[0] * row
+            rows += part.shape[0]
+        else:
+            if row:
+                return first.as_strided((rows, *first.shape[1:]), first.stride(),
+                                        first.storage_offset())
+    return torch.cat(parts)

@@ -71,3 +71,41 @@ def test_compiling_a_served_tower_compiles_nothing_around_the_routing():
     compiled = torch.compile(served, backend="vitgraph")
     torch.testing.assert_close(compiled(pixels, GRID), expected, rtol=0, atol=0)
     assert vitgraph.report()["compiles"] == 0
+
+
+def test_items_back_to_back_in_one_storage_join_as_a_view_else_cat():
+    """``forward`` returns one batch's items as a view of the rows cloned from the graph's
+    output, not a second copy; anything else (items out of order, other storages, autograd
+    history) goes through ``torch.cat``. Either way the values are ``torch.cat``'s."""
+    from vit_graph_backend.packed import _joined
+
+    base = torch.arange(40.0).reshape(10, 4)
+    parts = [base[0:3], base[3:4], base[4:10]]
+    joined = _joined(parts)
+    assert torch.equal(joined, torch.cat(parts))
+    assert joined.data_ptr() == base.data_ptr()  # a view: no copy
+    for other in ([base[3:4], base[0:3]],                      # not in storage order
+                  [base[0:3], base[4:10]],                     # a gap
+                  [base[0:3], base.clone()[3:4]],              # another storage
+                  [base[0:2, :2], base[2:4, :2]]):             # not contiguous
+        out = _joined(other)
+        assert torch.equal(out, torch.cat(other))
+        assert out.data_ptr() != base.data_ptr()
+    grad = torch.arange(8.0, requires_grad=True).reshape(4, 2) * 1
+    out = _joined([grad[:2], grad[2:]])
+    assert out.data_ptr() != grad.data_ptr() and out.grad_fn is not None
+
+
+@torch.no_grad()
+def test_a_one_batch_call_returns_its_rows_without_a_second_copy():
+    # items of one size: the planner keeps the caller's order inside the batch, so the rows
+    # cloned from the graph's output are the answer as they lie
+    grid = [[1, 2, 4]] * 3
+    served = _served()
+    pixels = torch.randn(24, 24, generator=torch.Generator().manual_seed(2))
+    packed = served(pixels, grid)
+    report = served.report()["stats"]
+    items = served.run({"pixel_values": pixels, "grid_thw": torch.tensor(grid)})
+    assert report["calls"] == 1 and sum(report["batches_per_budget"].values()) == 1, report
+    assert packed._base is not None  # a view of the one clone of the graph's rows, not a cat
+    torch.testing.assert_close(packed, torch.cat(items), rtol=0, atol=0)
