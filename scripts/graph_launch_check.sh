@@ -26,20 +26,15 @@ for part in $parts; do
         --json "$OUT/clip_gpu_bound_graph_launch.json" 2>&1 | grep -v WARNING \
         | tee "$OUT/clip_bench.log" | tail -12 ;;
     firstpass) cache=$(mktemp -d)
-      # CLIP ViT-L/14-336's first pass with a compile job id: cold, then warm. FIRSTPASS_RUNS lists
-      # the runs as caches:mode[:nochoices]; "nochoices" runs with VITGRAPH_CACHE_DIR="" (the
-      # fused-linear shapes timed again, choice_cache.py off). Default: each launch kind, device
-      # launch twice around the torch one (the order's own effect shows).
-      for run in ${FIRSTPASS_RUNS:-cold:vitgraph warm:vitgraph warm:vitgraph-torch-launch warm:vitgraph}; do
-        IFS=: read -r caches mode choices <<<"$run"
-        echo "== first pass, $caches caches, mode $mode ${choices:+(choice cache off)}" \
-          | tee -a "$OUT/firstpass.log"
+      # CLIP ViT-L/14-336's first pass with a compile job id: cold, then warm with each launch
+      # kind (device launch twice, around the torch one: the order's own effect shows)
+      for run in cold:vitgraph warm:vitgraph warm:vitgraph-torch-launch warm:vitgraph; do
+        echo "== first pass, ${run%%:*} caches, mode ${run##*:}"
         ( unset PYTHONDONTWRITEBYTECODE
-          [ "$choices" = nochoices ] && export VITGRAPH_CACHE_DIR=
           PYTHONPYCACHEPREFIX=$cache/pyc TORCHINDUCTOR_CACHE_DIR=$cache/inductor \
             TRITON_CACHE_DIR=$cache/triton TORCH_COMPILE_JOB_ID=vitgraph-clip-first-pass \
             vitgraph bench --model clip-l14-336 --workload gpu-bound --max-batch 48 --calls 12 \
-            --modes "$mode" --no-progress 2>&1 ) | grep -E "^mode|^vitgraph|captured in" \
+            --modes "${run##*:}" --no-progress 2>&1 ) | grep -E "^mode|^vitgraph|captured in" \
           | tee -a "$OUT/firstpass.log"
       done ;;
     probe) echo "== launch probe, synthetic"

@@ -2,7 +2,6 @@
 
 - ``@pytest.mark.gpu`` tests are skipped with "CUDA not available" where there is no CUDA device.
 - ``@pytest.mark.trt`` tests are skipped with "torch_tensorrt not installed" where it is missing.
-- ``VITGRAPH_CACHE_DIR`` is empty unless set: no test reads shape choices another process kept.
 - Hypothesis profiles: ``dev`` (default, 200 examples), ``ci`` (derandomized, 300 examples, chosen
   when ``CI`` is set), ``gpu`` (few examples, no deadline). Pick one with
   ``--hypothesis-profile=NAME``.
@@ -15,10 +14,6 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
-
-# fused_linear's per-shape winners are kept across processes (choice_cache.py); tests time their
-# shapes themselves unless a test points the cache somewhere (tests/unit/test_choice_cache.py)
-os.environ.setdefault("VITGRAPH_CACHE_DIR", "")
 
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.register_profile(

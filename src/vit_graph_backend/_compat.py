@@ -9,7 +9,6 @@ Supported: torch 2.11 through 2.14 (checked on CPU with 2.13/2.14 in CI, on CUDA
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +25,6 @@ __all__ = [
     "example_value",
     "get_varlen_attn",
     "graph_pool_bytes",
-    "inductor_cache_dir",
     "maybe_mark_dynamic",
     "register_dynamo_backend",
     "scaled_mm_rowwise",
@@ -198,16 +196,3 @@ def enable_backed_size_oblivious() -> bool:
         return False
     fx_config.backed_size_oblivious = True
     return True
-
-
-def inductor_cache_dir() -> str:
-    """The directory Inductor caches its compiles in: ``TORCHINDUCTOR_CACHE_DIR``, else its
-    default (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``, a folder per user in
-    the temporary directory). Unlike Inductor's own ``cache_dir()``, neither creates the folder
-    nor sets the environment variable."""
-    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if given:
-        return os.path.abspath(given)
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return os.path.abspath(default_cache_dir())

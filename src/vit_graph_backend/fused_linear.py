@@ -36,15 +36,11 @@ from __future__ import annotations
 import functools
 import logging
 import statistics
-import sys
 import threading
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from ._version import __version__
-from .choice_cache import ChoiceCache
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
            "activation_of", "activation_reference", "fused_epilogue_unavailable", "gated_width",
@@ -233,9 +229,6 @@ class LinearActChoices:
         self.chosen: dict[tuple[Any, ...], Choice] = {}
         #: (gated, fused configuration) -> why it failed to compile or run (not tried again)
         self.refused: dict[tuple[bool, tuple[int, ...]], str] = {}
-        #: winners kept across processes (``choice_cache.py``); shapes taken from it, untimed
-        self.stored = ChoiceCache()
-        self.from_store = 0
         self._lock = threading.Lock()
 
     @property
@@ -243,7 +236,6 @@ class LinearActChoices:
         """Shapes timed and what won each, and refused configurations with their reasons."""
         with self._lock:
             return {"chosen": {_describe(k): _name(v) for k, v in self.chosen.items()},
-                    "from_cache": self.from_store,
                     "refused": {_name(c).removeprefix("fused ") + (" gated" if gated else ""): why
                                 for (gated, c), why in self.refused.items()}}
 
@@ -259,8 +251,7 @@ class LinearActChoices:
                 choice = self.chosen.get(key)
                 if (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
                         and not torch.cuda.is_current_stream_capturing()):
-                    choice = self.chosen[key] = self._stored_or_timed(rows, weight, bias,
-                                                                      activation)
+                    choice = self.chosen[key] = self._time(rows, weight, bias, activation)
             out = self._launch(_UNFUSED if choice is None else choice, rows, weight, bias,
                                activation)
         return out.reshape(*x.shape[:-1], n)
@@ -287,29 +278,6 @@ class LinearActChoices:
                 return kernels.silu_mul_packed(F.linear(rows, weight, bias), GATE_CHUNK)
             return kernels.activation_(F.linear(rows, weight, bias), activation)
         return kernels.linear_act(rows, weight, bias, activation, choice)
-
-    def _stored_or_timed(self, rows: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor | None, activation: str) -> Choice:
-        """The winner another process stored for this shape under the same conditions, if it is
-        still a candidate here; else the timed winner, which is then stored."""
-        gated = activation == GATED
-        candidates = GATED_CONFIGS if gated else FUSED_CONFIGS
-        triton = sys.modules.get("triton")
-        capability = torch.cuda.get_device_capability(rows.device)
-        key = "|".join(map(str, (
-            torch.cuda.get_device_name(rows.device), f"sm{capability[0]}{capability[1]}",
-            f"torch {torch.__version__}", f"triton {getattr(triton, '__version__', None)}",
-            f"vit_graph_backend {__version__}", candidates, rows.dtype,
-            f"{rows.shape[0]}x{rows.shape[1]}->{weight.shape[0]}", activation,
-            "bias" if bias is not None else "no bias")))
-        stored = self.stored.get(key)
-        if stored in (_UNFUSED, _PYTORCH) or (stored in candidates
-                                              and (gated, stored) not in self.refused):
-            self.from_store += 1
-            return stored
-        choice = self._time(rows, weight, bias, activation)
-        self.stored.put(key, choice)
-        return choice
 
     def _time(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               activation: str) -> Choice:

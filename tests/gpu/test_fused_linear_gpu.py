@@ -319,32 +319,3 @@ def test_the_ops_run_on_their_tensors_gpu_whichever_is_current():
         g.replay()
         torch.cuda.synchronize(dev)
         _bf16_close(captured, _gated_fp32(xg, wg, bg), roundings=4)
-
-
-def test_a_winner_stored_by_another_process_is_taken_untimed(monkeypatch, tmp_path):
-    """``choice_cache.py``: a fresh ``LinearActChoices`` (a new process) takes a shape's winner
-    from the file the first one wrote, without timing, and its result is right; a stored value
-    that is no candidate any more is timed again."""
-    monkeypatch.setenv("VITGRAPH_CACHE_DIR", str(tmp_path))
-    x, w, b = _operands(1031, 256, 512, seed=7)
-    first = fused_linear.LinearActChoices()
-    expected = first.run(x, w, b, "gelu")
-    assert first.from_store == 0 and len(first.chosen) == 1
-    (winner,) = first.chosen.values()
-
-    second = fused_linear.LinearActChoices()
-    monkeypatch.setattr(second, "_time", lambda *a: pytest.fail("timed a stored shape"))
-    out = second.run(x, w, b, "gelu")
-    assert second.from_store == 1 and list(second.chosen.values()) == [winner]
-    _bf16_close(out, _fp32(x, w, b, "gelu"))
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-
-    stale = (64, 64, 64, 2, 4, 0)  # a tile no candidate list holds
-    for key in second.stored._entries:
-        second.stored.put(key, stale)
-    third = fused_linear.LinearActChoices()
-    timed = []
-    real_time = third._time
-    monkeypatch.setattr(third, "_time", lambda *a: timed.append(1) or real_time(*a))
-    _bf16_close(third.run(x, w, b, "gelu"), _fp32(x, w, b, "gelu"))
-    assert timed == [1] and third.from_store == 0

@@ -39,7 +39,7 @@ _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors"
 #: What ``backend`` may import: every layer below it.
 _BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
                                          "batched_layout", "packed", "inner", "fp8_linear",
-                                         "fused_linear", "linear_rewrite", "choice_cache"}
+                                         "fused_linear", "linear_rewrite"}
 
 #: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
@@ -78,9 +78,7 @@ LAYERS: dict[str, set[str]] = {
     # epilogue_fusion="auto": linear + GELU (or a SiLU gate) as one op, called by the adapters
     # and by the graphs the rewrite below makes; its Triton kernels (imported only when a CUDA
     # graph uses them) are the private module below it.
-    "fused_linear": {"_linear_act_kernels", "choice_cache", "_version"},
-    # fused_linear's per-shape winners kept across processes, in Inductor's cache folder.
-    "choice_cache": {"_compat"},
+    "fused_linear": {"_linear_act_kernels"},
     # The backend's graph rewrites' walk over linear layers, and linear + GELU -> the op.
     "linear_rewrite": {"fused_linear"},
     "_linear_act_kernels": set(),

@@ -3,8 +3,6 @@ private API fails here, loudly, rather than in a user's call."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vit_graph_backend import _compat
@@ -125,13 +123,3 @@ def test_scaled_mm_rowwise_runs_on_this_torch():
     out = _compat.scaled_mm_rowwise(a.to(e4m3), w.to(e4m3).t(), scale_a, scale_b, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (16, 16)
     torch.testing.assert_close(out.float(), a @ w.t() + bias.float())
-
-
-def test_inductor_cache_dir_follows_the_environment_and_has_a_default(monkeypatch, tmp_path):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    assert _compat.inductor_cache_dir() == str(tmp_path / "inductor")
-    assert not (tmp_path / "inductor").exists()  # reading it creates nothing
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    default = _compat.inductor_cache_dir()
-    assert "torchinductor" in default and os.path.isabs(default)
-    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # and sets nothing
