@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from .graph_launch import launch_kind, make_launcher
+from .graph_launch import device_index, launch_kind, make_launcher
 
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
            "mib", "storage_bytes"]
@@ -116,7 +116,7 @@ def _warmup(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
         return None, None
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
-    generator = torch.cuda.default_generators[_index(device)]
+    generator = torch.cuda.default_generators[device_index(device)]
     offset = generator.get_offset()
     current = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
@@ -127,10 +127,6 @@ def _warmup(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
     current.wait_stream(stream)
     return (max(0, torch.cuda.memory_reserved(device) - before),
             generator.get_offset() != offset)
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def capture_budget_graph(

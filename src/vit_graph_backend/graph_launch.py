@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceLaunchGraph", "launch_kind", "make_launcher"]
+__all__ = ["DeviceLaunchGraph", "device_index", "launch_kind", "make_launcher"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ def _driver() -> Any:
         return cu
     except (OSError, AttributeError) as exc:
         return exc
+
+
+def device_index(device: torch.device) -> int:
+    """``device``'s index; the current device's for a bare ``"cuda"``."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _log_once(reason: str) -> None:
@@ -94,8 +99,7 @@ class DeviceLaunchGraph:
 
     def __init__(self, graph: torch.cuda.CUDAGraph, handle: int, device: torch.device) -> None:
         self.graph = graph
-        self.device = device
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.index = device_index(device)
         self._handle = ctypes.c_void_p(handle)
         self._cu = _driver()
         self._finalizer = weakref.finalize(self, _destroy, self._cu, handle)

@@ -104,10 +104,7 @@ class HostStage:
                 _warn_unpinned(exc)
                 copy = block.clone()
             copy.copy_(block)
-            start = 0
-            for key, view in views.items():
-                result[key] = copy[start:start + view.numel()].view(view.shape)
-                start += view.numel()
+            result.update(_views_like(copy, views))
         return result
 
 
@@ -120,8 +117,14 @@ def upload(values: Mapping[str, torch.Tensor], device: torch.device) -> dict[str
     result = {}
     for block, views in _pinned_blocks(values, shapes):
         on_device = block.to(device, non_blocking=block.is_pinned())
-        start = 0
-        for key, view in views.items():
-            result[key] = on_device[start:start + view.numel()].view(view.shape)
-            start += view.numel()
+        result.update(_views_like(on_device, views))
+    return result
+
+
+def _views_like(block: torch.Tensor, views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same views as ``views`` (back to back in a block of their own), into ``block``."""
+    result, start = {}, 0
+    for key, view in views.items():
+        result[key] = block[start:start + view.numel()].view(view.shape)
+        start += view.numel()
     return result
