@@ -27,7 +27,7 @@ from .errors import (
 )
 from .options import VitGraphOptions
 from .planner import Batch, Plan, Segment, plan_batches
-from .protocol import SupportsEncoderCudaGraph, supports_encoder_cudagraph
+from .protocol import StampedBuffers, SupportsEncoderCudaGraph, supports_encoder_cudagraph
 from .specs import EncoderItemSpec
 from .stats import GraphStats
 
@@ -43,6 +43,7 @@ __all__ = [
     "PackedGraphEncoder",
     "Plan",
     "Segment",
+    "StampedBuffers",
     "SupportsEncoderCudaGraph",
     "UnsupportedGraphError",
     "UnsupportedModelError",

@@ -211,6 +211,15 @@ class BudgetGraph:
     verified: bool = False
     #: static buffers a replay rewrites (the rest are capture-time constants)
     written: set[str] = field(default_factory=set)
+    #: the ``StampedBuffers.stamp`` the static buffers were last filled from (``replay_io``)
+    stamp: Any = None
+    #: per static buffer, how many leading rows may be non-zero (absent: all of them)
+    dirty: dict[str, int] = field(default_factory=dict)
+
+    def forget_inputs(self) -> None:
+        """The static buffers were written outside a replay: the next one writes them all."""
+        self.stamp = None
+        self.dirty.clear()
 
 
 class BudgetGraphs:

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from ._compat import current_raw_stream
+
 __all__ = ["DeviceLaunchGraph", "device_index", "launch_kind", "make_launcher"]
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class DeviceLaunchGraph:
             self._launch()
 
     def _launch(self) -> None:
-        stream = ctypes.c_void_p(torch.cuda.current_stream(self.index).cuda_stream)
+        stream = ctypes.c_void_p(current_raw_stream(self.index))
         rc = self._cu.cuGraphLaunch(self._handle, stream)
         if rc == _INVALID_CONTEXT:  # a thread that never made a CUDA call: bind the context
             with torch.cuda.device(self.index):

@@ -107,6 +107,7 @@ class PackedGraphEncoder(nn.Module):
         inner = options.inner_compiler_for(cuda=device.type == "cuda", packed=True)
         compute = encoder if inner == "eager" else _CompiledCompute(encoder, options)
         self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype)
+        self._last_grid: tuple[tuple, torch.Tensor] | None = None
         with _served_lock:
             _served.add(self)
 
@@ -126,11 +127,32 @@ class PackedGraphEncoder(nn.Module):
             InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
                 before any graph runs.
         """
+        rows = None
         if not isinstance(grid_thw, torch.Tensor):
             # once here, not in every specs/replay call of the encoder that re-reads the grid
-            grid_thw = grid_tensor(grid_thw)
-        outputs = self.manager.run(PackedCall(pixel_values, grid_thw))  # grid read once a call
+            grid_thw, rows = self._grid_of(grid_thw)
+        # the grid is read once a call (PackedCall), and not at all when it came as a list
+        outputs = self.manager.run(PackedCall(pixel_values, grid_thw, rows))
         return _concat(outputs)
+
+    def _grid_of(self, rows: Any) -> tuple[torch.Tensor, list[tuple[int, int, int]] | None]:
+        """``grid_tensor(rows)``, and the rows as Python ints when they are a list of ``[t, h,
+        w]`` rows of ints (``None`` otherwise). Rows equal to the last call's give the last
+        call's tensor again: serving streams repeat sizes, and a tensor costs several
+        microseconds to build (the encoders only read it)."""
+        try:
+            key = tuple(map(tuple, rows))
+        except TypeError:  # not rows of sequences: grid_tensor names the problem
+            return grid_tensor(rows), None
+        # ints only: 4.0 == 4 and True == 1, but grid_tensor refuses floats and bools
+        if not all(type(v) is int for row in key for v in row):
+            return grid_tensor(rows), None
+        last = self._last_grid
+        if last is not None and last[0] == key:
+            return last[1], list(key)
+        grid = grid_tensor(rows)  # the shape and emptiness checks
+        self._last_grid = (key, grid)  # one assignment: threads see either pair whole
+        return grid, list(key)
 
     @torch.compiler.disable
     def run(self, inputs: Mapping[str, Any]) -> list[Any]:

@@ -25,6 +25,10 @@ Layout contract (the runtime relies on it):
       memory (``torch.empty(..., pin_memory=True)``, padding written on the host): the runtime
       copies it without a host sync, so the host can run ahead of a busy GPU. Allocate it fresh
       per call and never write it after returning it (``adapters/_staging.py`` does this).
+    - Replay buffers that depend only on the batch's item sizes (offsets, rotary tables) may be
+      returned as :class:`StampedBuffers`: the runtime then skips their copies when the budget's
+      static buffers were last filled from the same stamp (``adapters/_qwen_packing.py`` stamps
+      each staged batch).
     - Everything computed from ``grid_thw`` on the host (offsets, rotary tables, window indices)
       is computed *outside* ``encoder_cudagraph_forward``: that function is traced and captured
       and may not call ``.item()`` or ``.tolist()``.
@@ -59,7 +63,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .specs import EncoderItemSpec
@@ -67,7 +71,8 @@ from .specs import EncoderItemSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EncoderOutput", "SupportsEncoderCudaGraph", "supports_encoder_cudagraph"]
+__all__ = ["EncoderOutput", "StampedBuffers", "SupportsEncoderCudaGraph",
+           "supports_encoder_cudagraph"]
 
 #: A tensor, or a tuple of tensors sharing the leading (token) dimension (e.g. deepstack features).
 EncoderOutput = Any
@@ -105,9 +110,11 @@ class SupportsEncoderCudaGraph(Protocol):
         inputs: Mapping[str, torch.Tensor],
         item_indices: Sequence[int],
         budget: int,
-    ) -> dict[str, torch.Tensor]:
+    ) -> Mapping[str, torch.Tensor]:
         """Values for the static buffers that run ``item_indices`` (in that order) in ``budget``'s
-        graph, padding included (see the layout contract in the module docstring)."""
+        graph, padding included (see the layout contract in the module docstring): a dict, or a
+        :class:`StampedBuffers` whose stamped buffers the runtime copies only when they are not
+        in place already."""
         ...
 
     def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> EncoderOutput:
@@ -119,6 +126,34 @@ class SupportsEncoderCudaGraph(Protocol):
     ) -> EncoderOutput:
         """Run ``item_indices`` without a graph; packed output in the same layout as the graph's."""
         ...
+
+
+class StampedBuffers(dict):
+    """Replay buffers, some of which are a pure function of ``stamp``.
+
+    The mapping itself holds the buffers that change every call (e.g. ``pixel_values``);
+    ``load()`` returns the others, and is called only when the budget's static buffers were not
+    last filled from this very ``stamp`` object (compared by identity; the runtime keeps a
+    reference to it, so it cannot be collected and its ``id`` reused). The encoder must give a
+    new stamp whenever the loaded values could differ, and ``load()`` must return the same keys
+    every time.
+
+    Args:
+        varying: the buffers written every call.
+        stamp: any object standing for the loaded values.
+        load: returns the other buffers (same rules as any replay buffer).
+    """
+
+    __slots__ = ("load", "stamp")
+
+    def __init__(self, varying: Mapping[str, torch.Tensor], stamp: object,
+                 load: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        super().__init__(varying)
+        self.stamp, self.load = stamp, load
+
+    def merged(self) -> dict[str, torch.Tensor]:
+        """Every buffer, the loaded ones and the varying ones, as one plain dict."""
+        return {**self.load(), **self}
 
 
 def supports_encoder_cudagraph(model: object) -> bool:

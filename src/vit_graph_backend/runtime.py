@@ -43,8 +43,8 @@ from .errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError
 from .graph_capture import BudgetGraphs, mib
 from .options import VitGraphOptions
 from .planner import Batch, Plan, Segment
-from .replay_io import (assemble, copy_padded, infer_device_dtype, map_output, max_rel_error,
-                        needs_grad, split_rows, verify_tolerance)
+from .replay_io import (assemble, infer_device_dtype, map_output, max_rel_error, needs_grad,
+                        split_rows, verify_tolerance, write_inputs)
 from .protocol import SupportsEncoderCudaGraph
 from .served_budgets import ServedBudgets
 from .stats import GraphStats
@@ -274,11 +274,7 @@ class EncoderCudaGraphManager:
                 entry = self._graphs[budget]
             else:
                 entry = self.graphs.entry_without_graph(budget)
-        values = self._replay_buffers(inputs, batch, budget)
-        for key, value in values.items():
-            copy_padded(entry.static, key, value)
-        if not entry.written:  # the same keys every replay
-            entry.written.update(values)
+        write_inputs(entry, self._replay_buffers(inputs, batch, budget))
         graph = entry.graph is not None
         if graph:
             entry.graph.replay()

@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 
+from ._compat import current_raw_stream
+
 __all__ = ["StreamOrder", "order_for"]
+
+#: Stream objects an order keeps by raw handle (PyTorch's stream pools hold 32 per priority).
+_STREAMS_KEPT = 64
 
 
 class StreamOrder:
@@ -41,49 +46,71 @@ class StreamOrder:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self._lock = threading.RLock()
+        self._index = self.device.index  # None: the current device ("cuda")
         self._event: Any = None
-        self._last_stream: Any = None
+        self._last_stream: Any = None  # a torch.cuda.Stream
+        self._last_raw: int | None = None  # its raw handle
+        self._streams: dict[int, Any] = {}  # stream objects by raw handle
+        self._raw: Any = None  # the context manager's enter, for its exit
         self._depth = 0
         #: how many calls had to wait for another stream's previous call (for tests and reports)
         self.cross_stream_waits = 0
 
     def enter(self) -> Any:
         """Take the lock and order the current stream after the previous call; returns the
-        stream (``None`` off CUDA)."""
+        stream's raw handle (``None`` off CUDA), to be given to :meth:`exit`."""
         self._lock.acquire()
         self._depth += 1
         if self.device.type != "cuda":
             return None
-        stream = torch.cuda.current_stream(self.device)
-        last = self._last_stream
-        if self._depth == 1 and last is not None and stream.cuda_stream != last.cuda_stream:
+        # the raw handle, not a torch.cuda.Stream: this runs on every call (_compat)
+        index = self._index if self._index is not None else torch.cuda.current_device()
+        raw = current_raw_stream(index)
+        if self._depth == 1 and self._last_stream is not None and raw != self._last_raw:
             # Recorded now, on the previous call's stream: it marks everything enqueued there so
             # far, the previous call included. Recording lazily keeps one stream's calls free of
             # event work; the price is that the new stream may also wait for work the previous
             # caller enqueued after its call.
             if self._event is None:
                 self._event = torch.cuda.Event()
-            self._event.record(last)
-            stream.wait_event(self._event)
+            self._event.record(self._last_stream)
+            self._stream(raw).wait_event(self._event)
             self.cross_stream_waits += 1
-        return stream
+        return raw
 
-    def exit(self, stream: Any) -> None:
-        """Mark ``stream`` as the one holding the last call's GPU work; release the lock."""
+    def exit(self, raw: Any) -> None:
+        """Mark the stream :meth:`enter` returned (the caller's, still current) as the one
+        holding the last call's GPU work; release the lock."""
         try:
-            if stream is not None and self._depth == 1:
-                self._last_stream = stream
+            if raw is not None and self._depth == 1 and raw != self._last_raw:
+                # the next switch records on it
+                self._last_stream, self._last_raw = self._stream(raw), raw
         finally:
             self._depth -= 1
             self._lock.release()
 
+    def _stream(self, raw: int) -> Any:
+        """The ``torch.cuda.Stream`` of the current stream, whose handle is ``raw``: made once
+        per stream, only on a switch (a call on the last call's stream never needs it)."""
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+            if stream.cuda_stream != raw:  # the caller left another stream current
+                stream = torch.cuda.ExternalStream(raw, device=self.device)
+            if len(self._streams) >= _STREAMS_KEPT:
+                self._streams.clear()
+            self._streams[raw] = stream
+        return stream
+
     def __enter__(self) -> Any:
-        return self.enter()
+        raw = self.enter()
+        if self._depth == 1:  # a nested enter keeps the outer one's stream for its exit
+            self._raw = raw
+        return raw
 
     def __exit__(self, *exc: Any) -> None:
-        # the stream is the current one again: a call never leaves a different current stream
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        self.exit(stream)
+        # under the lock still: no other call has replaced _raw since this one's enter
+        self.exit(self._raw if self._depth == 1 else None)
 
 
 _ORDERS: dict[torch.device, StreamOrder] = {}

@@ -7,7 +7,9 @@
 - a forward that draws random numbers stays on PyTorch's replay, and its replays differ like eager
   calls do;
 - ``warmup_iters=0`` (random-number use unknown) stays on PyTorch's replay;
-- ``close()`` destroys the executable and a second ``close()`` is harmless.
+- ``close()`` destroys the executable and a second ``close()`` is harmless;
+- the raw stream binding the launch and the stream ordering read (``_compat``) exists in this
+  CUDA build and names the current stream, on the default and on a side stream.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from toy_encoders import PaddedSegToyEncoder
+from vit_graph_backend import _compat
 from vit_graph_backend.graph_launch import DeviceLaunchGraph, launch_kind, make_launcher
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.runtime import EncoderCudaGraphManager
@@ -162,3 +165,12 @@ def test_random_numbers_or_no_warmup_keep_torch_replay(warmup_iters):
     assert set(mgr.memory_report()["graph_launch"].values()) == {"torch"}
     assert not torch.equal(first, second)  # the generator advanced between replays, as eager's
 
+
+
+def test_the_raw_stream_binding_names_the_current_stream():
+    # a CUDA build of torch that moves it fails here, not in a user's call (_compat falls back)
+    assert _compat._RAW_STREAM is not None
+    assert _compat.current_raw_stream(0) == torch.cuda.current_stream(0).cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert _compat.current_raw_stream(0) == side.cuda_stream != 0

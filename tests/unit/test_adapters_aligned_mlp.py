@@ -62,15 +62,16 @@ def test_padded_mlp_matches_the_hf_tower_and_holds_the_expected_bytes():
     adapter = adapt(hf, align_mlp=True, epilogue_fusion="off")
     pv, grid = _call(GRIDS)
     torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
-    # per block: gate and up (48 x 32 weight + 48 bias each), down (32 x 48 weight + 32 bias)
-    per_block = 2 * (48 * HIDDEN + 48) + (HIDDEN * 48 + HIDDEN)
+    # per block: gate and up (48 x 32 weight + 48 bias each), down (32 x 48 weight; its bias
+    # needs no padding and is read from the module)
+    per_block = 2 * (48 * HIDDEN + 48) + HIDDEN * 48
     assert adapter.aligned_mlp_bytes == DEPTH * per_block * 4
     for weights in adapter.kernels.aligned.weights:  # the padding itself is zero
         for weight, bias in weights.ins:
             assert not weight[WIDTH:].any() and not bias[WIDTH:].any()
         assert not weights.out_weight[:, WIDTH:].any()
     # the adapter really reads the copies: nudge one (the tower is unchanged, so no refresh)
-    adapter.kernels.aligned.weights[0].out_bias.add_(1.0)
+    adapter.kernels.aligned.weights[0].out_weight[:, :WIDTH].add_(1.0)
     assert not torch.allclose(adapter(pv, grid), hf(pv, grid).pooler_output, atol=1e-2)
 
 
@@ -81,8 +82,8 @@ def test_packed_gate_up_copy_matches_the_hf_tower_on_both_paths():
     assert adapter.kernels.epilogue == "silu_mul" and adapter.kernels.aligned.gated
     pv, grid = _call(GRIDS)
     torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
-    # per block: packed gate/up (256 x 32 weight + 256 bias), down (32 x 128 weight + 32 bias)
-    per_block = (256 * HIDDEN + 256) + (HIDDEN * 128 + HIDDEN)
+    # per block: packed gate/up (256 x 32 weight + 256 bias), down (32 x 128 weight)
+    per_block = (256 * HIDDEN + 256) + HIDDEN * 128
     assert adapter.aligned_mlp_bytes == DEPTH * per_block * 4
     for block, weights in zip(hf.blocks, adapter.kernels.aligned.weights):
         ((weight, bias),) = weights.ins

@@ -27,7 +27,9 @@ from vit_graph_backend.adapters._packed_attention import (  # noqa: E402
     segment_loop_attention,
 )
 from vit_graph_backend.budgets import BudgetConfig  # noqa: E402
+from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
 from vit_graph_backend.planner import plan_batches  # noqa: E402
+from vit_graph_backend.replay_io import write_inputs  # noqa: E402
 from vit_graph_backend.testing import image_grids  # noqa: E402
 
 
@@ -88,12 +90,10 @@ def test_static_offsets_cover_every_row(adapters, grids, max_batch_size, frame_c
             static = adapter.prepare_encoder_cudagraph_capture_inputs(
                 batch.budget, config.max_batch_size, config.max_frames_per_batch,
                 torch.device("cpu"), torch.float32)
-            replay = adapter.prepare_encoder_cudagraph_replay_buffers(inputs, batch.items,
-                                                                      batch.budget)
-            for key, buf in static.items():
-                n = replay[key].shape[0]
-                buf[:n].copy_(replay[key])
-                buf[n:].zero_()
+            replay = adapter.prepare_encoder_cudagraph_replay_buffers(
+                inputs, batch.items, batch.budget)
+            write_inputs(BudgetGraph(batch.budget, static), replay)  # what a replay writes
+            replay = dict(static)
             rows = static["pixel_values"].shape[0]
             full, window = adapter.packer.segments(static, None)
             assert full.max_seqlen == rows and full.host_offsets is None

@@ -49,6 +49,7 @@ from vit_graph_backend.adapters import (  # noqa: E402
     register_adapter,
     supported_classes,
 )
+from vit_graph_backend.adapters._qwen_packing import ROW_INDEX  # noqa: E402
 from vit_graph_backend.adapters.qwen_families import (  # noqa: E402
     Qwen2_5_VLVisionAdapter,
     Qwen2VLVisionAdapter,
@@ -62,6 +63,8 @@ from vit_graph_backend.errors import (  # noqa: E402
 )
 from vit_graph_backend.planner import plan_batches  # noqa: E402
 from vit_graph_backend.protocol import supports_encoder_cudagraph  # noqa: E402
+from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
+from vit_graph_backend.replay_io import write_inputs  # noqa: E402
 from vit_graph_backend.testing import image_grids  # noqa: E402
 
 PATCH, MERGE = 2, 2
@@ -173,6 +176,13 @@ def _assert_close(actual, expected, atol: float) -> float:
     return worst
 
 
+def _written_through(buffers, written, key):
+    """Whether ``buffers[key]`` was written: itself, or the block whose storage it views."""
+    ptr = buffers[key].untyped_storage().data_ptr()
+    return key in written or any(buffers[w].untyped_storage().data_ptr() == ptr
+                                 for w in written)
+
+
 def reference_dispatch(adapter, inputs, config: BudgetConfig, poison: bool = True):
     """What the runtime does, in a few lines: plan; per graph batch copy the replay buffers into
     the budget's static buffers (head copied, tail zeroed) and run the captured function; slice
@@ -192,14 +202,14 @@ def reference_dispatch(adapter, inputs, config: BudgetConfig, poison: bool = Tru
             buffers = static[batch.budget]
             replay = adapter.prepare_encoder_cudagraph_replay_buffers(
                 inputs, batch.items, batch.budget)
-            assert replay.keys() == buffers.keys()
-            for key, buf in buffers.items():
-                if poison:  # stale garbage from a shared pool must never reach real rows
+            if poison:  # stale garbage from a shared pool must never reach real rows
+                for buf in buffers.values():
                     buf.fill_(float("nan") if buf.is_floating_point() else 10**6)
-                value = replay[key]
-                assert value.shape[1:] == buf.shape[1:] and value.shape[0] <= buf.shape[0], key
-                buf[:value.shape[0]].copy_(value)
-                buf[value.shape[0]:].zero_()
+            entry = BudgetGraph(batch.budget, buffers)  # a fresh one: it writes every buffer
+            write_inputs(entry, replay)
+            # every buffer the graph reads was written (a block writes the views it holds)
+            read = buffers.keys() - {k for k in buffers if k.startswith("block:")}
+            assert all(_written_through(buffers, entry.written, k) for k in read), entry.written
             out = adapter.encoder_cudagraph_forward(buffers)
             assert all(o.shape[0] >= batch.budget for o in _as_tuple(out))
         row = 0
@@ -357,15 +367,22 @@ def test_replay_metadata_comes_padded_to_the_captured_shapes(towers, family):
                                                                torch.float32)
     grids = [(1, 4, 6), (1, 2, 2)]
     inputs = _inputs(grids, seed=1)
-    replay = adapter.prepare_encoder_cudagraph_replay_buffers(inputs, [0, 1], budget)
+    values = adapter.prepare_encoder_cudagraph_replay_buffers(inputs, [0, 1], budget)
     exact = adapter.packer.eager_values(inputs, [0, 1])[0]  # the same items, unpadded
-    assert replay.keys() == static.keys()
-    assert replay["pixel_values"].shape == exact["pixel_values"].shape
-    for key in static.keys() - {"pixel_values"}:
+    assert set(values) == {"pixel_values"}
+    assert values["pixel_values"].shape == exact["pixel_values"].shape
+    # the metadata comes as whole blocks of the static blocks' layout: one copy per dtype
+    loaded = values.load()
+    assert loaded.keys() == {k for k in static if k.startswith("block:")}
+    for key, block in loaded.items():
+        assert block.shape == static[key].shape and block.dtype == static[key].dtype
+    write_inputs(BudgetGraph(budget, static), values)
+    for key in static.keys() - {"pixel_values", ROW_INDEX}:  # the eager path has no ROW_INDEX
+        if key.startswith("block:"):
+            continue
         n = exact[key].shape[0]
-        assert replay[key].shape == static[key].shape and replay[key].dtype == static[key].dtype
-        assert torch.equal(replay[key][:n], exact[key]), key
-        assert not replay[key][n:].any(), key
+        assert torch.equal(static[key][:n], exact[key]), key
+        assert not static[key][n:].any(), key
 
 
 def test_videos_beyond_the_captured_frames_are_refused(towers):

@@ -1,6 +1,7 @@
 """The Qwen adapters' staged replay inputs (``adapters/_qwen_packing.py``): a batch's host-side
-metadata is made once per (call's grids, batch's items, budget) and reused, while its pixel rows
-always come from the call at hand.
+metadata is made once per (call's grids, batch's items, budget) and reused under one stamp, while
+its pixel rows always come from the call at hand, in caller order (window-order towers gather them
+in the graph).
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
 )
 
 from vit_graph_backend.adapters import _qwen_packing, adapt  # noqa: E402
+from vit_graph_backend.adapters._qwen_packing import ROW_INDEX  # noqa: E402
 from vit_graph_backend.errors import UnsupportedGraphError  # noqa: E402
+from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
+from vit_graph_backend.protocol import StampedBuffers  # noqa: E402
+from vit_graph_backend.replay_io import write_inputs  # noqa: E402
 
 PATCH = 2
 PATCH_DIM = 3 * 2 * PATCH * PATCH
@@ -52,21 +57,48 @@ def _inputs(grids, seed):
 def test_same_grids_reuse_the_metadata_but_take_the_new_pixels(window):
     adapter = _adapter(window)
     budget = 32
-    adapter.prepare_encoder_cudagraph_capture_inputs(budget, 3, None, CPU, torch.float32)
+    static = adapter.prepare_encoder_cudagraph_capture_inputs(budget, 3, None, CPU,
+                                                              torch.float32)
     grids = [(1, 4, 6), (1, 2, 2), (1, 4, 4)]
     first_inputs, second_inputs = _inputs(grids, seed=1), _inputs(grids, seed=2)
     first = adapter.prepare_encoder_cudagraph_replay_buffers(first_inputs, [1, 2], budget)
     second = adapter.prepare_encoder_cudagraph_replay_buffers(second_inputs, [1, 2], budget)
-    for key in first.keys() - {"pixel_values"}:
-        assert second[key] is first[key], key  # staged once, reused
-    # the pixel rows are the second call's own, in graph order: as the unstaged eager path has
+    assert isinstance(first, StampedBuffers) and set(first) == {"pixel_values"}
+    assert second.stamp is first.stamp  # staged once: the runtime may skip the metadata
+    loaded = first.load()  # whole blocks, one per dtype, of the static blocks' layout
+    assert loaded.keys() == {key for key in static if key.startswith("block:")}
+    for key, value in second.load().items():
+        assert torch.equal(value, loaded[key]) and value.shape == static[key].shape, key
+    entry = BudgetGraph(budget, static)
+    write_inputs(entry, first)
+    assert (ROW_INDEX in static) == window
+    # the pixel rows are each call's own, the items back to back in caller order (rows 4..
+    # 24 of the source); what the graph reads after its gather is what the eager path reads
     for inputs, values in ((first_inputs, first), (second_inputs, second)):
+        assert torch.equal(values["pixel_values"], inputs["pixel_values"][24:44])
+        rows = values["pixel_values"]
+        if window:
+            index = static[ROW_INDEX]
+            assert torch.equal(index[20:], torch.arange(20, index.shape[0]))  # pads: own rows
+            rows = rows.index_select(0, index[:20])
         exact, _ = adapter.packer.eager_values(inputs, [1, 2])
-        assert torch.equal(values["pixel_values"], exact["pixel_values"])
-    assert not torch.equal(first["pixel_values"], second["pixel_values"])
+        assert torch.equal(rows, exact["pixel_values"])
     # other items of the same call, or another budget, are staged on their own
     other = adapter.prepare_encoder_cudagraph_replay_buffers(first_inputs, [0, 1], budget)
-    assert other["position_ids"] is not first["position_ids"]
+    assert other.stamp is not first.stamp
+    assert torch.equal(other["pixel_values"], first_inputs["pixel_values"][:28])
+
+
+def test_items_out_of_source_order_are_joined_in_batch_order():
+    adapter = _adapter(window=False)
+    budget = 32
+    adapter.prepare_encoder_cudagraph_capture_inputs(budget, 3, None, CPU, torch.float32)
+    inputs = _inputs([(1, 4, 6), (1, 2, 2), (1, 4, 4)], seed=3)
+    values = adapter.prepare_encoder_cudagraph_replay_buffers(inputs, [2, 0], budget)
+    pixels = inputs["pixel_values"]
+    assert torch.equal(values["pixel_values"], torch.cat([pixels[28:44], pixels[:24]]))
+    exact, _ = adapter.packer.eager_values(inputs, [2, 0])
+    assert torch.equal(values["pixel_values"], exact["pixel_values"])
 
 
 def test_a_budget_captured_again_gets_metadata_padded_to_its_new_shapes():
@@ -77,9 +109,11 @@ def test_a_budget_captured_again_gets_metadata_padded_to_its_new_shapes():
     static = adapter.prepare_encoder_cudagraph_capture_inputs(budget, 2, None, CPU,
                                                                torch.float32)
     second = adapter.prepare_encoder_cudagraph_replay_buffers(_inputs(grids, 0), [0], budget)
-    assert second["frame_seqlens"] is not first["frame_seqlens"]
-    assert first["frame_seqlens"].shape == (3,)
-    assert second["frame_seqlens"].shape == static["frame_seqlens"].shape == (2,)
+    assert second.stamp is not first.stamp
+    first_blocks, second_blocks = first.load(), second.load()
+    assert {k: v.shape for k, v in second_blocks.items()} == {
+        k: v.shape for k, v in static.items() if k.startswith("block:")}
+    assert first_blocks["block:int32"].shape != second_blocks["block:int32"].shape
 
 
 def test_staged_batches_are_bounded_and_a_refused_batch_is_not_staged(monkeypatch):
@@ -96,3 +130,34 @@ def test_staged_batches_are_bounded_and_a_refused_batch_is_not_staged(monkeypatc
         with pytest.raises(UnsupportedGraphError, match="100 tokens, more than budget 32"):
             adapter.prepare_encoder_cudagraph_replay_buffers(_inputs(too_big, 0), [0], budget)
     assert all(key[0] != tuple(too_big) for key in adapter.packer._staged)
+
+
+@pytest.mark.parametrize("window", [True, False], ids=["window order", "contiguous"])
+def test_served_calls_load_a_batch_once_and_match_the_tower(window, monkeypatch):
+    """Through the runtime (no CUDA: the same write and run path without graphs): calls that
+    alternate between two batches on one budget reload the metadata at each switch, repeated
+    ones do not, and every output is the tower's own."""
+    from vit_graph_backend import serve
+    from vit_graph_backend.adapters import _staging
+
+    loads = []
+    pinned = _staging.HostStage.pinned
+
+    def counted(self, device, whole=False):
+        loads.append(whole)
+        return pinned(self, device, whole)
+
+    monkeypatch.setattr(_staging.HostStage, "pinned", counted)
+    adapter = _adapter(window)
+    served = serve(adapter, min_budget=32, max_budget=32, max_items_per_graph=2)
+    first, second = [(1, 4, 8)], [(1, 4, 4), (1, 2, 4)]  # 8 and 6 tokens: one budget, 32
+    pattern = [first, first, second, second, first, second, second]
+    with torch.no_grad():
+        for seed, grids in enumerate(pattern):
+            inputs = _inputs(grids, seed)
+            out = served(inputs["pixel_values"], inputs["grid_thw"])
+            expected = adapter.tower(inputs["pixel_values"], grid_thw=inputs["grid_thw"])
+            expected = getattr(expected, "pooler_output", expected)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert served.manager.stats.no_graph_items == 11 and not served.manager.stats.eager_items
+    assert loads == [True] * 4  # first, second, first, second: one load per switch, in blocks

@@ -103,3 +103,32 @@ def test_each_call_gets_its_own_copy_of_a_stage():
     assert first["weights"].is_pinned()
     assert first["weights"].data_ptr() != second["weights"].data_ptr()
     assert torch.equal(first["weights"], second["weights"])
+
+
+def test_static_blocks_take_a_whole_stage_of_their_layout_in_one_copy_per_dtype():
+    """``upload(blocks=True)`` makes the static buffers views of one block per dtype (also
+    returned under ``block_key``); a stage padded to the same shapes has the same layout, and
+    copying its whole blocks fills every view with the stage's padded values."""
+    capture = {"a": torch.arange(6, dtype=torch.int32), "b": torch.ones(4, 2, dtype=torch.int64),
+               "c": torch.arange(3, dtype=torch.int32)}
+    static = upload(capture, torch.device("cpu"), blocks=True)
+    blocks = {k for k in static if k.startswith("block:")}
+    assert blocks == {_staging.block_key(torch.int32), _staging.block_key(torch.int64)}
+    for key in "abc":
+        assert torch.equal(static[key], capture[key])
+        block = static[_staging.block_key(capture[key].dtype)]
+        assert static[key].untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+    shapes = {k: v.shape for k, v in capture.items()}
+    replay = {"a": torch.tensor([7, 8], dtype=torch.int32),
+              "b": torch.full((1, 2), 5, dtype=torch.int64),
+              "c": torch.tensor([9], dtype=torch.int32)}
+    stage = HostStage(replay, shapes)
+    assert stage.layout == HostStage(capture, shapes).layout
+    whole = stage.pinned(torch.device("cpu"), whole=True)
+    assert whole.keys() == blocks
+    for key, block in whole.items():
+        static[key].copy_(block)
+    assert static["a"].tolist() == [7, 8, 0, 0, 0, 0] and static["c"].tolist() == [9, 0, 0]
+    assert static["b"].tolist() == [[5, 5], [0, 0], [0, 0], [0, 0]]
+    # other shapes, another layout: the adapter then loads the views one by one
+    assert HostStage(replay, {**shapes, "c": (4,)}).layout != stage.layout

@@ -59,11 +59,11 @@ LAYERS: dict[str, set[str]] = {
     "_compat": set(),
     # fused_linear's op: the Qwen-VL adapters run fc1 + GELU through it (it imports nothing above)
     "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear"},
-    "stream_order": set(),
+    "stream_order": {"_compat"},
     "graph_capture": {"_compat", "graph_launch"},
     # How a captured graph is instantiated and launched (the CUDA driver through ctypes).
-    "graph_launch": set(),
-    "replay_io": {"planner"},
+    "graph_launch": {"_compat"},
+    "replay_io": {"planner", "protocol"},
     "graph_report": {"stats"},
     "served_budgets": {"budgets", "planner", "specs"},
     "runtime": _RUNTIME_DEPS,

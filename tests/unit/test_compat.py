@@ -123,3 +123,15 @@ def test_scaled_mm_rowwise_runs_on_this_torch():
     out = _compat.scaled_mm_rowwise(a.to(e4m3), w.to(e4m3).t(), scale_a, scale_b, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (16, 16)
     torch.testing.assert_close(out.float(), a @ w.t() + bias.float())
+
+
+def test_current_raw_stream_without_the_binding_takes_the_public_route(monkeypatch):
+    # CPU builds have no torch._C._cuda_getCurrentRawStream (tests/gpu/test_graph_launch_gpu.py
+    # checks the binding and its value on CUDA)
+    class _Stream:
+        cuda_stream = 1234
+
+    asked = []
+    monkeypatch.setattr(_compat, "_RAW_STREAM", None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: asked.append(index) or _Stream)
+    assert _compat.current_raw_stream(3) == 1234 and asked == [3]

@@ -109,3 +109,21 @@ def test_a_one_batch_call_returns_its_rows_without_a_second_copy():
     assert report["calls"] == 1 and sum(report["batches_per_budget"].values()) == 1, report
     assert packed._base is not None  # a view of the one clone of the graph's rows, not a cat
     torch.testing.assert_close(packed, torch.cat(items), rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_repeated_list_grid_reuses_its_tensor_but_is_checked_like_a_new_one():
+    served, pixels = _served(), _pixels()
+    first, rows = served._grid_of(GRID)
+    assert rows == [tuple(row) for row in GRID]
+    again, _ = served._grid_of([list(row) for row in GRID])
+    assert again is first and torch.equal(first, torch.tensor(GRID))  # equal rows: same tensor
+    other = [[1, 4, 4], [1, 2, 4], [1, 2, 4]]
+    assert served._grid_of(other)[0] is not first and served._grid_of(other)[0].tolist() == other
+    assert served._grid_of(torch.tensor(GRID).numpy())[1] is None  # NumPy ints: read as before
+    # equal as Python values (1.0 == 1), but a float stays refused as without the reuse
+    served._grid_of(GRID)
+    with pytest.raises(vg.InvalidInputError, match="must be integers"):
+        served(pixels, [[1.0, 4, 4], [1, 2, 4], [1, 2, 2]])
+    expected = served(pixels, torch.tensor(GRID))
+    torch.testing.assert_close(served(pixels, GRID), expected, rtol=0, atol=0)

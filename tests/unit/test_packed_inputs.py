@@ -285,3 +285,33 @@ def test_served_calls_read_the_grid_once_each(towers):
         for _ in range(3):
             served(_pixels(GOOD_ROWS), _counting_grid(GOOD_GRID, reads))
     assert len(reads) == 3
+
+
+def test_rows_given_with_the_call_are_checked_without_reading_the_grid(towers):
+    """A list grid reaches the adapter as ``PackedCall.rows`` too (``PackedGraphEncoder``): the
+    check reads those instead of the tensor, and they are checked the same way."""
+    from vit_graph_backend.adapters._packed_inputs import PackedCall
+
+    adapter = adapt(towers["qwen2"])
+    reads: list[int] = []
+    grid = _counting_grid(GOOD_GRID, reads)
+    call = PackedCall(_pixels(GOOD_ROWS), grid, [tuple(row) for row in GOOD_GRID])
+    specs = adapter.get_encoder_cudagraph_item_specs(call)
+    assert not reads and [s.output_tokens for s in specs] == [4, 2]
+    bad = PackedCall(_pixels(GOOD_ROWS), grid, [(1, 3, 4), (1, 2, 4)])
+    with pytest.raises(InvalidInputError, match=r"grid_thw\[0\]=\[1, 3, 4\] is invalid"):
+        adapter.get_encoder_cudagraph_item_specs(bad)
+
+
+def test_served_list_grids_are_never_read_back(towers, monkeypatch):
+    served = serve(towers["qwen2"], min_budget=4, max_budget=64)
+    reads: list[int] = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real(self))
+    with torch.no_grad():
+        for _ in range(2):
+            out = served(_pixels(GOOD_ROWS), [list(row) for row in GOOD_GRID])
+        monkeypatch.undo()
+        expected = served(_pixels(GOOD_ROWS), torch.tensor(GOOD_GRID))
+    assert not reads
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

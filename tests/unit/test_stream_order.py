@@ -111,3 +111,38 @@ def test_calls_from_threads_do_not_overlap():
 def test_one_order_per_device():
     assert order_for("cpu") is order_for(torch.device("cpu"))
     assert isinstance(order_for("cpu"), stream_order.StreamOrder)
+
+
+def test_a_stream_object_is_made_only_when_the_stream_changes(fake_cuda, monkeypatch):
+    log, current = fake_cuda
+    made = []
+    fake_current = torch.cuda.current_stream
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: made.append(1) or fake_current(device))
+    raw = {"s1": hash("s1"), "s2": hash("s2")}
+    monkeypatch.setattr(stream_order, "current_raw_stream", lambda index: raw[current["name"]])
+    order = StreamOrder(torch.device("cuda", 0))
+    for name in ("s1",) * 5:
+        current["name"] = name
+        order.exit(order.enter())
+    assert len(made) == 1  # the first call's stream, kept for a later switch
+    for name in ("s2", "s1", "s2", "s1"):
+        current["name"] = name
+        with order:
+            pass
+    assert log.count(("record", "s1")) == 2 and ("wait", "s2", "s1") in log
+    assert len(made) == 2  # one stream object per stream, whatever the switches
+
+
+def test_a_nested_with_keeps_the_outer_stream_for_its_exit(fake_cuda):
+    log, current = fake_cuda
+    order = StreamOrder(torch.device("cuda", 0))
+    with order:
+        current["name"] = "s2"
+        with order:  # nested, on another stream: no wait, and the outer call's stream stays
+            pass
+        current["name"] = "s1"
+    current["name"] = "s2"
+    with order:
+        pass
+    assert log == [("record", "s1"), ("wait", "s2", "s1")]

@@ -117,16 +117,15 @@ def intermediate_size(mlp: nn.Module) -> int | None:
 
 @dataclass
 class MLPWeights:
-    """One block's padded weights: ``ins`` as ``(weight, bias)`` pairs, then the out projection."""
+    """One block's padded weights: ``ins`` as ``(weight, bias)`` pairs, then the out projection's
+    weight (its bias needs no padding: the graphs read the module's own)."""
 
     ins: list[tuple[torch.Tensor, torch.Tensor | None]]
     out_weight: torch.Tensor
-    out_bias: torch.Tensor | None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every padded tensor of the block."""
-        pairs = [*self.ins, (self.out_weight, self.out_bias)]
-        return [t for pair in pairs for t in pair if t is not None]
+        return [t for pair in self.ins for t in pair if t is not None] + [self.out_weight]
 
 
 class AlignedMLPs:
@@ -173,13 +172,16 @@ class AlignedMLPs:
         return sum(t.numel() * t.element_size() for w in self.weights for t in w.tensors())
 
     def _params(self) -> list[torch.Tensor]:
+        """The parameters the copies are made from (not the out projection's bias, which is
+        read where it is: one tensor fewer per block to check before every call)."""
         params = []
         for mlp in self.mlps:
-            for name in (*self.ins, self.out):
+            for name in self.ins:
                 linear = getattr(mlp, name)
                 params.append(linear.weight)
                 if linear.bias is not None:
                     params.append(linear.bias)
+            params.append(getattr(mlp, self.out).weight)
         return params
 
     def refresh(self) -> bool:
@@ -194,7 +196,7 @@ class AlignedMLPs:
             raise UntrackedWeights(_UNTRACKED)
         # a move to another device or dtype gives new storage, so addresses and versions suffice;
         # read with map over C-level getters: this runs before every packed call (Qwen2.5-VL-3B:
-        # 193 parameters), where a generator of tuples cost as much as a small kernel launch
+        # 160 parameters), where a generator of tuples cost as much as a small kernel launch
         try:
             fingerprint = (*map(_data_ptr, params), *map(_version, params))
         except RuntimeError:  # "Inference tensors do not track version counter"
@@ -218,10 +220,7 @@ class AlignedMLPs:
                         weight[:self.width].copy_(linear.weight)
                         if bias is not None:
                             bias[:self.width].copy_(linear.bias)
-                out = getattr(mlp, self.out)
-                w.out_weight[:, :self.width].copy_(out.weight)
-                if w.out_bias is not None:
-                    w.out_bias.copy_(out.bias)
+                w.out_weight[:, :self.width].copy_(getattr(mlp, self.out).weight)
         # only the heads above are ever written: the padding stays zero
         self._fingerprint = fingerprint
         return True
@@ -249,9 +248,7 @@ class AlignedMLPs:
             ins = [(zeros_like_padded(linear.weight, 0),
                     None if linear.bias is None else zeros_like_padded(linear.bias, 0))
                    for linear in (getattr(mlp, name) for name in self.ins)]
-        out = getattr(mlp, self.out)
-        out_bias = None if out.bias is None else torch.zeros_like(out.bias)
-        return MLPWeights(ins, zeros_like_padded(out.weight, 1), out_bias)
+        return MLPWeights(ins, zeros_like_padded(getattr(mlp, self.out).weight, 1))
 
     def forward(self, layer: int, x: torch.Tensor,
                 silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -280,4 +277,4 @@ class AlignedMLPs:
         else:
             ((fw, fb),) = w.ins
             hidden = linear_act(x, fw, fb, epilogue) if epilogue else act(F.linear(x, fw, fb))
-        return F.linear(hidden, w.out_weight, w.out_bias)
+        return F.linear(hidden, w.out_weight, getattr(mlp, self.out).bias)

@@ -83,11 +83,15 @@ class PackedCall(dict):
     that stalls the host until the GPU is idle. Living only as long as the call, the record can
     never be stale for a later call, with or without ``torch.inference_mode``."""
 
-    __slots__ = ("checked",)
+    __slots__ = ("checked", "rows")
 
-    def __init__(self, pixel_values: Any, grid_thw: Any) -> None:
+    def __init__(self, pixel_values: Any, grid_thw: Any,
+                 rows: list[Grid] | None = None) -> None:
         super().__init__(pixel_values=pixel_values, grid_thw=grid_thw)
         self.checked: tuple[Any, Any, list[Grid]] | None = None
+        #: ``grid_thw``'s rows as Python ints when the caller had them (a list grid), so the
+        #: check need not read the tensor back
+        self.rows = rows
 
 
 @dataclass(frozen=True)
@@ -103,14 +107,16 @@ class PackedInputs:
     pixel_values: torch.Tensor
 
 
-def check_packed_inputs(inputs: Mapping[str, Any], *, merge: int,
-                        patch_dim: int) -> PackedInputs:
+def check_packed_inputs(inputs: Mapping[str, Any], *, merge: int, patch_dim: int,
+                        rows: list[Grid] | None = None) -> PackedInputs:
     """Check a call's ``grid_thw`` and ``pixel_values`` against each other and the tower.
 
     Args:
         inputs: the call's mapping with ``"pixel_values"`` and ``"grid_thw"``.
         merge: the tower's ``spatial_merge_size``: ``h`` and ``w`` must be multiples of it.
         patch_dim: the tower's ``C * temporal_patch * patch**2``: the pixel rows' width.
+        rows: ``grid_thw``'s rows as Python ints, if known (``PackedCall.rows``): checked
+            instead of reading the tensor.
 
     Raises:
         InvalidInputError: (a ``ValueError``) naming the input, the value and what is allowed.
@@ -119,8 +125,11 @@ def check_packed_inputs(inputs: Mapping[str, Any], *, merge: int,
         given = sorted(inputs) if isinstance(inputs, Mapping) else type(inputs).__name__
         raise InvalidInputError(
             f"inputs {given} are invalid: must be a mapping with 'pixel_values' and 'grid_thw'")
-    grid = grid_tensor(inputs["grid_thw"])
-    grids = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
+    if rows is None:
+        grid = grid_tensor(inputs["grid_thw"])
+        grids = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
+    else:
+        grids = rows
     for i, (t, h, w) in enumerate(grids):
         if min(t, h, w) < 1 or h % merge or w % merge:
             raise InvalidInputError(

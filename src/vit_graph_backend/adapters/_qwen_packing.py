@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..budgets import capture_layout, ceil_div
 from ..errors import UnsupportedGraphError
+from ..protocol import StampedBuffers
 from ..specs import EncoderItemSpec
 from ._packed_attention import Segments
 from ._packed_inputs import PackedCall, PackedInputs, check_packed_inputs
@@ -30,31 +31,35 @@ from ._qwen_metadata import (
     pack_metadata,
     segment_slots,
 )
-from ._staging import HostStage, upload
+from ._staging import HostStage, Layout, upload
 
-__all__ = ["QwenPacker"]
+__all__ = ["ROW_INDEX", "QwenPacker"]
 
 #: Batches whose staged replay inputs a packer keeps (:class:`QwenPacker.replay_values`).
 STAGED_BATCHES = 128
-_ROW_INDEX = "row_index"  # the gather index's key in a stage (no capture buffer has this name)
+#: The static buffer of window-order towers that gathers the graph's input rows (see
+#: :meth:`QwenPacker.replay_values`); other towers have none.
+ROW_INDEX = "row_index"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Staged:
     """One batch's replay inputs on the host, never written after they are made, so later calls
-    with the same grids reuse them while earlier copies from them may still be in flight.
+    with the same grids reuse them while earlier copies from them may still be in flight. The
+    object is also the batch's stamp (``replay_io.StampedBuffers``): the runtime skips the
+    metadata copies when a budget's static buffers were last filled from it.
 
     Attributes:
-        stage: the metadata, padded to the budget's captured shapes, and (under
-            :data:`_ROW_INDEX`) the gather index of the pixel rows when ``rows`` is ``None``.
-        rows: the pixel rows to take: ``(start, count)`` when they are one contiguous range of
-            the source rows in graph order, else ``None``.
+        stage: the metadata, padded to the budget's captured shapes.
+        parts: the source pixel rows of the batch's items, in batch order, as ``(start, count)``
+            ranges (adjacent items merged: one range when they lie back to back).
     """
 
     stage: HostStage
-    rows: tuple[int, int] | None
+    parts: tuple[tuple[int, int], ...]
     #: the captured shapes they were padded to (a budget captured again gets new ones)
     shapes: Mapping[str, torch.Size]
+
 
 
 class QwenPacker:
@@ -74,6 +79,8 @@ class QwenPacker:
         self.captured_slots: dict[int, SegmentSlots] = {}
         #: the metadata buffers' shapes of each captured budget (replay pads to them on the host)
         self.captured_shapes: dict[int, dict[str, torch.Size]] = {}
+        #: the layout of each captured budget's metadata blocks (``_staging.block_key``)
+        self.captured_layouts: dict[int, Layout] = {}
         #: staged replay inputs by (call's grids, batch's items, budget), least recent first
         self._staged: OrderedDict[tuple, _Staged] = OrderedDict()
         self._staged_lock = threading.Lock()
@@ -85,7 +92,8 @@ class QwenPacker:
             grid, pixels, grids = inputs.checked
             if inputs.get("grid_thw") is grid and inputs.get("pixel_values") is pixels:
                 return PackedInputs(grids, pixels)
-        checked = check_packed_inputs(inputs, merge=self.merge, patch_dim=self.patch_dim)
+        checked = check_packed_inputs(inputs, merge=self.merge, patch_dim=self.patch_dim,
+                                      rows=getattr(inputs, "rows", None))
         if isinstance(inputs, PackedCall):
             inputs.checked = (inputs["grid_thw"], checked.pixel_values, checked.grids)
         return checked
@@ -119,33 +127,51 @@ class QwenPacker:
         grids = [(1, m, m * layout.tokens_per_slot)] * layout.slots
         slots = segment_slots(self.layout, layout.capacity, layout.slots * layout.frames_per_slot)
         meta = self.pack(grids, range(len(grids)), slots)
+        if self.layout.window:  # rows start at 0: the index is local to the static rows
+            meta.values[ROW_INDEX] = meta.row_index
         self.captured_slots[budget] = slots
         self.captured_shapes[budget] = {key: value.shape for key, value in meta.values.items()}
-        values = {key: value.to(device) for key, value in meta.values.items()}
+        # the metadata buffers are views of one block per dtype, also a static buffer each: a
+        # replay whose stage has the same layout fills them with one copy per dtype
+        values = upload(meta.values, device, blocks=True)
+        # what a replay's stage of these shapes has when its blocks match (both from _blocks)
+        self.captured_layouts[budget] = HostStage(meta.values,
+                                                  self.captured_shapes[budget]).layout
         values["pixel_values"] = torch.zeros(meta.rows, self.patch_dim, device=device, dtype=dtype)
         return values
 
     def replay_values(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int],
-                      budget: int) -> dict[str, torch.Tensor]:
-        """The items' rows, back to back and unpadded, and their metadata, on CUDA already
-        padded to the captured shapes in pinned host memory (``_staging``: the runtime's copies
-        then need no host sync and no device-side zeroing).
+                      budget: int) -> Mapping[str, torch.Tensor]:
+        """The items' pixel rows, back to back in batch order and unpadded, and their metadata,
+        padded to the captured shapes in pinned host memory (``_staging``: the copies then need
+        no host sync and no device-side zeroing).
 
-        The host side of a batch depends only on the call's grids, the batch's items and the
-        budget: it is made once and kept in plain host memory (the last
-        :data:`STAGED_BATCHES` batches), so a call whose grids were seen before builds no
-        metadata; each call copies it into its own pinned block (``_staging.HostStage``).
+        The metadata depends only on the call's grids, the batch's items and the budget: it is
+        made once and kept in plain host memory (the last :data:`STAGED_BATCHES` batches), and
+        returned as ``replay_io.StampedBuffers`` stamped with that record, so a call whose
+        batch the budget's graph ran last copies nothing but its pixel rows, and one whose grids
+        were seen before builds no metadata (each load copies the record into a pinned block of
+        its own: ``_staging.HostStage``).
+
+        Window-order towers (Qwen2.5-VL) take the rows in caller order too: the graph gathers
+        them into window order from the static :data:`ROW_INDEX` (local to the static rows; its
+        padding rows point at themselves, the zeroed tail), so the gather index is staged
+        metadata like the rest, not a per-call upload and gather outside the graph.
 
         Raises:
             UnsupportedGraphError: the items hold more tokens, frames or windows than
                 ``budget``'s graph was captured for (the runtime then runs them eagerly).
         """
         shapes = self.captured_shapes.get(budget)
-        if shapes is None:  # no capture on record: unpadded (the runtime pads)
-            meta, pixels = self.batch(inputs, item_indices)
-            self._check_fits(meta, item_indices, budget)
-            return self._on_device(meta, pixels)
         checked = self.check(inputs)
+        if shapes is None:  # no capture on record: unpadded (the runtime pads)
+            meta, parts = self._local(checked.grids, item_indices, budget)
+            values = dict(meta.values)
+            if self.layout.window:  # a zero-padded tail gathers row 0: finite, never read
+                values[ROW_INDEX] = meta.row_index
+            device = checked.pixel_values.device
+            return {**upload(values, device),
+                    "pixel_values": _pixels(parts, checked.pixel_values)}
         key = (tuple(checked.grids), tuple(item_indices), budget)
         with self._staged_lock:
             staged = self._staged.get(key)
@@ -158,26 +184,41 @@ class QwenPacker:
                 if len(self._staged) > STAGED_BATCHES:
                     self._staged.popitem(last=False)
         pixels = checked.pixel_values
-        values = staged.stage.pinned(pixels.device)
-        if staged.rows is not None:
-            pixels = pixels.narrow(0, *staged.rows)
-        else:
-            index = values.pop(_ROW_INDEX)
-            pixels = pixels.index_select(0, index.to(pixels.device,
-                                                     non_blocking=index.is_pinned()))
-        values["pixel_values"] = pixels
-        return values
+        device = pixels.device
+        whole = staged.stage.layout == self.captured_layouts.get(budget)
+        return StampedBuffers({"pixel_values": _pixels(staged.parts, pixels)}, staged,
+                              lambda: staged.stage.pinned(device, whole))
 
     def _stage(self, grids: Sequence[Grid], item_indices: Sequence[int], budget: int,
                shapes: Mapping[str, torch.Size]) -> _Staged:
-        meta = self.pack(grids, list(item_indices))
+        meta, parts = self._local(grids, item_indices, budget)
+        values = meta.values
+        if self.layout.window:
+            # the padding rows gather themselves: rows past the real ones are the zeroed tail
+            index = torch.arange(shapes[ROW_INDEX][0], dtype=meta.row_index.dtype)
+            index[:meta.rows] = meta.row_index
+            values = {**values, ROW_INDEX: index}
+        return _Staged(HostStage(values, shapes), parts, shapes)
+
+    def _local(self, grids: Sequence[Grid], item_indices: Sequence[int], budget: int
+               ) -> tuple[PackedMetadata, tuple[tuple[int, int], ...]]:
+        """The batch's metadata with rows counted from 0 (the static rows), checked against
+        ``budget``, and its items' source rows (see :attr:`_Staged.parts`)."""
+        batch = [grids[i] for i in item_indices]
+        meta = self.pack(batch, range(len(batch)))
         self._check_fits(meta, item_indices, budget)
-        rows = _contiguous(meta.row_index)
-        if rows is not None:
-            return _Staged(HostStage(meta.values, shapes), rows, shapes)
-        values = {**meta.values, _ROW_INDEX: meta.row_index}
-        return _Staged(HostStage(values, {**shapes, _ROW_INDEX: meta.row_index.shape}), None,
-                       shapes)
+        starts, row = [], 0
+        for t, h, w in grids:
+            starts.append(row)
+            row += t * h * w
+        parts: list[tuple[int, int]] = []
+        for i in item_indices:
+            start, count = starts[i], grids[i][0] * grids[i][1] * grids[i][2]
+            if parts and parts[-1][0] + parts[-1][1] == start:
+                parts[-1] = (parts[-1][0], parts[-1][1] + count)
+            else:
+                parts.append((start, count))
+        return meta, tuple(parts)
 
     def _check_fits(self, meta: PackedMetadata, item_indices: Sequence[int], budget: int) -> None:
         if meta.tokens > budget:
@@ -250,6 +291,13 @@ class QwenPacker:
         # max_seqlen: one window's rows (an upper bound even when the buffer is shorter; a
         # Python min() with the row count would make Dynamo specialize on the comparison)
         return full, Segments(torch.cat([wins, pad_offsets]), chunk)
+
+
+def _pixels(parts: Sequence[tuple[int, int]], source: torch.Tensor) -> torch.Tensor:
+    """The rows ``parts`` of ``source``, back to back (a view when they are one range)."""
+    if len(parts) == 1:
+        return source.narrow(0, *parts[0])
+    return torch.cat([source.narrow(0, start, count) for start, count in parts])
 
 
 def _contiguous(index: torch.Tensor) -> tuple[int, int] | None:

@@ -10,7 +10,12 @@ asynchronous.
   the host, in plain memory that later calls with the same grids reuse; each call gets a pinned
   copy of it (one host copy per dtype), so the runtime's ``copy_padded`` (``replay_io.py``)
   makes one asynchronous copy per buffer and no device-side zeroing.
-- :func:`upload` makes one asynchronous copy per dtype (eager batches, the replay's gather index).
+- :func:`upload` makes one asynchronous copy per dtype (eager batches; capture inputs). With
+  ``blocks=True`` the values stay views of one device block per dtype, each block also returned
+  as a buffer of its own (:func:`block_key`): the static metadata buffers of a captured budget.
+  A stage padded to the same shapes has the same :attr:`HostStage.layout`, and
+  ``HostStage.pinned(device, whole=True)`` hands over its blocks whole: the runtime then fills
+  every metadata buffer of the budget with one copy per dtype instead of one per buffer.
 
 Every call gets its own pinned blocks, so concurrent calls share nothing (a stage is never written
 after it is made). The caller never writes a pinned block again; PyTorch's pinned-memory
@@ -29,11 +34,27 @@ import torch
 
 from ..errors import UnsupportedGraphError
 
-__all__ = ["HostStage", "upload"]
+__all__ = ["HostStage", "Layout", "block_key", "layout_of", "upload"]
 
 log = logging.getLogger(__name__)
 
 Shape = Sequence[int]
+
+
+#: A block's layout: per dtype, in order, the keys and shapes of the views it holds.
+Layout = tuple[tuple[torch.dtype, tuple[tuple[str, tuple[int, ...]], ...]], ...]
+
+
+def block_key(dtype: torch.dtype) -> str:
+    """The key under which :func:`upload` (``blocks=True``) and :meth:`HostStage.pinned` give
+    the whole block of ``dtype`` (no capture input of the adapters has such a name)."""
+    return "block:" + str(dtype).removeprefix("torch.")
+
+
+def layout_of(blocks: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> Layout:
+    """The layout of blocks made by :func:`_blocks`."""
+    return tuple((block.dtype, tuple((key, tuple(view.shape)) for key, view in views.items()))
+                 for block, views in blocks)
 
 
 def _blocks(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape], pin: bool
@@ -90,11 +111,17 @@ class HostStage:
 
     def __init__(self, values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]) -> None:
         self._blocks = _blocks(values, shapes, pin=False)
+        #: per dtype, the keys and shapes of the views (compare with the static blocks')
+        self.layout = layout_of(self._blocks)
 
-    def pinned(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def pinned(self, device: torch.device, whole: bool = False) -> dict[str, torch.Tensor]:
         """The values in pinned memory when ``device`` is a GPU, else the staged ones (never
-        written: the runtime only copies from them)."""
+        written: the runtime only copies from them). ``whole``: the blocks themselves, under
+        :func:`block_key`, in place of the views: one copy per dtype, into static buffers that
+        are views of blocks of the same :attr:`layout` (``upload(..., blocks=True)``)."""
         if device.type != "cuda":
+            if whole:
+                return {block_key(block.dtype): block for block, _ in self._blocks}
             return {key: view for _, views in self._blocks for key, view in views.items()}
         result = {}
         for block, views in self._blocks:
@@ -104,19 +131,30 @@ class HostStage:
                 _warn_unpinned(exc)
                 copy = block.clone()
             copy.copy_(block)
-            result.update(_views_like(copy, views))
+            if whole:
+                result[block_key(block.dtype)] = copy
+            else:
+                result.update(_views_like(copy, views))
         return result
 
 
-def upload(values: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """``values`` (host tensors) on ``device``: one asynchronous copy per dtype on CUDA."""
+def upload(values: Mapping[str, torch.Tensor], device: torch.device, blocks: bool = False
+           ) -> dict[str, torch.Tensor]:
+    """``values`` (host tensors) on ``device``: one asynchronous copy per dtype on CUDA.
+
+    ``blocks``: the values are views of one new block per dtype, also returned under
+    :func:`block_key` (static buffers that a replay fills with one copy per dtype)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" and not blocks:
         return {key: value.to(device) for key, value in values.items()}
     shapes = {key: value.shape for key, value in values.items()}
     result = {}
-    for block, views in _pinned_blocks(values, shapes):
+    made = _pinned_blocks(values, shapes) if device.type == "cuda" else _blocks(values, shapes,
+                                                                                pin=False)
+    for block, views in made:
         on_device = block.to(device, non_blocking=block.is_pinned())
+        if blocks:
+            result[block_key(block.dtype)] = on_device
         result.update(_views_like(on_device, views))
     return result
 

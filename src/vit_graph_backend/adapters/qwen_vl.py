@@ -49,7 +49,7 @@ from ._packed_inputs import grid_tensor
 from ._qwen_kernels import KernelChoices
 from ._qwen_metadata import Grid, PackedMetadata, QwenLayout
 from ._qwen_ops import _add_norm, _norm, _patch_embed, _signed_sin
-from ._qwen_packing import QwenPacker
+from ._qwen_packing import ROW_INDEX, QwenPacker
 
 __all__ = ["DEFAULT_MAX_BUDGET", "MIN_BUDGET_IMAGE_SIDE"]
 
@@ -282,6 +282,9 @@ class _QwenVisionAdapter(nn.Module):
         return attn.proj(out.reshape(rows, -1))
 
     def _run(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None) -> Any:
+        if meta is None and ROW_INDEX in values:  # a graph's rows, given in caller order
+            values = {**values,
+                      "pixel_values": values["pixel_values"].index_select(0, values[ROW_INDEX])}
         hidden = self._embed(values)
         fns = self.kernels.ops_for(hidden.device, graph=meta is None)
         cos, sin = self.tower.rotary_pos_emb(hidden, values["position_ids"])

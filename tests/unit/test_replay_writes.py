@@ -1,0 +1,100 @@
+"""What a replay writes into a budget's static buffers (``replay_io.write_inputs``): every row
+the graph reads holds this call's value or zero, while rows already zero and buffers already in
+place (``StampedBuffers`` of the same stamp) are not written again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vit_graph_backend.graph_capture import BudgetGraph
+from vit_graph_backend.protocol import StampedBuffers
+from vit_graph_backend.replay_io import copy_padded, write_inputs
+
+ROWS = 12
+
+
+def _entry() -> BudgetGraph:
+    static = {"x": torch.full((ROWS, 3), float("nan")), "meta": torch.full((5,), -7)}
+    return BudgetGraph(ROWS, static)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, ROWS), min_size=1, max_size=8), seed=st.integers(0, 99))
+def test_every_write_leaves_the_value_then_zeros(lengths, seed):
+    """Whatever the sequence of lengths, the buffer after each write is the value and zeros:
+    the rows a shorter earlier write left zero are not written, the others are."""
+    gen = torch.Generator().manual_seed(seed)
+    static = {"x": torch.full((ROWS, 3), float("nan"))}  # garbage a capture could leave
+    dirty: dict[str, int] = {}
+    for n in lengths:
+        value = torch.randn(n, 3, generator=gen) + 1.0
+        copy_padded(static, "x", value, dirty)
+        expected = torch.cat([value, torch.zeros(ROWS - n, 3)])
+        assert torch.equal(static["x"], expected), n
+
+
+def test_rows_known_to_be_zero_are_not_zeroed_again_until_forgotten():
+    entry = _entry()
+    write_inputs(entry, {"x": torch.ones(4, 3)})
+    assert not entry.static["x"][4:].any()
+    entry.static["x"][8:].fill_(5.0)  # behind the runtime's back: it believes these are zero
+    write_inputs(entry, {"x": torch.ones(6, 3)})
+    assert not entry.static["x"][6:8].any() and (entry.static["x"][8:] == 5).all()
+    entry.forget_inputs()  # what the stress suite's poisoning does after writing NaN
+    write_inputs(entry, {"x": torch.ones(6, 3)})
+    assert not entry.static["x"][6:].any()
+
+
+def test_full_shape_writes_make_every_row_dirty():
+    entry = _entry()
+    write_inputs(entry, {"x": torch.ones(ROWS, 3)})
+    write_inputs(entry, {"x": torch.ones(2, 3)})
+    assert not entry.static["x"][2:].any()
+
+
+def test_stamped_buffers_are_loaded_only_when_not_in_place():
+    entry = _entry()
+    loads = []
+
+    def stamped(stamp, meta):
+        def load():
+            loads.append(stamp)
+            return {"meta": meta}
+        return StampedBuffers({"x": torch.ones(3, 3)}, stamp, load)
+
+    first, second = object(), object()
+    write_inputs(entry, stamped(first, torch.arange(5)))
+    assert torch.equal(entry.static["meta"], torch.arange(5)) and loads == [first]
+    assert entry.written == {"x", "meta"}  # loaded keys count as written (the poisoning reads it)
+    write_inputs(entry, stamped(first, torch.arange(5)))
+    assert loads == [first]  # in place already
+    write_inputs(entry, stamped(second, torch.arange(5) * 2))
+    assert torch.equal(entry.static["meta"], torch.arange(5) * 2) and loads == [first, second]
+    write_inputs(entry, {"x": torch.ones(3, 3), "meta": torch.arange(5)})  # a plain dict
+    write_inputs(entry, stamped(second, torch.arange(5) * 2))  # the dict overwrote them
+    assert torch.equal(entry.static["meta"], torch.arange(5) * 2) and loads[-1] is second
+    assert len(loads) == 3
+    entry.forget_inputs()
+    write_inputs(entry, stamped(second, torch.arange(5) * 2))
+    assert len(loads) == 4
+
+
+def test_a_failed_load_leaves_no_stamp():
+    entry = _entry()
+    stamp = object()
+    bad = StampedBuffers({"x": torch.ones(1, 3)}, stamp, lambda: {"meta": torch.ones(9)})
+    with pytest.raises(ValueError, match="does not fit"):
+        write_inputs(entry, bad)
+    assert entry.stamp is None
+    good = StampedBuffers({"x": torch.ones(1, 3)}, stamp, lambda: {"meta": torch.ones(5)})
+    write_inputs(entry, good)
+    assert entry.stamp is stamp and (entry.static["meta"] == 1).all()
+
+
+def test_merged_gives_every_buffer():
+    values = StampedBuffers({"x": torch.ones(1)}, object(), lambda: {"meta": torch.zeros(2)})
+    merged = values.merged()
+    assert type(merged) is dict and merged.keys() == {"x", "meta"}
