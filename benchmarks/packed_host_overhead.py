@@ -59,6 +59,27 @@ def calls(n, seed=0):
     return out
 
 
+def timed(served, args):
+    """Host and total ms of each call (3 passes over ``args``, the GPU idle at each start), and
+    the ms per call of one pass issued back to back."""
+    host, total = [], []
+    for _ in range(3):
+        for pv, grid in args:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            served(pv, grid)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            host.append((t1 - t0) * 1e3)
+            total.append((time.perf_counter() - t0) * 1e3)
+    t0 = time.perf_counter()
+    for pv, grid in args:  # back to back: the host runs ahead unless a call waits
+        served(pv, grid)
+    issue = (time.perf_counter() - t0) * 1e3 / len(args)
+    torch.cuda.synchronize()
+    return host, total, issue
+
+
 def host_probe():
     """Microseconds of one small multi-threaded CPU op: its time rises many-fold while other
     processes load the cores (e.g. Inductor's compile workers starting after a first compile)."""
@@ -102,46 +123,14 @@ def main():
         waited, busy = settle(quiet)
         lines.insert(2, f"host probe (a 1e5-element CPU op): {quiet:.0f} us before serving, "
                      f"{busy:.0f} us after the first pass, settled after {waited:.1f} s")
-        for name, form in forms.items():
-            args = [(pv, form(g)) for pv, g in stream]
-            host, total = [], []
-            for _ in range(3):
-                for pv, grid in args:
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    served(pv, grid)
-                    t1 = time.perf_counter()
-                    torch.cuda.synchronize()
-                    host.append((t1 - t0) * 1e3)
-                    total.append((time.perf_counter() - t0) * 1e3)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for pv, grid in args:  # back to back: the host runs ahead unless a call waits
-                served(pv, grid)
-            issue = (time.perf_counter() - t0) * 1e3 / len(args)
-            torch.cuda.synchronize()
-            lines.append(f"{name:<12}{statistics.median(host):12.3f}"
-                         f"{statistics.median(total):14.3f}{issue:24.3f}")
+        rows = [(name, [(pv, form(g)) for pv, g in stream]) for name, form in forms.items()]
         # one grid, new pixels each call: the staged metadata is in place in the static buffers
         pv0, g0 = stream[0]
-        same = [(torch.randn_like(pv0), g0) for _ in range(40)]
-        host, total = [], []
-        for _ in range(3):
-            for pv, grid in same:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                served(pv, grid)
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                host.append((t1 - t0) * 1e3)
-                total.append((time.perf_counter() - t0) * 1e3)
-        t0 = time.perf_counter()
-        for pv, grid in same:
-            served(pv, grid)
-        issue = (time.perf_counter() - t0) * 1e3 / len(same)
-        torch.cuda.synchronize()
-        lines.append(f"{'list, same':<12}{statistics.median(host):12.3f}"
-                     f"{statistics.median(total):14.3f}{issue:24.3f}")
+        rows.append(("list, same", [(torch.randn_like(pv0), g0) for _ in range(40)]))
+        for name, args in rows:
+            host, total, issue = timed(served, args)
+            lines.append(f"{name:<12}{statistics.median(host):12.3f}"
+                         f"{statistics.median(total):14.3f}{issue:24.3f}")
         # grids never seen before (nothing staged for them yet: adapters/_qwen_packing.py)
         host = []
         for pv, grid in calls(40, seed=1):

@@ -215,11 +215,33 @@ class BudgetGraph:
     stamp: Any = None
     #: per static buffer, how many leading rows may be non-zero (absent: all of them)
     dirty: dict[str, int] = field(default_factory=dict)
+    _aliased: frozenset[str] | None = field(default=None, init=False, repr=False)
 
     def forget_inputs(self) -> None:
         """The static buffers were written outside a replay: the next one writes them all."""
         self.stamp = None
         self.dirty.clear()
+
+    def aliased_keys(self) -> frozenset[str]:
+        """Static buffers that share storage with another one, in this budget (views of one
+        metadata block) or another (batched graphs' budgets view one row buffer): a write to
+        one changes the others, so their non-zero rows are not tracked. Set by
+        :class:`BudgetGraphs` over all its budgets; an entry made alone checks its own."""
+        if self._aliased is None:
+            self._aliased = _aliased({self.budget: self})[self.budget]
+        return self._aliased
+
+
+def _aliased(entries: Mapping[int, BudgetGraph]) -> dict[int, frozenset[str]]:
+    """Per budget, its static buffers whose storage another static buffer of ``entries`` uses."""
+    users: dict[int, int] = {}
+    for entry in entries.values():
+        for tensor in entry.static.values():
+            ptr = tensor.untyped_storage().data_ptr()
+            users[ptr] = users.get(ptr, 0) + 1
+    return {budget: frozenset(key for key, t in entry.static.items()
+                              if users[t.untyped_storage().data_ptr()] > 1)
+            for budget, entry in entries.items()}
 
 
 class BudgetGraphs:
@@ -290,7 +312,13 @@ class BudgetGraphs:
         entry = self.entries.get(budget)
         if entry is None:
             entry = self.entries[budget] = BudgetGraph(budget, self.capture_inputs(budget))
+            self._mark_aliases()
         return entry
+
+    def _mark_aliases(self) -> None:
+        """After a budget joins: which static buffers share storage, over all budgets."""
+        for budget, keys in _aliased(self.entries).items():
+            self.entries[budget]._aliased = keys
 
     def capture(self, budget: int) -> CaptureOutcome:
         """Capture ``budget`` into the shared pool, measured and bounded (module docstring);
@@ -342,6 +370,7 @@ class BudgetGraphs:
                 return CaptureOutcome(skipped=(
                     f"captured at {mib(total)} with the graphs already held, over "
                     f"max_graph_memory={self.memory.limit_option!r} ({mib(limit)})"))
+            self._mark_aliases()
         return outcome
 
     def clear(self) -> None:

@@ -9,7 +9,8 @@ every host operation of a call counts against a few hundred microseconds:
 
 - **Rows already zero.** A budget remembers, per buffer, how many leading rows may hold
   something other than zero; a shorter write zeroes only the rows between, and a write at
-  least as long as the last zeroes none.
+  least as long as the last zeroes none. Not for buffers that share storage with another (views
+  of one block): a write through one would change what the other holds.
 - **Buffers that are a function of something the encoder names.** An encoder may return
   :class:`~vit_graph_backend.protocol.StampedBuffers`: the buffers that change every call, plus
   a *stamp* and a loader for the others (a batch's metadata, which depends only on its items'
@@ -79,15 +80,16 @@ def write_inputs(entry: Any, values: Mapping[str, torch.Tensor]) -> None:
     """Write one replay's buffers into ``entry``'s static buffers (``graph_capture.BudgetGraph``:
     ``static``, ``written``, ``stamp``, ``dirty``), skipping what they already hold."""
     stamp = values.stamp if isinstance(values, StampedBuffers) else None
+    aliased, dirty = entry.aliased_keys(), entry.dirty
     if stamp is None or entry.stamp is not stamp:
         entry.stamp = None  # a write that fails half way leaves no stamp behind
         if stamp is not None:
             loaded = values.load()  # type: ignore[attr-defined]
             for key, value in loaded.items():
-                copy_padded(entry.static, key, value, entry.dirty)
+                copy_padded(entry.static, key, value, None if key in aliased else dirty)
             entry.written.update(loaded)
     for key, value in values.items():
-        copy_padded(entry.static, key, value, entry.dirty)
+        copy_padded(entry.static, key, value, None if key in aliased else dirty)
     if not entry.written.issuperset(values):
         entry.written.update(values)
     entry.stamp = stamp

@@ -126,7 +126,7 @@ def test_scaled_mm_rowwise_runs_on_this_torch():
 
 
 def test_current_raw_stream_without_the_binding_takes_the_public_route(monkeypatch):
-    # CPU builds have no torch._C._cuda_getCurrentRawStream (tests/gpu/test_graph_launch_gpu.py
+    # CPU-only builds have no torch._C._cuda_getCurrentRawStream (tests/gpu/test_graph_launch_gpu.py
     # checks the binding and its value on CUDA)
     class _Stream:
         cuda_stream = 1234

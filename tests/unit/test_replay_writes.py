@@ -98,3 +98,37 @@ def test_merged_gives_every_buffer():
     values = StampedBuffers({"x": torch.ones(1)}, object(), lambda: {"meta": torch.zeros(2)})
     merged = values.merged()
     assert type(merged) is dict and merged.keys() == {"x", "meta"}
+
+
+def test_views_of_one_block_are_always_zeroed_to_their_end():
+    """A block and its views are written both ways (whole, or a view at a time): a view's
+    non-zero rows cannot be tracked, so a short write to it zeroes its whole tail."""
+    block = torch.zeros(10, dtype=torch.int32)
+    static = {"block": block, "a": block[:6], "b": block[6:], "x": torch.zeros(4, 2)}
+    entry = BudgetGraph(4, static)
+    assert entry.aliased_keys() == {"block", "a", "b"}
+    write_inputs(entry, {"a": torch.tensor([1, 2], dtype=torch.int32)})
+    write_inputs(entry, {"block": torch.arange(1, 11, dtype=torch.int32)})  # every row non-zero
+    write_inputs(entry, {"a": torch.tensor([7, 8, 9], dtype=torch.int32)})
+    assert static["a"].tolist() == [7, 8, 9, 0, 0, 0] and static["b"].tolist() == [7, 8, 9, 10]
+    write_inputs(entry, {"x": torch.ones(3, 2)})  # a buffer of its own is still tracked
+    assert entry.dirty == {"x": 3}
+
+
+def test_budgets_viewing_one_row_buffer_zero_their_whole_tails():
+    """Batched graphs' budgets view one row buffer (``batched.py``): a budget's write puts rows
+    where another budget believed zeros were. Marked aliased over all budgets, every short write
+    zeroes to its end, so no budget's padding holds another's rows."""
+    from vit_graph_backend.graph_capture import _aliased
+
+    buffer = torch.zeros(16, 2)
+    small, large = BudgetGraph(8, {"0": buffer[:8]}), BudgetGraph(16, {"0": buffer[:16]})
+    marks = _aliased({8: small, 16: large})
+    assert marks == {8: frozenset({"0"}), 16: frozenset({"0"})}
+    small._aliased, large._aliased = marks[8], marks[16]
+    write_inputs(large, {"0": torch.ones(2, 2)})
+    write_inputs(small, {"0": torch.full((6, 2), 3.0)})  # rows 2..6 of the large view too
+    write_inputs(large, {"0": torch.ones(2, 2)})
+    assert not buffer[2:].any()
+    alone = BudgetGraph(8, {"0": torch.zeros(8, 2)})
+    assert not alone.aliased_keys() and not _aliased({8: alone})[8]

@@ -40,6 +40,10 @@ def fake_cuda(monkeypatch):
     streams = {"s1": _Stream("s1", log), "s2": _Stream("s2", log)}
     current = {"name": "s1"}
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[current["name"]])
+    # the raw handle of the current stream (a CUDA build of torch on a machine without a GPU
+    # has the binding, and calling it fails)
+    monkeypatch.setattr(stream_order, "current_raw_stream",
+                        lambda index: streams[current["name"]].cuda_stream)
     monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
     return log, current
 
@@ -119,8 +123,6 @@ def test_a_stream_object_is_made_only_when_the_stream_changes(fake_cuda, monkeyp
     fake_current = torch.cuda.current_stream
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: made.append(1) or fake_current(device))
-    raw = {"s1": hash("s1"), "s2": hash("s2")}
-    monkeypatch.setattr(stream_order, "current_raw_stream", lambda index: raw[current["name"]])
     order = StreamOrder(torch.device("cuda", 0))
     for name in ("s1",) * 5:
         current["name"] = name

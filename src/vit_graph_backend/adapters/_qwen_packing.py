@@ -46,7 +46,7 @@ ROW_INDEX = "row_index"
 class _Staged:
     """One batch's replay inputs on the host, never written after they are made, so later calls
     with the same grids reuse them while earlier copies from them may still be in flight. The
-    object is also the batch's stamp (``replay_io.StampedBuffers``): the runtime skips the
+    object is also the batch's stamp (``protocol.StampedBuffers``): the runtime skips the
     metadata copies when a budget's static buffers were last filled from it.
 
     Attributes:
@@ -59,7 +59,8 @@ class _Staged:
     parts: tuple[tuple[int, int], ...]
     #: the captured shapes they were padded to (a budget captured again gets new ones)
     shapes: Mapping[str, torch.Size]
-
+    #: whether the stage's blocks have the layout of the budget's static blocks (loaded whole)
+    whole: bool
 
 
 class QwenPacker:
@@ -148,7 +149,7 @@ class QwenPacker:
 
         The metadata depends only on the call's grids, the batch's items and the budget: it is
         made once and kept in plain host memory (the last :data:`STAGED_BATCHES` batches), and
-        returned as ``replay_io.StampedBuffers`` stamped with that record, so a call whose
+        returned as ``protocol.StampedBuffers`` stamped with that record, so a call whose
         batch the budget's graph ran last copies nothing but its pixel rows, and one whose grids
         were seen before builds no metadata (each load copies the record into a pinned block of
         its own: ``_staging.HostStage``).
@@ -185,9 +186,8 @@ class QwenPacker:
                     self._staged.popitem(last=False)
         pixels = checked.pixel_values
         device = pixels.device
-        whole = staged.stage.layout == self.captured_layouts.get(budget)
         return StampedBuffers({"pixel_values": _pixels(staged.parts, pixels)}, staged,
-                              lambda: staged.stage.pinned(device, whole))
+                              lambda: staged.stage.pinned(device, staged.whole))
 
     def _stage(self, grids: Sequence[Grid], item_indices: Sequence[int], budget: int,
                shapes: Mapping[str, torch.Size]) -> _Staged:
@@ -198,7 +198,8 @@ class QwenPacker:
             index = torch.arange(shapes[ROW_INDEX][0], dtype=meta.row_index.dtype)
             index[:meta.rows] = meta.row_index
             values = {**values, ROW_INDEX: index}
-        return _Staged(HostStage(values, shapes), parts, shapes)
+        stage = HostStage(values, shapes)
+        return _Staged(stage, parts, shapes, stage.layout == self.captured_layouts.get(budget))
 
     def _local(self, grids: Sequence[Grid], item_indices: Sequence[int], budget: int
                ) -> tuple[PackedMetadata, tuple[tuple[int, int], ...]]:
