@@ -225,6 +225,31 @@ def test_weights_changed_after_capture_reach_the_replayed_graph():
     assert served.manager.num_graphs == graphs  # no recapture needed
 
 
+@torch.no_grad()
+def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly():
+    """Graphs read the weights by address: after ``load_state_dict(..., assign=True)`` the old
+    storage is freed, and replaying the old graphs would read it. The served tower captures
+    again; after a dtype change it serves eagerly, saying why. Outputs are HF's each time."""
+    tower = _tower("qwen2_5")
+    served = serve(tower, max_items_per_graph=4, max_budget=256)
+    pv, grid = _call(random.Random(6), 2, PATCH)
+    served(pv, grid)
+    tower.load_state_dict({k: v * 0.5 for k, v in tower.state_dict().items()}, assign=True)
+    torch.cuda.empty_cache()  # the old weights' memory goes back to the allocator, reusable
+    junk = torch.full((64 << 20,), float("nan"), device=DEV, dtype=DT)  # over the freed storage
+    got, ref = served(pv, grid), _hf(tower, pv, grid)[0]
+    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1)).item()
+    del junk
+    mgr = served.manager
+    print(f"after new storage: max relative error vs HF {err:.3g}; graphs {mgr.num_graphs}")
+    assert err < 5e-2 and torch.isfinite(got).all() and mgr.num_graphs == len(mgr.token_budgets)
+    tower.to(torch.float16)
+    pv16 = pv.half()
+    got, ref = served(pv16, grid), _hf(tower, pv16, grid)[0]
+    assert "moved to cuda:0, torch.float16" in (mgr.memory_report()["graphs_off_reason"] or "")
+    torch.testing.assert_close(got, ref, atol=5e-2, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2_5", "qwen3"])
 @torch.no_grad()
 def test_fused_graphs_equal_unfused_graphs(kind, monkeypatch):

@@ -127,3 +127,29 @@ def test_a_repeated_list_grid_reuses_its_tensor_but_is_checked_like_a_new_one():
         served(pixels, [[1.0, 4, 4], [1, 2, 4], [1, 2, 2]])
     expected = served(pixels, torch.tensor(GRID))
     torch.testing.assert_close(served(pixels, GRID), expected, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly(caplog):
+    """Graphs read weights by address: new storage for the tower (``load_state_dict(...,
+    assign=True)``, ``.to()``) clears its graphs, or turns them off when the dtype or device
+    changed; outputs follow the tower's weights either way."""
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    served(pixels, GRID)
+    entries = served.manager.graphs.entries
+    assert entries  # the CPU path's static buffers stand in for graphs
+    state = {k: v * 1.5 for k, v in tower.state_dict().items()}
+    tower.load_state_dict(state, assign=True)  # every parameter a new tensor
+    with caplog.at_level("WARNING", logger="vit_graph_backend"):
+        out = served(pixels, GRID)
+    assert "captured again" in caplog.text
+    expected = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    served(pixels, GRID)  # followed once: no second clear
+    assert caplog.text.count("captured again") == 1
+    tower.to(torch.float64)
+    out = served(pixels.double(), GRID)
+    reason = served.manager.memory_report()["graphs_off_reason"]
+    assert reason and "moved to cpu, torch.float64" in reason
+    torch.testing.assert_close(out, tower(pixels.double(), torch.tensor(GRID)).pooler_output)
