@@ -27,6 +27,7 @@ __all__ = [
     "get_varlen_attn",
     "graph_pool_bytes",
     "maybe_mark_dynamic",
+    "parameter_table",
     "register_dynamo_backend",
     "scaled_mm_rowwise",
     "sym_name",
@@ -146,6 +147,14 @@ def current_raw_stream(index: int) -> int:
     if raw is None:
         return torch.cuda.current_stream(index).cuda_stream
     return raw(index)
+
+
+def parameter_table(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._parameters``: the dict ``nn.Module`` keeps its own parameters in, which
+    assigning or registering a parameter writes to (torch/nn/modules/module.py). Read on every
+    packed call (``packed._Sentinel``): a lookup there costs about 0.2 us, ``getattr`` through
+    ``nn.Module.__getattr__`` about 2 us."""
+    return module._parameters
 
 
 def end_failed_capture(pool: Any, device: torch.device) -> bool:

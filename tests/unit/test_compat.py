@@ -135,3 +135,12 @@ def test_current_raw_stream_without_the_binding_takes_the_public_route(monkeypat
     monkeypatch.setattr(_compat, "_RAW_STREAM", None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: asked.append(index) or _Stream)
     assert _compat.current_raw_stream(3) == 1234 and asked == [3]
+
+
+def test_parameter_table_is_where_modules_keep_their_parameters():
+    lin = torch.nn.Linear(2, 2)
+    table = _compat.parameter_table(lin)
+    assert table["weight"] is lin.weight and table["bias"] is lin.bias
+    lin.weight = torch.nn.Parameter(torch.zeros(2, 2))  # assignment writes the same table
+    lin.load_state_dict({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, assign=True)
+    assert table["weight"] is lin.weight and torch.equal(table["weight"], torch.ones(2, 2))
