@@ -18,11 +18,6 @@ would cost one Inductor compile per budget (31 s each for the Qwen2.5-VL-3B towe
 past Dynamo's recompile limit (8 per function), leave the remaining budgets running uncompiled.
 TensorRT engines are built for static shapes, so ``"tensorrt"`` compiles once per budget shape.
 
-Captured graphs read the tower's weights by address. Before each call ``forward`` checks that
-the tower's first parameter still has its storage (``_Sentinel``): if the tower was moved or
-given new weights (``.to()``, ``load_state_dict(..., assign=True)``), the graphs are captured
-again, or turned off with the reason when the device or dtype changed.
-
 Options for packed encoders are given here (``serve(model, max_items_per_graph=4, ...)``), not
 through ``torch.compile(options=...)``: Dynamo never calls a backend for a frame it skips, so
 those options could not reach the router. ``serve`` also takes the adapter's own keyword
@@ -32,7 +27,6 @@ arguments (``fuse=False``, ``align_mlp=False``) and hands them to ``adapt``.
 from __future__ import annotations
 
 import difflib
-import logging
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -53,8 +47,6 @@ from .protocol import SupportsEncoderCudaGraph
 from .runtime import EncoderCudaGraphManager, infer_device_dtype
 
 __all__ = ["SHARED_SETTINGS", "PackedGraphEncoder", "live_served", "serve"]
-
-log = logging.getLogger(__name__)
 
 _served: weakref.WeakSet[PackedGraphEncoder] = weakref.WeakSet()
 _served_lock = threading.Lock()
@@ -114,10 +106,10 @@ class PackedGraphEncoder(nn.Module):
         device, dtype = infer_device_dtype(encoder)
         inner = options.inner_compiler_for(cuda=device.type == "cuda", packed=True)
         compute = encoder if inner == "eager" else _CompiledCompute(encoder, options)
-        self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype)
+        # the encoder's weights are watched, not the compiled wrapper's (``weight_watch.py``)
+        self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype,
+                                               watch=encoder)
         self._last_grid: tuple[tuple, torch.Tensor] | None = None
-        self._sentinel = _Sentinel.of(encoder)
-        self._move_lock = threading.Lock()
         with _served_lock:
             _served.add(self)
 
@@ -137,8 +129,6 @@ class PackedGraphEncoder(nn.Module):
             InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
                 before any graph runs.
         """
-        if self._sentinel is not None and self._sentinel.moved():
-            self._follow_move()
         rows = None
         if not isinstance(grid_thw, torch.Tensor):
             # once here, not in every specs/replay call of the encoder that re-reads the grid
@@ -146,27 +136,6 @@ class PackedGraphEncoder(nn.Module):
         # the grid is read once a call (PackedCall), and not at all when it came as a list
         outputs = self.manager.run(PackedCall(pixel_values, grid_thw, rows))
         return _concat(outputs)
-
-    def _follow_move(self) -> None:
-        """The tower's parameters have new storage since the graphs were captured, which read
-        the old addresses: capture again on the same device and dtype, else serve eagerly."""
-        sentinel = self._sentinel
-        assert sentinel is not None
-        param = sentinel.param()
-        with self._move_lock:
-            if self._sentinel is not sentinel:  # another thread followed it first
-                return
-            place = (None, None) if param is None else (param.device, param.dtype)
-            if place == (self.manager.device, self.manager.dtype):
-                log.warning("vitgraph: the served tower's parameters have new storage (replaced "
-                            "or moved after capture); its graphs are captured again")
-                self.manager.clear()
-            else:
-                self.manager.disable_graphs(
-                    f"the tower's parameters moved to {place[0]}, {place[1]} after serve() "
-                    f"captured graphs for {self.manager.device}, {self.manager.dtype}; serve() "
-                    "the moved tower again to have graphs there")
-            self._sentinel = _Sentinel.of(self.encoder)
 
     def _grid_of(self, rows: Any) -> tuple[torch.Tensor, list[tuple[int, int, int]] | None]:
         """``grid_tensor(rows)``, and the rows as Python ints when they are a list of ``[t, h,
@@ -240,36 +209,6 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
             elif options is not None:
                 adapter_kwargs[key] = getattr(options, key)
     return PackedGraphEncoder(adapt(model, **adapter_kwargs), options, **option_kwargs)
-
-
-class _Sentinel:
-    """The encoder's first parameter, where it was when the graphs were captured. A captured
-    graph reads every weight by address; ``.to()``, ``.half()`` or ``load_state_dict(...,
-    assign=True)`` give the whole tower new storage, and checking one parameter before each
-    call (a dictionary read and an address, 0.2 us on a CPU core) catches them. A single
-    parameter given new storage by hand (``p.data = t``) is caught only for the padded MLP
-    copies (``adapters/_aligned_mlp.py``)."""
-
-    def __init__(self, owner: nn.Module, name: str, param: torch.Tensor) -> None:
-        self.params = _compat.parameter_table(owner)  # what assigning a parameter writes
-        self.name, self.ptr = name, param.data_ptr()
-
-    @staticmethod
-    def of(encoder: Any) -> _Sentinel | None:
-        """The sentinel of ``encoder``'s first parameter (``None`` without one)."""
-        if not isinstance(encoder, nn.Module):
-            return None
-        for name, param in encoder.named_parameters():
-            prefix, _, attr = name.rpartition(".")
-            return _Sentinel(encoder.get_submodule(prefix), attr, param)
-        return None
-
-    def param(self) -> torch.Tensor | None:
-        return self.params.get(self.name)
-
-    def moved(self) -> bool:
-        param = self.param()
-        return param is None or param.data_ptr() != self.ptr
 
 
 def _concat(outputs: list[Any]) -> Any:

@@ -49,6 +49,7 @@ from .protocol import SupportsEncoderCudaGraph
 from .served_budgets import ServedBudgets
 from .stats import GraphStats
 from .stream_order import order_for
+from .weight_watch import WeightWatch
 
 __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
 
@@ -67,6 +68,8 @@ class EncoderCudaGraphManager:
             model's budget range.
         exact_rows: for an exact-shape graph (one budget of 1 holding a whole static call):
             the call's real rows, counted in ``stats`` instead of a budget of 1.
+        watch: the module whose weights the graphs read, watched for new storage before every
+            call (``weight_watch.py``); ``None`` for ``model`` itself.
 
     Example::
 
@@ -84,6 +87,7 @@ class EncoderCudaGraphManager:
         chunk: bool = False,
         budget_config: BudgetConfig | None = None,
         exact_rows: int | None = None,
+        watch: Any = None,
     ) -> None:
         self.model = model
         self.options = options if options is not None else VitGraphOptions()
@@ -109,6 +113,8 @@ class EncoderCudaGraphManager:
         self._all_budgets_failed = False   # graphs off only because every budget was disabled
         self._logged: set[str] = set()
         self._lock = threading.RLock()
+        self._watch_module = model if watch is None else watch
+        self._watch = WeightWatch.of(self._watch_module)
         #: orders this call's GPU work after the previous call's, on any stream (one per device)
         self.order = order_for(self.device)
         if self.device.type != "cuda":
@@ -217,6 +223,8 @@ class EncoderCudaGraphManager:
         """Run one call; returns one output per item, in the caller's order."""
         specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
         with self._lock:
+            if self._watch is not None and self._watch.moved():
+                self._follow_moved_weights()
             self.stats.record_call()
             reason = self._off_reason or self._grad_reason(inputs)
             pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
@@ -340,6 +348,21 @@ class EncoderCudaGraphManager:
         if warn:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         self._log_once(message)
+
+    def _follow_moved_weights(self) -> None:
+        # the graphs read the old addresses: capture again where that is still right
+        param = self._watch.param() if self._watch is not None else None
+        place = (None, None) if param is None else (param.device, param.dtype)
+        if place == (self.device, self.dtype):
+            log.warning("vitgraph: the encoder's parameters have new storage (replaced or moved "
+                        "after capture); its graphs are captured again")
+            self.clear()
+        else:
+            self.disable_graphs(
+                f"the encoder's parameters moved to {place[0]}, {place[1]} after graphs were "
+                f"captured for {self.device}, {self.dtype}; build it again (serve() or a new "
+                "manager) to have graphs there")
+        self._watch = WeightWatch.of(self._watch_module)
 
     def _grad_reason(self, inputs: Any) -> str | None:
         if not torch.is_grad_enabled() or not needs_grad(self.model, inputs):

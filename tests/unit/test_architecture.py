@@ -33,7 +33,7 @@ _CORE = {"errors", "specs", "budgets", "stats", "planner", "plan_preview", "assi
 #: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
 #: its memory book, the book of served budgets and their plans, and the tensor helpers of a replay.
 _GRAPH_PARTS = {"stream_order", "graph_capture", "graph_launch", "replay_io", "graph_report",
-                "served_budgets"}
+                "served_budgets", "weight_watch"}
 _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
@@ -65,6 +65,8 @@ LAYERS: dict[str, set[str]] = {
     "graph_launch": {"_compat"},
     "replay_io": {"planner", "protocol"},
     "graph_report": {"stats"},
+    # Whether a module's weights still live where its graphs were captured.
+    "weight_watch": {"_compat"},
     "served_budgets": {"budgets", "planner", "specs"},
     "runtime": _RUNTIME_DEPS,
     # The batched [B, C, H, W] layout: pads the batch axis and drives the runtime's graphs.

@@ -180,3 +180,24 @@ def test_each_fallback_reason_is_logged_once_at_warning(caplog):
     assert len(hits) == 1 and hits[0].levelno == logging.WARNING
     assert "item exceeds the largest budget" in hits[0].getMessage()
     assert mgr.stats.eager_batches == 3
+
+
+@torch.no_grad()
+def test_a_manager_follows_its_encoder_to_new_weight_storage(caplog):
+    """The manager watches its encoder's weights (``weight_watch.py``), so a packed encoder run
+    by a manager directly, not only through ``serve()``, never replays graphs over freed
+    storage: new storage on the same dtype captures again, another dtype turns graphs off."""
+    model, mgr = _setup()
+    call = _call([5, 9])
+    mgr.run(call)
+    assert mgr.graphs.entries
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()}, assign=True)
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        out = mgr.run(call)
+    assert "captured again" in caplog.text
+    expected = run_alone(model, call)
+    for got, ref in zip(out, expected, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    model.to(torch.float64)
+    mgr.run({**call, "x": call["x"].double()})
+    assert "moved to cpu, torch.float64" in mgr.memory_report()["graphs_off_reason"]

@@ -109,10 +109,7 @@ class QwenPacker:
              slots: SegmentSlots | None = None) -> PackedMetadata:
         """Metadata of items ``indices`` of ``grids``, back to back (their pixel rows start
         where the earlier grids' rows end)."""
-        starts, row = [], 0
-        for t, h, w in grids:
-            starts.append(row)
-            row += t * h * w
+        starts = _row_starts(grids)
         return pack_metadata([self.metadata(grids[i]) for i in indices], self.layout,
                              [starts[i] for i in indices], slots)
 
@@ -208,18 +205,7 @@ class QwenPacker:
         batch = [grids[i] for i in item_indices]
         meta = self.pack(batch, range(len(batch)))
         self._check_fits(meta, item_indices, budget)
-        starts, row = [], 0
-        for t, h, w in grids:
-            starts.append(row)
-            row += t * h * w
-        parts: list[tuple[int, int]] = []
-        for i in item_indices:
-            start, count = starts[i], grids[i][0] * grids[i][1] * grids[i][2]
-            if parts and parts[-1][0] + parts[-1][1] == start:
-                parts[-1] = (parts[-1][0], parts[-1][1] + count)
-            else:
-                parts.append((start, count))
-        return meta, tuple(parts)
+        return meta, _parts(grids, item_indices)
 
     def _check_fits(self, meta: PackedMetadata, item_indices: Sequence[int], budget: int) -> None:
         if meta.tokens > budget:
@@ -248,13 +234,10 @@ class QwenPacker:
         checked = self.check(inputs)
         grids, pixels = checked.grids, checked.pixel_values
         meta = self.pack(grids, list(item_indices))
-        rows = None if self.layout.window else _contiguous(meta.row_index)
-        if rows is not None:
-            gathered = pixels.narrow(0, *rows)
-        else:
-            gathered = pixels.index_select(0, upload({"index": meta.row_index},
-                                                     pixels.device)["index"])
-        return meta, gathered
+        if not self.layout.window:  # the items' rows, back to back: no gather index needed
+            return meta, _pixels(_parts(grids, item_indices), pixels)
+        return meta, pixels.index_select(0, upload({"index": meta.row_index},
+                                                   pixels.device)["index"])
 
     @staticmethod
     def _on_device(meta: PackedMetadata, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -294,18 +277,30 @@ class QwenPacker:
         return full, Segments(torch.cat([wins, pad_offsets]), chunk)
 
 
+def _row_starts(grids: Sequence[Grid]) -> list[int]:
+    """The first source pixel row of each item: the rows of the items before it."""
+    starts, row = [], 0
+    for t, h, w in grids:
+        starts.append(row)
+        row += t * h * w
+    return starts
+
+
+def _parts(grids: Sequence[Grid], item_indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The source pixel rows of ``item_indices`` in that order, as ``(start, count)`` ranges
+    (items back to back in the source merged into one range)."""
+    starts, parts = _row_starts(grids), []
+    for i in item_indices:
+        start, count = starts[i], grids[i][0] * grids[i][1] * grids[i][2]
+        if parts and parts[-1][0] + parts[-1][1] == start:
+            parts[-1] = (parts[-1][0], parts[-1][1] + count)
+        else:
+            parts.append((start, count))
+    return tuple(parts)
+
+
 def _pixels(parts: Sequence[tuple[int, int]], source: torch.Tensor) -> torch.Tensor:
     """The rows ``parts`` of ``source``, back to back (a view when they are one range)."""
     if len(parts) == 1:
         return source.narrow(0, *parts[0])
     return torch.cat([source.narrow(0, start, count) for start, count in parts])
-
-
-def _contiguous(index: torch.Tensor) -> tuple[int, int] | None:
-    """``(start, count)`` if ``index`` is ``start, start + 1, ...``, else ``None``."""
-    if not index.numel():
-        return None
-    start = int(index[0])
-    if bool((index == torch.arange(start, start + index.numel())).all()):
-        return start, index.numel()
-    return None
