@@ -7,12 +7,14 @@ time hides a blocking device-to-host sync or a pageable copy that waits for the 
 
 Per grid form (a CUDA tensor, as ``generate()`` passes it; a CPU tensor, as the processor makes
 it; a list): median host ms (call start to return, no sync) and total ms (to the end of the GPU
-work), and the issue time per call when the 40 calls run back to back without a sync: a call that
-never waits for the GPU is issued in its host time, one that waits (a device-to-host read, a
-plain host-to-device copy, which synchronizes the stream) in about its GPU time. Then the host
-time of ``CUDAGraph.replay()`` alone per captured budget, and ``cProfile`` of the calls with a
-CUDA grid and with a list, the GPU idle at each call's start: the top host functions by own and
-by cumulative time. The forms' rows repeat 40 calls of different grids three times (each call's
+work), and the issue time per call when the 40 calls run back to back without a sync (median of
+5 such passes): a call that never waits for the GPU is issued in its host time, one that waits (a
+device-to-host read, a plain host-to-device copy, which synchronizes the stream) in about its GPU
+time. Then the host
+time of ``CUDAGraph.replay()`` alone per captured budget, and ``cProfile`` of the calls (a CUDA
+grid and a list, the GPU idle at each call's start; a list of 40 grids and a list of one grid, back
+to back): the top host functions by own and by cumulative time, in microseconds per call. The
+forms' rows repeat 40 calls of different grids three times (each call's
 batch metadata is staged but not in its budget's static buffers); the row ``list, same`` repeats
 one grid with new pixels (the metadata stays in place: only the pixel rows are copied); the row
 ``list, new`` has 40 calls whose grids the tower has not seen (nothing staged yet).
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import os
 import pstats
 import random
@@ -59,9 +60,10 @@ def calls(n, seed=0):
     return out
 
 
-def timed(served, args):
+def timed(served, args, passes=5):
     """Host and total ms of each call (3 passes over ``args``, the GPU idle at each start), and
-    the ms per call of one pass issued back to back."""
+    the ms per call of a pass issued back to back (the median of ``passes`` such passes: one
+    pass alone moved by a third between rows of one run)."""
     host, total = [], []
     for _ in range(3):
         for pv, grid in args:
@@ -72,12 +74,14 @@ def timed(served, args):
             torch.cuda.synchronize()
             host.append((t1 - t0) * 1e3)
             total.append((time.perf_counter() - t0) * 1e3)
-    t0 = time.perf_counter()
-    for pv, grid in args:  # back to back: the host runs ahead unless a call waits
-        served(pv, grid)
-    issue = (time.perf_counter() - t0) * 1e3 / len(args)
-    torch.cuda.synchronize()
-    return host, total, issue
+    issues = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for pv, grid in args:  # back to back: the host runs ahead unless a call waits
+            served(pv, grid)
+        issues.append((time.perf_counter() - t0) * 1e3 / len(args))
+        torch.cuda.synchronize()
+    return host, total, statistics.median(issues)
 
 
 def host_probe():
@@ -100,6 +104,22 @@ def settle(quiet, limit=90.0):
         calm = calm + 1 if host_probe() < 2 * quiet else 0
         time.sleep(0.5)
     return time.perf_counter() - start, first
+
+
+def profile_table(prof, calls, count=28):
+    """The top functions of a ``cProfile`` run, by own time then by cumulative, in microseconds
+    per served call (pstats' own table rounds to milliseconds)."""
+    stats = pstats.Stats(prof).stats
+    rows = []
+    for (path, line, func), (_, ncalls, own, cumulative, _) in stats.items():
+        where = f"{Path(path).name}:{line}({func})" if path != "~" else func
+        rows.append((own * 1e6 / calls, cumulative * 1e6 / calls, ncalls / calls, where))
+    out = [f"{'own us':>8}{'cum us':>8}{'n/call':>7}  function"]
+    for key in (0, 1):
+        out += [f"{o:8.1f}{c:8.1f}{n:7.1f}  {w[:110]}"
+                for o, c, n, w in sorted(rows, key=lambda r: -r[key])[:count]]
+        out.append("")
+    return out
 
 
 def main():
@@ -151,20 +171,22 @@ def main():
                 times.append((time.perf_counter() - t0) * 1e3)
             lines.append(f"{budget:>8}{statistics.median(times):22.3f}")
         torch.cuda.synchronize()
-        for name in () if args_.no_profile else ("cuda tensor", "list"):
-            args = [(pv, forms[name](g)) for pv, g in stream]
+        profiled = (("cuda tensor", stream, False), ("list", stream, False),
+                    ("list", stream, True), ("list, same", rows[-1][1], True))
+        for name, source, back_to_back in () if args_.no_profile else profiled:
+            form = forms.get(name, forms["list"])
+            args = [(pv, form(g)) for pv, g in source]
             prof = cProfile.Profile()
             for pv, grid in args:
-                torch.cuda.synchronize()  # the GPU idle at each call: host time alone
+                if not back_to_back:
+                    torch.cuda.synchronize()  # the GPU idle at each call: host time alone
                 prof.enable()
                 served(pv, grid)
                 prof.disable()
             torch.cuda.synchronize()
-            for order, count in (("tottime", 30), ("cumulative", 30)):
-                buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(count)
-                lines += ["", f"cProfile, {name} grid, {len(args)} calls, by {order}:",
-                          *[ln for ln in buf.getvalue().splitlines() if ln.strip()][4:]]
+            how = "back to back" if back_to_back else "the GPU idle at each start"
+            lines += ["", f"cProfile, {name} grid, {len(args)} calls, {how} (us per call):",
+                      *profile_table(prof, len(args))]
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):

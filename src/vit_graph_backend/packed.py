@@ -51,6 +51,9 @@ __all__ = ["SHARED_SETTINGS", "PackedGraphEncoder", "live_served", "serve"]
 _served: weakref.WeakSet[PackedGraphEncoder] = weakref.WeakSet()
 _served_lock = threading.Lock()
 
+#: List grids whose tensors a served tower keeps (:meth:`PackedGraphEncoder._grid_of`).
+KEPT_GRIDS = 256
+
 
 def live_served() -> list[PackedGraphEncoder]:
     """The served towers still alive (for ``vit_graph_backend.report()``)."""
@@ -109,7 +112,9 @@ class PackedGraphEncoder(nn.Module):
         # the encoder's weights are watched, not the compiled wrapper's (``weight_watch.py``)
         self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype,
                                                watch=encoder)
-        self._last_grid: tuple[tuple, torch.Tensor] | None = None
+        #: grid tensors of recent list grids, by their rows (see _grid_of)
+        self._grids: dict[tuple, torch.Tensor] = {}
+        self._grids_lock = threading.Lock()
         with _served_lock:
             _served.add(self)
 
@@ -139,9 +144,9 @@ class PackedGraphEncoder(nn.Module):
 
     def _grid_of(self, rows: Any) -> tuple[torch.Tensor, list[tuple[int, int, int]] | None]:
         """``grid_tensor(rows)``, and the rows as Python ints when they are a list of ``[t, h,
-        w]`` rows of ints (``None`` otherwise). Rows equal to the last call's give the last
-        call's tensor again: serving streams repeat sizes, and a tensor costs several
-        microseconds to build (the encoders only read it)."""
+        w]`` rows of ints (``None`` otherwise). Rows seen in one of the last
+        :data:`KEPT_GRIDS` calls give that call's tensor again: serving streams repeat sizes,
+        and a tensor costs 10 to 30 us of host time to build (the encoders only read it)."""
         try:
             key = tuple(map(tuple, rows))
         except TypeError:  # not rows of sequences: grid_tensor names the problem
@@ -149,11 +154,13 @@ class PackedGraphEncoder(nn.Module):
         # ints only: 4.0 == 4 and True == 1, but grid_tensor refuses floats and bools
         if not all(type(v) is int for row in key for v in row):
             return grid_tensor(rows), None
-        last = self._last_grid
-        if last is not None and last[0] == key:
-            return last[1], list(key)
-        grid = grid_tensor(rows)  # the shape and emptiness checks
-        self._last_grid = (key, grid)  # one assignment: threads see either pair whole
+        grid = self._grids.get(key)
+        if grid is None:
+            grid = grid_tensor(rows)  # the shape and emptiness checks
+            with self._grids_lock:
+                if len(self._grids) >= KEPT_GRIDS:  # the oldest first: dicts keep their order
+                    del self._grids[next(iter(self._grids))]
+                self._grids[key] = grid
         return grid, list(key)
 
     @torch.compiler.disable

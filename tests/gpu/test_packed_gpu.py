@@ -147,14 +147,20 @@ def test_repeated_and_alternating_grids_match_hf_with_metadata_left_in_place(kin
     (``replay_io.write_inputs``: only the pixels are copied); Qwen2.5-VL's graphs gather their
     rows into window order themselves. Same grid with new pixels, then two grids in turn on one
     budget, then a shorter one (its pixel tail zeroed): every output is HF's."""
-    from vit_graph_backend.adapters import _staging
+    from vit_graph_backend.adapters import _qwen_packing
+    from vit_graph_backend.adapters._staging import BLOCK
 
     tower = _tower(kind)
     served = serve(tower, max_items_per_graph=2, min_budget=128, max_budget=128)
     loads = []
-    pinned = _staging.HostStage.pinned
-    _staging.HostStage.pinned = (lambda self, device, whole=False:
-                                 loads.append(whole) or pinned(self, device, whole))
+    load = _qwen_packing._Staged.load
+
+    def counted(self):
+        out = load(self)
+        loads.append({key: (value.device.type, value.dtype) for key, value in out.items()})
+        return out
+
+    _qwen_packing._Staged.load = counted
     try:
         worst = 0.0
         pattern = [[[1, 16, 16]]] * 3 + [[[1, 16, 12]], [[1, 8, 8], [1, 8, 16]]] * 2 + [[[1, 8, 8]]]
@@ -166,13 +172,52 @@ def test_repeated_and_alternating_grids_match_hf_with_metadata_left_in_place(kin
             worst = max(worst, (got.float() - ref.float()).abs().max().item()
                         / max(ref.float().abs().max().item(), 1.0))
     finally:
-        _staging.HostStage.pinned = pinned
+        _qwen_packing._Staged.load = load
     stats = served.manager.stats
     print(f"{kind}: repeated/alternating grids, max relative error vs HF {worst:.3g}, "
-          f"{len(loads)} metadata loads for {len(pattern)} calls")
+          f"{len(loads)} metadata loads for {len(pattern)} calls, "
+          f"{served.encoder.staged_metadata_bytes} bytes of device records")
     assert worst < 5e-2 and stats.eager_items == 0 and stats.graph_replays == len(pattern)
-    # the second and third call of one grid load nothing; every load is one copy per dtype
-    assert loads == [True] * (len(pattern) - 2)
+    # the second and third call of one grid load nothing; every load is one device-to-device
+    # copy of the batch's whole block, kept on the GPU since its first call
+    assert loads == [{BLOCK: ("cuda", torch.uint8)}] * (len(pattern) - 2)
+    assert 0 < served.encoder.staged_metadata_bytes <= _qwen_packing.STAGED_DEVICE_BYTES
+
+
+@torch.no_grad()
+def test_records_made_on_one_stream_serve_calls_on_another():
+    """A batch's device record made on the default stream and loaded on a side stream is
+    marked for the allocator (``record_stream``), and the outputs stay HF's on both streams."""
+    tower = _tower("qwen2_5")
+    served = serve(tower, max_items_per_graph=2, min_budget=128, max_budget=128)
+    grids_in_turn = ([[1, 16, 12]], [[1, 8, 8], [1, 8, 16]])
+    inputs = [(torch.randn(sum(t * h * w for t, h, w in g), PATCH_DIM, device=DEV, dtype=DT), g)
+              for g in grids_in_turn]
+    refs = [_hf(tower, pv, torch.tensor(g, device=DEV))[0] for pv, g in inputs]
+    for pv, g in inputs:  # stage both on the default stream
+        served(pv, g)
+    marked, record_stream = [], torch.Tensor.record_stream
+
+    def spy(self, stream):
+        marked.append(stream)
+        return record_stream(self, stream)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.Tensor.record_stream = spy
+    try:
+        with torch.cuda.stream(side):
+            outs = [served(pv, g) for _ in range(2) for pv, g in inputs]
+    finally:
+        torch.Tensor.record_stream = record_stream
+    torch.cuda.current_stream().wait_stream(side)
+    for i, out in enumerate(outs):
+        ref = refs[i % 2]
+        scale = max(ref.float().abs().max().item(), 1.0)
+        err = (out.float() - ref.float()).abs().max().item() / scale
+        assert err < 5e-2, (i, err)
+    print(f"records loaded on a side stream: {len(marked)} marked for 4 loads")
+    assert len(marked) == 4 and all(s == side for s in marked)
 
 
 @torch.no_grad()

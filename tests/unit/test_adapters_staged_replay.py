@@ -24,6 +24,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
 
 from vit_graph_backend.adapters import _qwen_packing, adapt  # noqa: E402
 from vit_graph_backend.adapters._qwen_packing import ROW_INDEX  # noqa: E402
+from vit_graph_backend.adapters._staging import BLOCK  # noqa: E402
 from vit_graph_backend.errors import UnsupportedGraphError  # noqa: E402
 from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
 from vit_graph_backend.protocol import StampedBuffers  # noqa: E402
@@ -65,8 +66,8 @@ def test_same_grids_reuse_the_metadata_but_take_the_new_pixels(window):
     second = adapter.prepare_encoder_cudagraph_replay_buffers(second_inputs, [1, 2], budget)
     assert isinstance(first, StampedBuffers) and set(first) == {"pixel_values"}
     assert second.stamp is first.stamp  # staged once: the runtime may skip the metadata
-    loaded = first.load()  # whole blocks, one per dtype, of the static blocks' layout
-    assert loaded.keys() == {key for key in static if key.startswith("block:")}
+    loaded = first.load()  # the whole block, of the static block's layout
+    assert loaded.keys() == {BLOCK} and BLOCK in static
     for key, value in second.load().items():
         assert torch.equal(value, loaded[key]) and value.shape == static[key].shape, key
     entry = BudgetGraph(budget, static)
@@ -111,9 +112,8 @@ def test_a_budget_captured_again_gets_metadata_padded_to_its_new_shapes():
     second = adapter.prepare_encoder_cudagraph_replay_buffers(_inputs(grids, 0), [0], budget)
     assert second.stamp is not first.stamp
     first_blocks, second_blocks = first.load(), second.load()
-    assert {k: v.shape for k, v in second_blocks.items()} == {
-        k: v.shape for k, v in static.items() if k.startswith("block:")}
-    assert first_blocks["block:int32"].shape != second_blocks["block:int32"].shape
+    assert second_blocks.keys() == {BLOCK} and second_blocks[BLOCK].shape == static[BLOCK].shape
+    assert first_blocks[BLOCK].shape != second_blocks[BLOCK].shape
 
 
 def test_staged_batches_are_bounded_and_a_refused_batch_is_not_staged(monkeypatch):
@@ -161,3 +161,70 @@ def test_served_calls_load_a_batch_once_and_match_the_tower(window, monkeypatch)
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert served.manager.stats.no_graph_items == 11 and not served.manager.stats.eager_items
     assert loads == [True] * 4  # first, second, first, second: one load per switch, in blocks
+
+
+class _Record:
+    """Stands in for a batch's device record on a machine without a GPU."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.device, self.marked = nbytes, torch.device("cuda", 0), []
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def record_stream(self, stream) -> None:
+        self.marked.append(stream)
+
+
+def _staged_with_record(nbytes: int, stream: int = 7):
+    stage = _qwen_packing.HostStage({"a": torch.ones(2)}, {"a": (2,)})
+    return _qwen_packing._Staged(stage, ((0, 2),), {}, True, torch.device("cuda", 0),
+                                 _Record(nbytes), stream)
+
+
+def test_device_records_are_bounded_by_their_bytes(monkeypatch):
+    """The kept batches' GPU records hold at most ``STAGED_DEVICE_BYTES`` together: the least
+    recent go first, a batch staged again replaces its old record, and the count is reported."""
+    monkeypatch.setattr(_qwen_packing, "STAGED_DEVICE_BYTES", 100)
+    adapter = _adapter(window=False)
+    packer = adapter.packer
+    for key in "abc":
+        packer._keep(key, _staged_with_record(40))
+    assert list(packer._staged) == ["b", "c"] and packer.staged_bytes == 80
+    assert adapter.staged_metadata_bytes == 80
+    packer._keep("c", _staged_with_record(10))  # staged again (e.g. after a recapture)
+    assert list(packer._staged) == ["b", "c"] and packer.staged_bytes == 50
+    packer._keep("d", _staged_with_record(200))  # over the bound alone: kept, the rest dropped
+    assert list(packer._staged) == ["d"] and packer.staged_bytes == 200
+
+
+def test_a_record_read_on_another_stream_is_marked_for_the_allocator(monkeypatch):
+    """A load on the stream the record was made on is the record itself, nothing marked; on
+    another stream the record is marked with ``record_stream`` (its memory must not be handed
+    out again before that stream's copy ran)."""
+    staged = _staged_with_record(8, stream=7)
+    streams = iter([7, 9])
+    monkeypatch.setattr(_qwen_packing, "current_raw_stream", lambda index: next(streams))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "side stream")
+    assert staged.load() == {BLOCK: staged.record} and staged.record.marked == []
+    assert staged.load() == {BLOCK: staged.record} and staged.record.marked == ["side stream"]
+
+
+def test_no_record_is_made_over_the_bound_or_without_gpu_memory(monkeypatch):
+    """A stage larger than the bound, or one whose record finds no GPU memory, is kept without
+    a record: each load then copies a pinned block (``HostStage.pinned``)."""
+    adapter = _adapter(window=True)
+    budget = 32
+    adapter.prepare_encoder_cudagraph_capture_inputs(budget, 3, None, CPU, torch.float32)
+    packer, cuda = adapter.packer, torch.device("cuda", 0)
+    shapes = packer.captured_shapes[budget]
+    monkeypatch.setattr(_qwen_packing, "STAGED_DEVICE_BYTES", 0)
+    assert packer._stage([(1, 4, 6)], [0], budget, shapes, cuda).record is None
+    monkeypatch.setattr(_qwen_packing, "STAGED_DEVICE_BYTES", 1 << 20)
+
+    def no_memory(self, device):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(_qwen_packing.HostStage, "on_device", no_memory)
+    staged = packer._stage([(1, 4, 6)], [0], budget, shapes, cuda)
+    assert staged.record is None and staged.whole and staged.device == cuda

@@ -22,6 +22,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
 
 import vit_graph_backend as vg  # noqa: E402
 from vit_graph_backend.backend import vitgraph  # noqa: E402
+from vit_graph_backend import packed as packed_mod  # noqa: E402
 
 GRID = [[1, 4, 4], [1, 2, 4], [1, 2, 2]]
 
@@ -112,7 +113,7 @@ def test_a_one_batch_call_returns_its_rows_without_a_second_copy():
 
 
 @torch.no_grad()
-def test_a_repeated_list_grid_reuses_its_tensor_but_is_checked_like_a_new_one():
+def test_a_repeated_list_grid_reuses_its_tensor_but_is_checked_like_a_new_one(monkeypatch):
     served, pixels = _served(), _pixels()
     first, rows = served._grid_of(GRID)
     assert rows == [tuple(row) for row in GRID]
@@ -127,6 +128,14 @@ def test_a_repeated_list_grid_reuses_its_tensor_but_is_checked_like_a_new_one():
         served(pixels, [[1.0, 4, 4], [1, 2, 4], [1, 2, 2]])
     expected = served(pixels, torch.tensor(GRID))
     torch.testing.assert_close(served(pixels, GRID), expected, rtol=0, atol=0)
+    # grids in turn are each kept (a stream of sizes), up to a bound: the oldest go first
+    assert served._grid_of(GRID)[0] is first and served._grid_of(other)[0] is not first
+    monkeypatch.setattr(packed_mod, "KEPT_GRIDS", 3)
+    rows_of = [[[1, 2, 2 * k]] for k in range(1, 6)]
+    grids = [served._grid_of(rows)[0] for rows in rows_of]
+    assert len(served._grids) == 3
+    assert served._grid_of(rows_of[-1])[0] is grids[-1]
+    assert served._grid_of(rows_of[0])[0] is not grids[0]  # dropped, made again
 
 
 @torch.no_grad()

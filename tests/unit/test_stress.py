@@ -43,3 +43,19 @@ def test_hammer_counts_wrong_and_nan_outputs_and_exceptions():
     assert result.calls == 200
     assert result.wrong > 0 and result.nan > 0 and len(result.exceptions) > 0
     assert result.wrong + result.nan + len(result.exceptions) < 200
+
+
+def test_poison_fills_every_kind_of_static_buffer():
+    """Floats get NaN, integers -1, and a block of bytes under typed views (the packed
+    adapters' metadata, ``adapters/_staging.py``) all-ones bytes, which its int views read as -1
+    and its float views as NaN."""
+    from vit_graph_backend.adapters._staging import upload
+    from vit_graph_backend.benchmarking.poison import _fill_nan
+
+    static = upload({"lengths": torch.tensor([3, 4], dtype=torch.int32),
+                     "weights": torch.ones(2)}, torch.device("cpu"), blocks=True)
+    _fill_nan(static["block"])
+    assert static["lengths"].tolist() == [-1, -1] and static["weights"].isnan().all()
+    for t in (torch.ones(2), torch.ones(2, dtype=torch.int64)):
+        _fill_nan(t)
+    assert torch.equal(t, torch.tensor([-1, -1]))

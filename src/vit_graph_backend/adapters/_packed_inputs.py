@@ -141,12 +141,10 @@ def check_packed_inputs(inputs: Mapping[str, Any], *, merge: int, patch_dim: int
             "the HF processor emits with grid_thw)")
     pixels = inputs["pixel_values"]
     rows = sum(t * h * w for t, h, w in grids)
-    expected = (f"expected ({rows}, {patch_dim}): sum of t*h*w over grid_thw rows, each "
-                "C*temporal_patch*patch**2 wide")
     if not isinstance(pixels, torch.Tensor):
         raise InvalidInputError(
             f"pixel_values of type {type(pixels).__name__} is invalid: must be a tensor; "
-            f"{expected}")
+            f"{_expected(rows, patch_dim)}")
     if not pixels.dtype.is_floating_point:
         raise InvalidInputError(
             f"pixel_values of dtype {pixels.dtype} is invalid: must be a floating tensor (the "
@@ -154,5 +152,11 @@ def check_packed_inputs(inputs: Mapping[str, Any], *, merge: int, patch_dim: int
     if pixels.dim() != 2 or pixels.shape[0] != rows or pixels.shape[1] != patch_dim:
         raise InvalidInputError(
             f"pixel_values of shape {tuple(pixels.shape)} does not match grid_thw "
-            f"{[list(g) for g in grids]}: {expected}")
+            f"{[list(g) for g in grids]}: {_expected(rows, patch_dim)}")
     return PackedInputs(grids, pixels)
+
+
+def _expected(rows: int, patch_dim: int) -> str:
+    # built only for an error: the check runs on every call
+    return (f"expected ({rows}, {patch_dim}): sum of t*h*w over grid_thw rows, each "
+            "C*temporal_patch*patch**2 wide")

@@ -8,6 +8,7 @@ knowledge of the blocks that read them. Static buffers and how padding works: ``
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .._compat import current_raw_stream
 from ..budgets import capture_layout, ceil_div
 from ..errors import UnsupportedGraphError
 from ..protocol import StampedBuffers
@@ -31,12 +33,18 @@ from ._qwen_metadata import (
     pack_metadata,
     segment_slots,
 )
-from ._staging import HostStage, Layout, upload
+from ._staging import BLOCK, HostStage, Layout, upload
 
 __all__ = ["ROW_INDEX", "QwenPacker"]
 
+log = logging.getLogger(__name__)
+
 #: Batches whose staged replay inputs a packer keeps (:class:`QwenPacker.replay_values`).
 STAGED_BATCHES = 128
+#: GPU bytes the kept batches' device records may hold together (:attr:`_Staged.record`; the
+#: least recent are dropped first). A record is its batch's metadata padded to the budget:
+#: 0.5 MiB at Qwen2.5-VL's largest default budget, 16,384 rows.
+STAGED_DEVICE_BYTES = 64 << 20
 #: The static buffer of window-order towers that gathers the graph's input rows (see
 #: :meth:`QwenPacker.replay_values`); other towers have none.
 ROW_INDEX = "row_index"
@@ -59,8 +67,27 @@ class _Staged:
     parts: tuple[tuple[int, int], ...]
     #: the captured shapes they were padded to (a budget captured again gets new ones)
     shapes: Mapping[str, torch.Size]
-    #: whether the stage's blocks have the layout of the budget's static blocks (loaded whole)
+    #: whether the stage's block has the layout of the budget's static block (loaded whole)
     whole: bool
+    device: torch.device
+    #: the stage's block on ``device`` (a GPU), kept while the batch is: a load is then one
+    #: device-to-device copy, with no host memory allocated or written per call. ``None`` off
+    #: the GPU, or if there was no room for it (each load then copies a pinned block).
+    record: torch.Tensor | None = None
+    #: the raw handle of the stream the record was made on
+    stream: int | None = None
+
+    def load(self) -> dict[str, torch.Tensor]:
+        """The metadata for the runtime to copy into the budget's static buffers: the whole
+        block under ``BLOCK`` when its layout matches theirs, else the buffers one by one."""
+        record = self.record
+        if record is None:
+            return self.stage.pinned(self.device, self.whole)
+        if current_raw_stream(record.device.index) != self.stream:
+            # read on another stream than the one it was allocated on: the allocator must not
+            # hand its memory out again, once the record is dropped, before this copy ran
+            record.record_stream(torch.cuda.current_stream(record.device))
+        return {BLOCK: record} if self.whole else self.stage.views(record)
 
 
 class QwenPacker:
@@ -85,6 +112,8 @@ class QwenPacker:
         #: staged replay inputs by (call's grids, batch's items, budget), least recent first
         self._staged: OrderedDict[tuple, _Staged] = OrderedDict()
         self._staged_lock = threading.Lock()
+        #: bytes of GPU memory the staged batches' records hold
+        self.staged_bytes = 0
 
     def check(self, inputs: Mapping[str, object]) -> PackedInputs:
         """The one input check of specs, eager and replay (see ``_packed_inputs``); a
@@ -129,10 +158,10 @@ class QwenPacker:
             meta.values[ROW_INDEX] = meta.row_index
         self.captured_slots[budget] = slots
         self.captured_shapes[budget] = {key: value.shape for key, value in meta.values.items()}
-        # the metadata buffers are views of one block per dtype, also a static buffer each: a
-        # replay whose stage has the same layout fills them with one copy per dtype
+        # the metadata buffers are views of one block, also a static buffer: a replay whose
+        # stage has the same layout fills them all with one copy
         values = upload(meta.values, device, blocks=True)
-        # what a replay's stage of these shapes has when its blocks match (both from _blocks)
+        # what a replay's stage of these shapes has when its block matches (both: layout_of)
         self.captured_layouts[budget] = HostStage(meta.values,
                                                   self.captured_shapes[budget]).layout
         values["pixel_values"] = torch.zeros(meta.rows, self.patch_dim, device=device, dtype=dtype)
@@ -145,11 +174,12 @@ class QwenPacker:
         no host sync and no device-side zeroing).
 
         The metadata depends only on the call's grids, the batch's items and the budget: it is
-        made once and kept in plain host memory (the last :data:`STAGED_BATCHES` batches), and
-        returned as ``protocol.StampedBuffers`` stamped with that record, so a call whose
-        batch the budget's graph ran last copies nothing but its pixel rows, and one whose grids
-        were seen before builds no metadata (each load copies the record into a pinned block of
-        its own: ``_staging.HostStage``).
+        made once and kept, as one block in host memory and a copy of it on the GPU (the last
+        :data:`STAGED_BATCHES` batches, their GPU copies within :data:`STAGED_DEVICE_BYTES`),
+        and returned as ``protocol.StampedBuffers`` stamped with that record: a call whose batch
+        the budget's graph ran last copies nothing but its pixel rows, and one whose grids were
+        seen before builds no metadata and loads it with one device-to-device copy
+        (``_staging.HostStage``).
 
         Window-order towers (Qwen2.5-VL) take the rows in caller order too: the graph gathers
         them into window order from the static :data:`ROW_INDEX` (local to the static rows; its
@@ -171,23 +201,19 @@ class QwenPacker:
             return {**upload(values, device),
                     "pixel_values": _pixels(parts, checked.pixel_values)}
         key = (tuple(checked.grids), tuple(item_indices), budget)
+        pixels = checked.pixel_values
         with self._staged_lock:
             staged = self._staged.get(key)
             if staged is not None:
                 self._staged.move_to_end(key)
-        if staged is None or staged.shapes is not shapes:
-            staged = self._stage(checked.grids, item_indices, budget, shapes)
-            with self._staged_lock:
-                self._staged[key] = staged
-                if len(self._staged) > STAGED_BATCHES:
-                    self._staged.popitem(last=False)
-        pixels = checked.pixel_values
-        device = pixels.device
+        if staged is None or staged.shapes is not shapes or staged.device != pixels.device:
+            staged = self._stage(checked.grids, item_indices, budget, shapes, pixels.device)
+            self._keep(key, staged)
         return StampedBuffers({"pixel_values": _pixels(staged.parts, pixels)}, staged,
-                              lambda: staged.stage.pinned(device, staged.whole))
+                              staged.load)
 
     def _stage(self, grids: Sequence[Grid], item_indices: Sequence[int], budget: int,
-               shapes: Mapping[str, torch.Size]) -> _Staged:
+               shapes: Mapping[str, torch.Size], device: torch.device) -> _Staged:
         meta, parts = self._local(grids, item_indices, budget)
         values = meta.values
         if self.layout.window:
@@ -196,7 +222,30 @@ class QwenPacker:
             index[:meta.rows] = meta.row_index
             values = {**values, ROW_INDEX: index}
         stage = HostStage(values, shapes)
-        return _Staged(stage, parts, shapes, stage.layout == self.captured_layouts.get(budget))
+        whole = stage.layout == self.captured_layouts.get(budget)
+        if device.type != "cuda" or stage.nbytes > STAGED_DEVICE_BYTES:
+            return _Staged(stage, parts, shapes, whole, device)
+        try:
+            record = stage.on_device(device)
+        except torch.OutOfMemoryError as exc:  # no room: each load copies a pinned block
+            log.debug("vitgraph: no GPU memory for a staged batch's metadata (%s)",
+                      str(exc).split("\n")[0])
+            return _Staged(stage, parts, shapes, whole, device)
+        return _Staged(stage, parts, shapes, whole, device, record,
+                       current_raw_stream(record.device.index))
+
+    def _keep(self, key: tuple, staged: _Staged) -> None:
+        """Keep ``staged`` under ``key``, dropping the least recent batches beyond
+        :data:`STAGED_BATCHES` or :data:`STAGED_DEVICE_BYTES` of records."""
+        with self._staged_lock:
+            old = self._staged.pop(key, None)
+            if old is not None:
+                self.staged_bytes -= _record_bytes(old)
+            self._staged[key] = staged
+            self.staged_bytes += _record_bytes(staged)
+            while len(self._staged) > 1 and (len(self._staged) > STAGED_BATCHES
+                                             or self.staged_bytes > STAGED_DEVICE_BYTES):
+                self.staged_bytes -= _record_bytes(self._staged.popitem(last=False)[1])
 
     def _local(self, grids: Sequence[Grid], item_indices: Sequence[int], budget: int
                ) -> tuple[PackedMetadata, tuple[tuple[int, int], ...]]:
@@ -277,6 +326,10 @@ class QwenPacker:
         return full, Segments(torch.cat([wins, pad_offsets]), chunk)
 
 
+def _record_bytes(staged: _Staged) -> int:
+    return 0 if staged.record is None else staged.record.numel()
+
+
 def _row_starts(grids: Sequence[Grid]) -> list[int]:
     """The first source pixel row of each item: the rows of the items before it."""
     starts, row = [], 0
@@ -300,7 +353,10 @@ def _parts(grids: Sequence[Grid], item_indices: Sequence[int]) -> tuple[tuple[in
 
 
 def _pixels(parts: Sequence[tuple[int, int]], source: torch.Tensor) -> torch.Tensor:
-    """The rows ``parts`` of ``source``, back to back (a view when they are one range)."""
+    """The rows ``parts`` of ``source``, back to back (a view when they are one range, the
+    source itself when that range is all of it: a call of one image, where a view op costs the
+    host several microseconds)."""
     if len(parts) == 1:
-        return source.narrow(0, *parts[0])
+        start, count = parts[0]
+        return source if start == 0 and count == source.shape[0] else source.narrow(0, *parts[0])
     return torch.cat([source.narrow(0, start, count) for start, count in parts])

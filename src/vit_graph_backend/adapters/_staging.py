@@ -1,4 +1,4 @@
-"""Host metadata on its way to the GPU, without a host sync: one pinned block per dtype and call.
+"""Host metadata on its way to the GPU, without a host sync: one byte block per batch.
 
 A packed call's metadata (rotary positions, segment lengths, window indices) is built on the host
 from Python ints. Copied to the GPU as plain (pageable) tensors, every copy synchronizes the
@@ -6,22 +6,25 @@ stream: the host waits for all earlier GPU work before each one, so it can never
 busy GPU, and a call pays one wait per buffer. Staged in pinned memory, the copies are
 asynchronous.
 
-- :class:`HostStage` pads each buffer to its static buffer's full shape once, the tail zeroed on
-  the host, in plain memory that later calls with the same grids reuse; each call gets a pinned
-  copy of it (one host copy per dtype), so the runtime's ``copy_padded`` (``replay_io.py``)
-  makes one asynchronous copy per buffer and no device-side zeroing.
-- :func:`upload` makes one asynchronous copy per dtype (eager batches; capture inputs). With
-  ``blocks=True`` the values stay views of one device block per dtype, each block also returned
-  as a buffer of its own (:func:`block_key`): the static metadata buffers of a captured budget.
-  A stage padded to the same shapes has the same :attr:`HostStage.layout`, and
-  ``HostStage.pinned(device, whole=True)`` hands over its blocks whole: the runtime then fills
-  every metadata buffer of the budget with one copy per dtype instead of one per buffer.
+All buffers of a batch live in **one block of bytes**, each a typed view at a 16-byte aligned
+offset (:data:`Layout`), so that a whole batch moves with one copy whatever its dtypes:
 
-Every call gets its own pinned blocks, so concurrent calls share nothing (a stage is never written
-after it is made). The caller never writes a pinned block again; PyTorch's pinned-memory
-allocator keeps a freed block until the copies from it have run, so dropping the host tensors
-right after the copy is safe. If pinned memory cannot be had, the plain host tensors are used
-(the copies then synchronize, as before).
+- :class:`HostStage` pads each buffer to its static buffer's full shape once, the tail zeroed on
+  the host, in plain memory that later calls with the same grids reuse.
+  :meth:`HostStage.on_device` puts a copy of the block on the GPU (made once per batch, through a
+  pinned block: the adapters keep it as the batch's record, ``_qwen_packing.py``), and
+  :meth:`HostStage.pinned` gives a call a pinned copy of its own (where no GPU record is kept).
+- :func:`upload` makes one asynchronous copy (eager batches; capture inputs). With
+  ``blocks=True`` the values stay views of the device block, which is also returned as a buffer of
+  its own under :data:`BLOCK`: the static metadata buffers of a captured budget. A stage padded to
+  the same shapes has the same :attr:`HostStage.layout`, and a replay then fills every metadata
+  buffer of the budget with one copy of its block (a device-to-device copy from the batch's
+  record, no host memory and no allocation on the hot path).
+
+A stage is never written after it is made, so calls on any thread share it safely. The caller
+never writes a pinned block again; PyTorch's pinned-memory allocator keeps a freed block until the
+copies from it have run, so dropping the host tensors right after the copy is safe. If pinned
+memory cannot be had, the plain host tensors are used (the copies then synchronize, as before).
 """
 
 from __future__ import annotations
@@ -34,135 +37,121 @@ import torch
 
 from ..errors import UnsupportedGraphError
 
-__all__ = ["HostStage", "Layout", "block_key", "layout_of", "upload"]
+__all__ = ["BLOCK", "HostStage", "Layout", "layout_of", "upload", "views_of"]
 
 log = logging.getLogger(__name__)
 
 Shape = Sequence[int]
 
+#: The key under which :func:`upload` (``blocks=True``) and :meth:`HostStage.pinned` (``whole``)
+#: give the whole block (no capture input of the adapters has this name).
+BLOCK = "block"
 
-#: A block's layout: per dtype, in order, the keys and shapes of the views it holds.
-Layout = tuple[tuple[torch.dtype, tuple[tuple[str, tuple[int, ...]], ...]], ...]
+#: Byte alignment of each view in a block (a multiple of every dtype's element size, and what
+#: vectorized kernels reading the views expect).
+_ALIGN = 16
 
-
-def block_key(dtype: torch.dtype) -> str:
-    """The key under which :func:`upload` (``blocks=True``) and :meth:`HostStage.pinned` give
-    the whole block of ``dtype`` (no capture input of the adapters has such a name)."""
-    return "block:" + str(dtype).removeprefix("torch.")
-
-
-def layout_of(blocks: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> Layout:
-    """The layout of blocks made by :func:`_blocks`."""
-    return tuple((block.dtype, tuple((key, tuple(view.shape)) for key, view in views.items()))
-                 for block, views in blocks)
+#: A block's layout: per buffer, in order, its key, dtype, shape and byte offset.
+Layout = tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
 
 
-def _blocks(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape], pin: bool
-            ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """One block per dtype holding every value in a view of its target shape, zero-padded."""
-    by_dtype: dict[torch.dtype, list[str]] = {}
+def layout_of(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]
+              ) -> tuple[Layout, int]:
+    """Where each of ``values``, padded to ``shapes``, lies in one block; and its byte size.
+
+    Raises:
+        UnsupportedGraphError: a value longer than its shape, or of other trailing dims.
+    """
+    layout, offset = [], 0
     for key, value in values.items():
-        by_dtype.setdefault(value.dtype, []).append(key)
-    blocks = []
-    for dtype, keys in by_dtype.items():
-        sizes = [math.prod(shapes[key]) for key in keys]
-        block = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
-        views, start = {}, 0
-        for key, size in zip(keys, sizes):
-            view = block[start:start + size].view(tuple(shapes[key]))
-            value, start = values[key], start + size
-            rows = value.shape[0]  # metadata buffers have a row dimension
-            if value.shape[1:] != view.shape[1:] or rows > view.shape[0]:
-                raise UnsupportedGraphError(
-                    f"buffer {key!r} of shape {tuple(value.shape)} does not fit the captured "
-                    f"shape {tuple(view.shape)}")
-            view[:rows].copy_(value)
-            view[rows:].zero_()  # empty when the value fills the shape
-            views[key] = view
-        blocks.append((block, views))
-    return blocks
+        shape = tuple(shapes[key])
+        if tuple(value.shape[1:]) != shape[1:] or value.shape[0] > shape[0]:
+            raise UnsupportedGraphError(
+                f"buffer {key!r} of shape {tuple(value.shape)} does not fit the captured "
+                f"shape {shape}")
+        layout.append((key, value.dtype, shape, offset))
+        nbytes = math.prod(shape) * value.element_size()
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return tuple(layout), offset
 
 
-def _pinned_blocks(values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]
-                   ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+def views_of(block: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """The typed buffers of ``layout`` as views into ``block`` (bytes)."""
+    result = {}
+    for key, dtype, shape, offset in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        result[key] = block[offset:offset + nbytes].view(dtype).view(shape)
+    return result
+
+
+def _block(values: Mapping[str, torch.Tensor], layout: Layout, nbytes: int, pin: bool
+           ) -> torch.Tensor:
+    """A block of ``layout`` holding ``values``, each zero-padded to its shape."""
+    block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    for key, view in views_of(block, layout).items():
+        rows = values[key].shape[0]  # metadata buffers have a row dimension
+        view[:rows].copy_(values[key])
+        view[rows:].zero_()  # empty when the value fills the shape
+    return block
+
+
+def _pinned_copy(block: torch.Tensor) -> torch.Tensor:
+    """``block`` copied into pinned memory (a plain copy if none can be had)."""
     try:
-        return _blocks(values, shapes, pin=True)
-    except UnsupportedGraphError:  # a RuntimeError too, but about the values, not the memory
-        raise
-    except RuntimeError as exc:  # no pinned memory to be had: plain host tensors still work
-        _warn_unpinned(exc)
-        return _blocks(values, shapes, pin=False)
-
-
-def _warn_unpinned(exc: BaseException) -> None:
-    log.warning("vitgraph: pinned host memory unavailable (%s); metadata copies wait for the GPU",
-                str(exc).split("\n")[0])
+        copy = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+    except RuntimeError as exc:  # no pinned memory: the copies then synchronize
+        log.warning("vitgraph: pinned host memory unavailable (%s); metadata copies wait for "
+                    "the GPU", str(exc).split("\n")[0])
+        return block.clone()
+    return copy.copy_(block)
 
 
 class HostStage:
-    """Values zero-padded to their shapes once, in plain host memory, for reuse by many calls:
-    :meth:`pinned` gives each call its own pinned copy (one host copy per dtype), so staging a
-    batch never allocates pinned memory that stays held (a fresh pinned allocation costs
-    about a millisecond; the allocator recycles the per-call blocks once their copies ran).
+    """Values zero-padded to their shapes once, in one block of plain host memory, for reuse by
+    many calls: :meth:`on_device` makes a GPU copy to keep, :meth:`pinned` a pinned copy per
+    call (so staging a batch never allocates pinned memory that stays held: a fresh pinned
+    allocation costs about a millisecond; the allocator recycles the per-call blocks once their
+    copies ran).
 
     Raises:
         UnsupportedGraphError: a value longer than its shape, or of other trailing dims.
     """
 
     def __init__(self, values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]) -> None:
-        self._blocks = _blocks(values, shapes, pin=False)
-        #: per dtype, the keys and shapes of the views (compare with the static blocks')
-        self.layout = layout_of(self._blocks)
+        #: each buffer's key, dtype, shape and byte offset (compare with the static block's)
+        self.layout, self.nbytes = layout_of(values, shapes)
+        self._block = _block(values, self.layout, self.nbytes, pin=False)
+
+    def views(self, block: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The buffers as views into ``block`` (a copy of this stage's), or into the stage."""
+        return views_of(self._block if block is None else block, self.layout)
+
+    def on_device(self, device: torch.device) -> torch.Tensor:
+        """A copy of the block on ``device``, copied without a host sync (through pinned
+        memory) on the current stream."""
+        return _pinned_copy(self._block).to(device, non_blocking=True)
 
     def pinned(self, device: torch.device, whole: bool = False) -> dict[str, torch.Tensor]:
         """The values in pinned memory when ``device`` is a GPU, else the staged ones (never
-        written: the runtime only copies from them). ``whole``: the blocks themselves, under
-        :func:`block_key`, in place of the views: one copy per dtype, into static buffers that
-        are views of blocks of the same :attr:`layout` (``upload(..., blocks=True)``)."""
-        if device.type != "cuda":
-            if whole:
-                return {block_key(block.dtype): block for block, _ in self._blocks}
-            return {key: view for _, views in self._blocks for key, view in views.items()}
-        result = {}
-        for block, views in self._blocks:
-            try:
-                copy = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
-            except RuntimeError as exc:  # no pinned memory: the copies then synchronize
-                _warn_unpinned(exc)
-                copy = block.clone()
-            copy.copy_(block)
-            if whole:
-                result[block_key(block.dtype)] = copy
-            else:
-                result.update(_views_like(copy, views))
-        return result
+        written: the runtime only copies from them). ``whole``: the block itself, under
+        :data:`BLOCK`, in place of the views: one copy, into static buffers that are views of a
+        block of the same :attr:`layout` (``upload(..., blocks=True)``)."""
+        block = _pinned_copy(self._block) if device.type == "cuda" else self._block
+        return {BLOCK: block} if whole else self.views(block)
 
 
 def upload(values: Mapping[str, torch.Tensor], device: torch.device, blocks: bool = False
            ) -> dict[str, torch.Tensor]:
-    """``values`` (host tensors) on ``device``: one asynchronous copy per dtype on CUDA.
+    """``values`` (host tensors) on ``device``: one asynchronous copy on CUDA.
 
-    ``blocks``: the values are views of one new block per dtype, also returned under
-    :func:`block_key` (static buffers that a replay fills with one copy per dtype)."""
+    ``blocks``: the values are views of one new block, also returned under :data:`BLOCK` (static
+    buffers that a replay fills with one copy)."""
     device = torch.device(device)
     if device.type != "cuda" and not blocks:
         return {key: value.to(device) for key, value in values.items()}
-    shapes = {key: value.shape for key, value in values.items()}
-    result = {}
-    made = _pinned_blocks(values, shapes) if device.type == "cuda" else _blocks(values, shapes,
-                                                                                pin=False)
-    for block, views in made:
-        on_device = block.to(device, non_blocking=block.is_pinned())
-        if blocks:
-            result[block_key(block.dtype)] = on_device
-        result.update(_views_like(on_device, views))
-    return result
-
-
-def _views_like(block: torch.Tensor, views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same views as ``views`` (back to back in a block of their own), into ``block``."""
-    result, start = {}, 0
-    for key, view in views.items():
-        result[key] = block[start:start + view.numel()].view(view.shape)
-        start += view.numel()
+    stage = HostStage(values, {key: value.shape for key, value in values.items()})
+    block = stage.on_device(device) if device.type == "cuda" else stage._block.to(device)
+    result = stage.views(block)
+    if blocks:
+        result[BLOCK] = block
     return result

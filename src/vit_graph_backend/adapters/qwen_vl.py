@@ -247,6 +247,12 @@ class _QwenVisionAdapter(nn.Module):
         return self.kernels.aligned_bytes
 
     @property
+    def staged_metadata_bytes(self) -> int:
+        """GPU bytes held by the recent batches' metadata records (``_qwen_packing``: at most
+        ``STAGED_DEVICE_BYTES``, 64 MiB)."""
+        return self.packer.staged_bytes
+
+    @property
     def attention_state(self) -> dict[str, Any]:
         """The ``attention`` setting, the kernel of the graphs' full attention over segments
         (``"cudnn"`` or ``"flash varlen"``, with why cuDNN is off and the shapes it refused;

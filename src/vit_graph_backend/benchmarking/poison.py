@@ -5,7 +5,8 @@ intermediate another graph left behind) gives right answers as long as that memo
 hold harmless numbers. Writing NaN there between calls makes such a read show in the output.
 
 - :func:`poison_static_buffers` fills every static buffer a replay rewrites with NaN (integer
-  buffers with ``-1``); buffers a replay never writes are capture-time constants and stay.
+  buffers with ``-1``, bytes with 255); buffers a replay never writes are capture-time constants
+  and stay.
 - :class:`PoolPoisoner` captures one extra graph into the manager's pool that allocates every
   free block of the pool (sizes read from the public ``torch.cuda.memory_snapshot()``) and fills
   it with all-ones bytes, which is NaN in float32, float16 and bfloat16; replaying it writes NaN
@@ -26,6 +27,8 @@ def _fill_nan(t: Any) -> None:
 
     if t.is_floating_point():
         t.fill_(float("nan"))
+    elif t.dtype == torch.uint8:  # a block of bytes under typed views (adapters/_staging.py)
+        t.fill_(255)
     elif t.dtype != torch.bool:
         t.fill_(-1)
 
