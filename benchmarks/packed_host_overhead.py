@@ -10,13 +10,13 @@ it; a list): median host ms (call start to return, no sync) and total ms (to the
 work), and the issue time per call when the 40 calls run back to back without a sync (median of
 5 such passes): a call that never waits for the GPU is issued in its host time, one that waits (a
 device-to-host read, a plain host-to-device copy, which synchronizes the stream) in about its GPU
-time. Then the host
-time of ``CUDAGraph.replay()`` alone per captured budget, and ``cProfile`` of the calls (a CUDA
-grid and a list, the GPU idle at each call's start; a list of 40 grids and a list of one grid, back
-to back): the top host functions by own and by cumulative time, in microseconds per call. The
-forms' rows repeat 40 calls of different grids three times (each call's
-batch metadata is staged but not in its budget's static buffers); the row ``list, same`` repeats
-one grid with new pixels (the metadata stays in place: only the pixel rows are copied); the row
+time. Then the host time of ``CUDAGraph.replay()`` alone per captured budget, and ``cProfile`` of
+the calls (a CUDA grid and a list, the GPU idle at each call's start; a list of 40 grids and a list
+of one grid, back to back; a list of grids not seen before, the GPU idle): the top host functions
+by own and by cumulative time, in microseconds per call. The forms' rows repeat 40 calls of
+different grids three times (each call's batch metadata is staged but not in its budget's static
+buffers); the row ``list, same`` repeats one grid with new pixels (the metadata stays in place:
+only the pixel rows are copied); the row
 ``list, new`` has 40 calls whose grids the tower has not seen (nothing staged yet).
 
 Measurement starts once the host is quiet: right after the first pass, Inductor's compile workers
@@ -172,7 +172,8 @@ def main():
             lines.append(f"{budget:>8}{statistics.median(times):22.3f}")
         torch.cuda.synchronize()
         profiled = (("cuda tensor", stream, False), ("list", stream, False),
-                    ("list", stream, True), ("list, same", rows[-1][1], True))
+                    ("list", stream, True), ("list, same", rows[-1][1], True),
+                    ("list, new", calls(40, seed=2), False))
         for name, source, back_to_back in () if args_.no_profile else profiled:
             form = forms.get(name, forms["list"])
             args = [(pv, form(g)) for pv, g in source]

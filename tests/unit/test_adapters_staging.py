@@ -156,3 +156,19 @@ def test_a_layout_names_each_buffer_dtype_shape_and_offset():
                                {"x": (5,), "y": (3, 2)})
     assert layout == (("x", torch.int64, (5,), 0), ("y", torch.bfloat16, (3, 2), 48))
     assert nbytes == 48 + 16  # 40 bytes of x rounded up to 48; 12 of y to 16
+
+
+def test_a_pinned_copy_of_a_large_block_is_exact(monkeypatch):
+    """The pinned copy goes in pieces of 8-byte words small enough for one thread: a block of
+    several pieces, and one not a whole number of them, arrives byte for byte."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    monkeypatch.setattr(_staging, "_ONE_THREAD", 5)
+    for words in (0, 3, 5, 12):
+        block = torch.randint(0, 256, (8 * words,), dtype=torch.uint8)
+        copy = _staging._pinned_copy(block)
+        assert torch.equal(copy, block) and (not words or copy.data_ptr() != block.data_ptr())
+    values = {"a": torch.arange(70, dtype=torch.int64), "b": torch.ones(9, dtype=torch.int32)}
+    staged = HostStage(values, {"a": (80,), "b": (10,)}).pinned(torch.device("cuda"))
+    assert torch.equal(staged["a"][:70], values["a"]) and not staged["a"][70:].any()
+    assert torch.equal(staged["b"][:9], values["b"]) and staged["b"][9] == 0

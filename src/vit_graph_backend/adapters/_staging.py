@@ -95,15 +95,26 @@ def _block(values: Mapping[str, torch.Tensor], layout: Layout, nbytes: int, pin:
     return block
 
 
+#: Elements of one host copy that PyTorch runs on the calling thread: above it a CPU copy is
+#: split over the intra-op threads (``at::internal::GRAIN_SIZE``), and waking them cost an H100
+#: machine's host about 0.7 ms per staged batch, many times the copy itself
+#: (``benchmarks/results/packed_call_host_time_device_metadata_records_*``).
+_ONE_THREAD = 32768
+
+
 def _pinned_copy(block: torch.Tensor) -> torch.Tensor:
-    """``block`` copied into pinned memory (a plain copy if none can be had)."""
+    """``block`` (bytes, a multiple of 16 long) copied into pinned memory (a plain copy if none
+    can be had), as 8-byte words in pieces that each run on the calling thread."""
     try:
         copy = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
     except RuntimeError as exc:  # no pinned memory: the copies then synchronize
         log.warning("vitgraph: pinned host memory unavailable (%s); metadata copies wait for "
                     "the GPU", str(exc).split("\n")[0])
         return block.clone()
-    return copy.copy_(block)
+    words, source = copy.view(torch.int64), block.view(torch.int64)
+    for start in range(0, words.numel(), _ONE_THREAD):
+        words[start:start + _ONE_THREAD].copy_(source[start:start + _ONE_THREAD])
+    return copy
 
 
 class HostStage:
