@@ -350,7 +350,7 @@ def parts_part(lines, model):
                   "calls, the GPU idle at each start; host ms per call (steps nest: check is in "
                   "the specs and the buffers, sync in the buffers, copy_padded in write_inputs); "
                   f"host probe {quiet:.0f} us before serving, {busy:.0f} after the first pass, "
-                  f"settled after {waited:.1f} s",
+                  f"settled after {waited} s",
                   f"{'step':<44}{'p50 ms':>8}{'mean ms':>9}"]
         for key, values in sorted(steps.items(), key=lambda kv: -statistics.mean(kv[1])):
             lines.append(f"{key:<44}{statistics.median(values):8.3f}"
