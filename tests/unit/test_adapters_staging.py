@@ -158,9 +158,10 @@ def test_a_layout_names_each_buffer_dtype_shape_and_offset():
     assert nbytes == 48 + 16  # 40 bytes of x rounded up to 48; 12 of y to 16
 
 
-def test_a_pinned_copy_of_a_large_block_is_exact(monkeypatch):
+def test_host_copies_in_pieces_are_exact(monkeypatch):
     """The pinned copy goes in pieces of 8-byte words small enough for one thread: a block of
-    several pieces, and one not a whole number of them, arrives byte for byte."""
+    several pieces, and one not a whole number of them, arrives byte for byte, and so does a
+    stage's block."""
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
     monkeypatch.setattr(_staging, "_ONE_THREAD", 5)
@@ -168,7 +169,11 @@ def test_a_pinned_copy_of_a_large_block_is_exact(monkeypatch):
         block = torch.randint(0, 256, (8 * words,), dtype=torch.uint8)
         copy = _staging._pinned_copy(block)
         assert torch.equal(copy, block) and (not words or copy.data_ptr() != block.data_ptr())
-    values = {"a": torch.arange(70, dtype=torch.int64), "b": torch.ones(9, dtype=torch.int32)}
-    staged = HostStage(values, {"a": (80,), "b": (10,)}).pinned(torch.device("cuda"))
-    assert torch.equal(staged["a"][:70], values["a"]) and not staged["a"][70:].any()
-    assert torch.equal(staged["b"][:9], values["b"]) and staged["b"][9] == 0
+    # through the stage's own block, several pieces long
+    values = {"a": torch.arange(70, dtype=torch.int64), "b": torch.ones(9, dtype=torch.int32),
+              "c": torch.arange(21, dtype=torch.int64).reshape(7, 3) + 1}
+    shapes = {"a": (80,), "b": (10,), "c": (9, 3)}
+    staged = HostStage(values, shapes).pinned(torch.device("cuda"))
+    for key, value in values.items():
+        n = value.shape[0]
+        assert torch.equal(staged[key][:n], value) and not staged[key][n:].any(), key
