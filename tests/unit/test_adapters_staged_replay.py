@@ -106,9 +106,17 @@ def test_a_budget_captured_again_gets_metadata_padded_to_its_new_shapes():
     adapter = _adapter(window=True)
     grids, budget = [(1, 4, 6)], 32
     adapter.prepare_encoder_cudagraph_capture_inputs(budget, 3, None, CPU, torch.float32)
+    adapter.prepare_encoder_cudagraph_capture_inputs(16, 3, None, CPU, torch.float32)
     first = adapter.prepare_encoder_cudagraph_replay_buffers(_inputs(grids, 0), [0], budget)
+    other = adapter.prepare_encoder_cudagraph_replay_buffers(_inputs(grids, 0), [0], 16)
+    packer = adapter.packer
+    packer._keep(("record", (), 32), _staged_with_record(40))  # as a GPU record would count
+    assert packer.staged_bytes == 40 and len(packer._staged) == 3
     static = adapter.prepare_encoder_cudagraph_capture_inputs(budget, 2, None, CPU,
                                                                torch.float32)
+    # the budget's staged batches (and their records) are dropped at once; others stay
+    assert [key[2] for key in packer._staged] == [16] and packer.staged_bytes == 0
+    assert packer._staged[next(iter(packer._staged))] is other.stamp
     second = adapter.prepare_encoder_cudagraph_replay_buffers(_inputs(grids, 0), [0], budget)
     assert second.stamp is not first.stamp
     first_blocks, second_blocks = first.load(), second.load()

@@ -158,6 +158,7 @@ class QwenPacker:
             meta.values[ROW_INDEX] = meta.row_index
         self.captured_slots[budget] = slots
         self.captured_shapes[budget] = {key: value.shape for key, value in meta.values.items()}
+        self._drop_staged(budget)  # padded to the old shapes: never loaded again
         # the metadata buffers are views of one block, also a static buffer: a replay whose
         # stage has the same layout fills them all with one copy
         values = upload(meta.values, device, blocks=True)
@@ -246,6 +247,13 @@ class QwenPacker:
             while len(self._staged) > 1 and (len(self._staged) > STAGED_BATCHES
                                              or self.staged_bytes > STAGED_DEVICE_BYTES):
                 self.staged_bytes -= _record_bytes(self._staged.popitem(last=False)[1])
+
+    def _drop_staged(self, budget: int) -> None:
+        """Drop the batches staged for ``budget`` (a capture gives it new shapes), freeing
+        their GPU records at once rather than when newer batches push them out."""
+        with self._staged_lock:
+            for key in [key for key in self._staged if key[2] == budget]:
+                self.staged_bytes -= _record_bytes(self._staged.pop(key))
 
     def _local(self, grids: Sequence[Grid], item_indices: Sequence[int], budget: int
                ) -> tuple[PackedMetadata, tuple[tuple[int, int], ...]]:
