@@ -33,7 +33,7 @@ from ._qwen_metadata import (
     pack_metadata,
     segment_slots,
 )
-from ._staging import BLOCK, HostStage, Layout, upload
+from ._staging import BLOCK, HostStage, Layout, layout_of, upload
 
 __all__ = ["ROW_INDEX", "QwenPacker"]
 
@@ -162,17 +162,17 @@ class QwenPacker:
         # the metadata buffers are views of one block, also a static buffer: a replay whose
         # stage has the same layout fills them all with one copy
         values = upload(meta.values, device, blocks=True)
-        # what a replay's stage of these shapes has when its block matches (both: layout_of)
-        self.captured_layouts[budget] = HostStage(meta.values,
-                                                  self.captured_shapes[budget]).layout
+        # what a replay's stage of these shapes has when its block matches (a HostStage's
+        # layout, without building a second block to read it from)
+        self.captured_layouts[budget] = layout_of(meta.values, self.captured_shapes[budget])[0]
         values["pixel_values"] = torch.zeros(meta.rows, self.patch_dim, device=device, dtype=dtype)
         return values
 
     def replay_values(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int],
                       budget: int) -> Mapping[str, torch.Tensor]:
         """The items' pixel rows, back to back in batch order and unpadded, and their metadata,
-        padded to the captured shapes in pinned host memory (``_staging``: the copies then need
-        no host sync and no device-side zeroing).
+        padded to the captured shapes (``_staging``: one block, kept on the GPU once staged, so
+        its copy needs no host sync and no device-side zeroing).
 
         The metadata depends only on the call's grids, the batch's items and the budget: it is
         made once and kept, as one block in host memory and a copy of it on the GPU (the last
