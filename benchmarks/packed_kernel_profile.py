@@ -6,8 +6,9 @@ Two calls issue 13's targets are about, each served from its CUDA graph and prof
 
 - the Qwen3-VL-8B-shaped tower on one 1312 x 1312 px image in the budget that fits it exactly
   (``budgets=[1681]``, ``max_items_per_graph=1``), with ``attention="varlen"`` and ``"dense"``;
-- the Qwen2.5-VL-3B-shaped tower on one image of 16,384 patches (defaults, and with
-  ``epilogue_fusion="off"`` in part ``qwen25-epilogue-off``).
+- the Qwen2.5-VL-3B-shaped tower on one image of 16,384 patches (defaults, with
+  ``epilogue_fusion="off"`` in part ``qwen25-epilogue-off``, and with the window layers on flash
+  varlen instead of the short-segment kernel in part ``qwen25-windows-flash``).
 
 Each row also gives the FLOP rate of the attention kernels (attention FLOPs counted as
 ``4 * rows^2 * hidden`` per full-attention layer, the window layers' as ``4 * rows * window_rows *
@@ -30,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
 from clip_kernel_profile import _kind  # noqa: E402
+from qwen_stream import flash_windows  # noqa: E402
 from qwen_stream import tower as qwen25_tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
@@ -82,9 +84,10 @@ def main() -> None:
     # off (adapters/_aligned_mlp.py), which would not be the default configuration
     if "qwen3" in parts:
         lines += qwen3_rows()
-    for part, settings in (("qwen25", {}), ("qwen25-epilogue-off", {"epilogue_fusion": "off"})):
+    for part, settings in (("qwen25", {}), ("qwen25-epilogue-off", {"epilogue_fusion": "off"}),
+                           ("qwen25-windows-flash", {})):
         if part in parts:
-            lines += qwen25_rows(settings)
+            lines += qwen25_rows(settings, part.endswith("windows-flash"))
     emit(lines, "packed_kernel_profile")
 
 
@@ -107,16 +110,22 @@ def qwen3_rows() -> list[str]:
     return lines
 
 
-def qwen25_rows(settings: dict) -> list[str]:
+def qwen25_rows(settings: dict, windows_flash: bool = False) -> list[str]:
     served = serve(qwen25_tower(), **settings)
+    if windows_flash:
+        flash_windows(served)
     rows, hidden = 128 * 128, 1280
     pv = torch.randn(rows, 1176, device="cuda", dtype=torch.bfloat16)
     grid = [[1, 128, 128]]
-    window_rows = 8 * 8 * 4  # 112 px windows: 8 x 8 tokens of 4 rows
+    window_rows = 4 * 4 * 4  # 112 px windows: 4 x 4 merged tokens of 4 rows
     flops = 4 * 4 * rows * rows * hidden + 28 * 4 * rows * window_rows * hidden
+    name = "default options" if not settings else str(settings)
+    name += ", window layers on flash varlen" if windows_flash else ""
     with torch.inference_mode():
-        return report(f"qwen2.5-vl-3b, 16384 patches ({settings or 'default options'})",
-                      lambda: served(pv, grid), flops)
+        lines = report(f"qwen2.5-vl-3b, 16384 patches ({name})", lambda: served(pv, grid), flops)
+    lines.append(f"    window kernels by static rows: "
+                 f"{served.encoder.attention_state['windows']['by_rows']}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ FLOPs per call are counted by PyTorch's ``FlopCounterMode`` on the HF tower's ea
 in the same run (``matmul_peak_tflops``). Times are medians of CUDA-synchronized calls after a
 warm-up (the served tower's first call captures its graphs).
 
-``--modes`` picks among those and ``epilogue-off`` (``epilogue_fusion="off"``: the gated MLP's
-GEMMs through cuBLAS and a separate SiLU-mul kernel).
+``--modes`` picks among those, ``epilogue-off`` (``epilogue_fusion="off"``: the gated MLP's
+GEMMs through cuBLAS and a separate SiLU-mul kernel) and ``windows-flash`` (the defaults with the
+window layers on flash varlen instead of the short-segment kernel).
 
 Usage: python benchmarks/qwen_large_image_peak.py [--reps 20] [--modes vitgraph,varlen,...]. Text to stdout and to
 $OUT/qwen_large_image_peak.txt when $OUT is set.
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
-from qwen_stream import tower  # noqa: E402
+from qwen_stream import flash_windows, tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
 from vit_graph_backend.benchmarking.roofline import (  # noqa: E402
@@ -39,7 +40,11 @@ from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
 SIDES = (32, 64, 128)
 #: Each mode's serve() settings beside the defaults.
 SETTINGS = {"vitgraph": {}, "varlen": {"attention": "varlen"},
-            "1-item": {"max_items_per_graph": 1}, "epilogue-off": {"epilogue_fusion": "off"}}  # patches per side: 1,024 / 4,096 / 16,384 patches
+            "1-item": {"max_items_per_graph": 1}, "epilogue-off": {"epilogue_fusion": "off"},
+            "windows-flash": {}}
+#: Modes that change the served tower after serve(): the defaults with window layers on flash
+#: varlen instead of the short-segment kernel.
+AFTER = {"windows-flash": flash_windows}
 
 
 def median_ms(fn, reps: int) -> float:
@@ -57,7 +62,8 @@ def main() -> None:
                         help="comma-separated, from: " + ", ".join(SETTINGS))
     args = parser.parse_args()
     hf = tower()
-    modes = {name: serve(hf, **SETTINGS[name]) for name in args.modes.split(",")}
+    modes = {name: AFTER.get(name, lambda served: served)(serve(hf, **SETTINGS[name]))
+             for name in args.modes.split(",")}
     peak = matmul_peak_tflops("cuda", torch.bfloat16)
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; Qwen2.5-VL-3B-"
              f"shaped tower, one image per call, bf16; matmul peak {peak:.0f} TFLOP/s (measured)",
@@ -84,7 +90,8 @@ def main() -> None:
         report, state = mode.report(), mode.encoder.attention_state
         lines.append(f"{name}: graphs {report.get('graphs_captured')}, eager items "
                      f"{report.get('stats', {}).get('eager_items')}; segments {state['segments']}"
-                     f" {state['cudnn']}; full attention by static rows {state['by_rows']}")
+                     f" {state['cudnn']}; full attention by static rows {state['by_rows']}; "
+                     f"windows by static rows {state['windows']['by_rows']}")
     emit(lines, "qwen_large_image_peak")
 
 

@@ -7,7 +7,8 @@ Inductor-fused block ops inside the graphs on CUDA; its first pass includes thos
 vitgraph-torch-launch (the same with ``graph_launch="torch"``: graphs replayed through
 ``CUDAGraph.replay()`` instead of device-launch executables), vitgraph-varlen (the same with
 flash varlen for full attention too, ``attention="varlen"``: the default sends it to cuDNN when
-nvidia-cudnn-frontend is installed), vitgraph-unfused (the
+nvidia-cudnn-frontend is installed), vitgraph-windows-flash (the defaults with the window layers
+on flash varlen instead of the short-segment kernel, ``flash_windows``), vitgraph-unfused (the
 same without the fused ops, ``adapt(tower, fuse=False)``) and vitgraph-v1
 (session 1's configuration: doubling ladder, unpadded MLP, unfused), so the effect of each change
 is measured in the same process. Reports p50/p99/total (second pass), first pass, graph memory,
@@ -61,6 +62,15 @@ def pct(v, q):
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
+def flash_windows(served):
+    """``served`` with its window layers on flash varlen in every budget: the defaults before
+    the short-segment kernel (``adapters/_short_attention.py``), for a side-by-side run. A
+    benchmark switch, not an option: it turns the kernel off before the first capture."""
+    served.encoder.attention.short = None
+    served.encoder.attention.short_off = "benchmark: window layers on flash varlen"
+    return served
+
+
 def run(mode, model, calls):
     from vit_graph_backend import serve
 
@@ -83,6 +93,9 @@ def run(mode, model, calls):
             fn = served
         elif mode == "vitgraph-torch-launch":  # every graph through CUDAGraph.replay()
             served = serve(model, max_items_per_graph=4, graph_launch="torch")
+            fn = served
+        elif mode == "vitgraph-windows-flash":  # window layers on flash varlen, as before
+            served = flash_windows(serve(model, max_items_per_graph=4))
             fn = served
         elif mode == "vitgraph-varlen":  # flash varlen for full attention too
             served = serve(model, max_items_per_graph=4, attention="varlen")

@@ -436,7 +436,8 @@ def test_full_attention_kernel_per_one_image_budget_matches_hf(kind, attention):
     """Budgets of one image (``max_items_per_graph=1``): ``"auto"`` times flash varlen against
     dense SDPA on each budget's shapes before its capture and keeps the faster; ``"dense"``
     always takes dense SDPA with the padding keys hidden. Either way every image gets HF's
-    output; Qwen2.5-VL's window layers stay on flash varlen."""
+    output (Qwen2.5-VL's window layers: the kernel timed faster per budget,
+    ``test_short_attention_gpu.py``)."""
     tower = _tower(kind)
     patch = 16 if kind == "qwen3" else PATCH
     served = serve(tower, max_items_per_graph=1, max_budget=512, attention=attention)

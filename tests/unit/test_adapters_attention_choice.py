@@ -9,6 +9,7 @@ replay the chosen kernel, cuDNN's ragged kernel against a reference) is in
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import pytest
@@ -31,6 +32,12 @@ from vit_graph_backend.adapters._packed_attention import (
     packed_attention,
     segment_loop_attention,
     varlen_attention,
+)
+from vit_graph_backend.adapters._short_attention import (
+    MAX_HEAD_DIM,
+    MAX_ROWS,
+    ShortSegmentAttention,
+    short_unserved_reason,
 )
 from vit_graph_backend.errors import InvalidOptionError, MissingDependencyError
 
@@ -132,3 +139,85 @@ def test_cudnn_offsets_are_in_elements_and_lengths_per_segment():
     lengths = segment_lengths(offsets)
     assert lengths.flatten().tolist() == [3, 0, 7] and lengths.shape == (3, 1, 1, 1)
     assert lengths.dtype == torch.int32
+
+
+# ---------------------------------------------------------------- window layers: short segments
+
+def _adapter_layout(rows=70, heads=2, dim=80, dtype=torch.bfloat16):
+    """q and k as views of the rotary kernel's ``(rows, 2, heads, dim)`` output, v a view of the
+    ``(rows, 3, heads, dim)`` qkv projection: the window layers' layout in the Qwen adapters."""
+    qk = torch.zeros(rows, 2, heads, dim, dtype=dtype)
+    qkv = torch.zeros(rows, 3, heads, dim, dtype=dtype)
+    return qk[:, 0], qk[:, 1], qkv[:, 2]
+
+
+def test_the_short_segment_kernel_takes_the_adapters_window_layout():
+    q, k, v = _adapter_layout()
+    assert short_unserved_reason(q, k, v, MAX_ROWS) is None
+    assert short_unserved_reason(*_adapter_layout(dim=MAX_HEAD_DIM), 16) is None
+    assert short_unserved_reason(*_adapter_layout(dtype=torch.float16), 1) is None
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ("float32", r"dtype torch.float32 \(the short-segment kernel takes float16/bfloat16\)"),
+    ("long", r"segments of up to 65 rows \(the kernel takes up to 64\)"),
+    ("wide", r"head size 136 \(the kernel takes up to 128\)"),
+    ("heads apart", r"k of shape \(70, 2, 80\) and strides \(160, 1, 2\) \(the kernel takes "
+                    r"\(70, 2, 80\) with each row's heads contiguous\)"),
+    ("shape", r"v of shape \(70, 2, 40\)"),
+])
+def test_the_short_segment_kernel_says_why_it_does_not_serve(change, reason):
+    q, k, v = _adapter_layout(dim=136 if change == "wide" else 80,
+                              dtype=torch.float32 if change == "float32" else torch.bfloat16)
+    if change == "heads apart":
+        k = torch.zeros(70, 80, 2, dtype=q.dtype).transpose(1, 2)
+    if change == "shape":
+        v = v[..., :40]
+    why = short_unserved_reason(q, k, v, 65 if change == "long" else 64)
+    assert why is not None and re.fullmatch(reason + ".*", why)
+
+
+def test_the_short_segment_kernel_refuses_cpu_tensors_without_importing_triton():
+    short = ShortSegmentAttention()
+    q, k, v = _adapter_layout()
+    offsets = torch.tensor([0, 64, 70], dtype=torch.int32)
+    assert short(q, k, v, offsets, 64, 80 ** -0.5) is None
+    assert short._kernel is None and short.state == {"compiled": 0, "refused": {}}
+
+
+def test_varlen_keeps_flash_varlen_in_window_layers():
+    choice = AttentionChoice("varlen")
+    assert choice.short is None and choice.short_off == "attention='varlen'"
+    choice.prepare(256, 2, 80, 80 ** -0.5, one_segment=False, device=CPU, dtype=torch.bfloat16,
+                   varlen=None, windows=(64, 20))
+    assert choice.window_by_rows == {256: "varlen"} and choice.window_kernel(256) is None
+
+
+def test_without_triton_window_layers_run_flash_varlen_and_say_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)
+    choice = AttentionChoice(None)
+    assert choice.short is None and "triton is not importable" in choice.short_off
+    assert "triton is not importable" in choice.state["windows"]["short_off"]
+
+
+def test_window_kernel_is_timed_only_on_cuda_and_served_only_where_chosen(monkeypatch):
+    choice = AttentionChoice(None)
+    if choice.short is None:  # no Triton here: give it the object (it never runs on CPU)
+        choice.short = ShortSegmentAttention()
+    choice.prepare(256, 2, 80, 80 ** -0.5, one_segment=False, device=CPU, dtype=torch.bfloat16,
+                   varlen=lambda *a: None, windows=(64, 20))
+    assert choice.window_by_rows == {256: "varlen"} and choice.window_timings == {}
+    assert choice.window_kernel(256) is None and choice.window_kernel(512) is None
+    choice.window_by_rows[512] = "short"  # as a timing on CUDA would record it
+    assert choice.window_kernel(512) is choice.short
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert choice.window_kernel(512) is None  # one trace serves every budget: flash varlen
+    state = choice.state["windows"]
+    assert state["by_rows"] == {256: "varlen", 512: "short"} and state["timings_ms"] == {}
+
+
+def test_a_tower_without_windows_chooses_no_window_kernel():
+    choice = AttentionChoice(None)
+    choice.prepare(256, 2, 80, 80 ** -0.5, one_segment=True, device=CPU, dtype=torch.bfloat16,
+                   varlen=None)
+    assert choice.window_by_rows == {} and choice.by_rows == {256: "varlen"}

@@ -703,3 +703,24 @@ def test_epilogue_fusion_off_reaches_the_adapter_through_serve(towers):
     assert off.manager.options.epilogue_fusion == "off"
     with pytest.raises(InvalidOptionError, match="epilogue_fusion='never'"):
         adapt(hf, epilogue_fusion="never")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5"])
+def test_capture_asks_for_a_window_kernel_only_for_towers_with_windows(towers, family,
+                                                                        monkeypatch):
+    """Each budget's capture hands the attention choice its window layout (rows of a full
+    window, window slots) where the tower has window layers, so their kernel is timed on it."""
+    _, adapter = towers[family]
+    asked = []
+    monkeypatch.setattr(adapter.attention, "_choose_window_kernel",
+                        lambda rows, *args: asked.append((rows, args[3])) or "varlen")
+    static = adapter.prepare_encoder_cudagraph_capture_inputs(16, 2, 2, torch.device("cpu"),
+                                                               torch.float32)
+    rows = static["pixel_values"].shape[0]
+    if family == "qwen2":
+        assert asked == [] and rows not in adapter.attention.window_by_rows
+    else:
+        window_rows = adapter.layout.window_rows
+        assert window_rows == 16  # 2 x 2 merged tokens of 4 rows
+        assert asked == [(rows, (window_rows, adapter.packer.captured_slots[16].windows))]
+        assert adapter.attention.window_by_rows[rows] == "varlen"

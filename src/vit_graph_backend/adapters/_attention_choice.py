@@ -33,6 +33,14 @@ there), flash varlen otherwise: the default
 when the adapter is built without it), ``"varlen"`` keeps flash varlen, and ``"auto"`` and
 ``"dense"`` compare dense attention with whichever segment kernel serves.
 
+Window layers (Qwen2.5-VL: segments of at most 64 rows) have two kernels of the same inputs and
+outputs: flash varlen and the short-segment Triton kernel (``_short_attention``, about twice as
+fast at the 3B tower's shapes on an H100). For each budget of a tower with windows,
+:meth:`AttentionChoice.prepare` times both on the budget's window layout (full windows, the
+graph's empty slots and padding chunks), checks that they agree, and keeps the faster
+(``window_by_rows``); ``attention="varlen"`` keeps flash varlen there too, and so does a process
+without Triton.
+
 ``"auto"`` is opt-in: once the widening moved into the rotary
 kernel and the timing left it out, ``"auto"`` chose dense attention for the small budgets of the
 Qwen2.5-VL-3B ladder, timed 20 to 45 % faster there, yet that single-image stream ran 8 %
@@ -54,6 +62,7 @@ import torch
 from ..errors import InvalidOptionError, MissingDependencyError
 from ._cudnn_attention import RaggedAttention, cudnn_frontend_reason
 from ._packed_attention import Segments, dense_sdpa, varlen_attention, widen_for_dense
+from ._short_attention import ShortSegmentAttention, triton_reason
 
 __all__ = ["ATTENTION_SETTINGS", "AttentionChoice"]
 
@@ -87,6 +96,29 @@ def _median_ms(fn: Callable[[], Any], reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def _graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
+    """GPU ms per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (median of
+    ``reps`` replays): the kernels' time as the budget's graph will run them, without the host's
+    launch time, which for a small budget's window layer is ten times the kernel's (0.07 to
+    0.15 ms against 7 to 12 us on an H100, ``benchmarks/results/window_attention_*``)."""
+    fn()  # outside the capture: first-call setup (Triton's compile, lazy modules)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 class AttentionChoice:
     """The ``attention`` setting of one adapter and the kernel chosen for each budget.
 
@@ -96,6 +128,9 @@ class AttentionChoice:
             error without the library), ``"varlen"`` (flash varlen always), ``"auto"`` (measure
             dense against segment attention per one-segment budget at capture, on CUDA) or
             ``"dense"`` (dense SDPA wherever a budget holds one real segment, on any device).
+            Window layers: every setting but ``"varlen"`` times the short-segment kernel
+            against flash varlen per budget on CUDA (module docstring); ``"varlen"`` keeps
+            flash varlen.
 
     Raises:
         InvalidOptionError: for another value.
@@ -122,12 +157,26 @@ class AttentionChoice:
         self.by_rows: dict[int, str] = {}
         #: static row count -> measured ms per kernel (``auto`` only), for reports
         self.timings: dict[int, dict[str, float]] = {}
+        #: why window layers never run the short-segment kernel (``None``: measured per budget)
+        self.short_off = "attention='varlen'" if setting == "varlen" else triton_reason()
+        #: the short-segment kernel for window layers, or ``None`` (flash varlen serves)
+        self.short = ShortSegmentAttention() if self.short_off is None else None
+        #: static row count -> window layers' kernel ("short" or "varlen")
+        self.window_by_rows: dict[int, str] = {}
+        #: static row count -> the window kernels' measured ms, for reports
+        self.window_timings: dict[int, dict[str, float]] = {}
 
     def prepare(self, rows: int, heads: int, head_dim: int, scale: float, *, one_segment: bool,
                 device: torch.device, dtype: torch.dtype,
-                varlen: Callable[..., Any] | None) -> str:
+                varlen: Callable[..., Any] | None,
+                windows: tuple[int, int] | None = None) -> str:
         """Choose the full-attention kernel of the budget whose static buffers have ``rows``
-        rows (called before its capture); returns ``"dense"`` or ``"varlen"``."""
+        rows (called before its capture); returns ``"dense"`` or ``"varlen"``. ``windows``:
+        ``(rows of a full window, window segment slots)`` of a tower with window layers, whose
+        kernel is then chosen too (:meth:`window_kernel`)."""
+        if windows is not None:
+            self.window_by_rows[rows] = self._choose_window_kernel(
+                rows, heads, head_dim, scale, windows, device, dtype, varlen)
         choice = "varlen"
         if one_segment and self.setting == "dense":  # any device: the CPU tests run it too
             choice = "dense"
@@ -141,6 +190,14 @@ class AttentionChoice:
         """cuDNN's ragged attention for a graph's full attention, or ``None`` (flash varlen):
         never while an inner compiler traces (the frontend's call is opaque to it)."""
         return None if torch.compiler.is_compiling() else self.ragged
+
+    def window_kernel(self, rows: int) -> ShortSegmentAttention | None:
+        """The short-segment kernel where it was chosen for the budget of ``rows`` static rows,
+        else ``None`` (flash varlen). Never while an inner compiler traces (one trace serves
+        every budget, and the kernel's call is opaque to it)."""
+        if torch.compiler.is_compiling() or self.window_by_rows.get(rows) != "short":
+            return None
+        return self.short
 
     def dense(self, rows: int) -> bool:
         """True if the budget of ``rows`` static rows runs dense attention. Never while an inner
@@ -156,7 +213,61 @@ class AttentionChoice:
                 "cudnn_off": self.cudnn_off,
                 "cudnn": self.ragged.state if self.ragged is not None else None,
                 "by_rows": dict(sorted(self.by_rows.items())),
-                "timings_ms": dict(sorted(self.timings.items()))}
+                "timings_ms": dict(sorted(self.timings.items())),
+                "windows": {"short_off": self.short_off,
+                            "short": self.short.state if self.short is not None else None,
+                            "by_rows": dict(sorted(self.window_by_rows.items())),
+                            "timings_ms": dict(sorted(self.window_timings.items()))}}
+
+    def _choose_window_kernel(self, rows: int, heads: int, head_dim: int, scale: float,
+                              windows: tuple[int, int], device: torch.device,
+                              dtype: torch.dtype, varlen: Callable[..., Any] | None) -> str:
+        """Time the short-segment kernel against flash varlen on the budget's window layout
+        (full windows over every row, then the slots left empty and the padding chunks the
+        graph adds: ``_qwen_packing.QwenPacker.segments``), each replayed from a CUDA graph."""
+        window, slots = windows
+        if (self.short is None or varlen is None or torch.device(device).type != "cuda"
+                or window < 1):
+            return "varlen"
+        full, rest = divmod(rows, window)
+        lengths = [window] * full + ([rest] if rest else [])
+        count = slots + rows // window + 2  # the graph's slot count (at least)
+        lengths += [0] * max(0, count - len(lengths))
+        offsets = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offsets = offsets.to(device)
+        gen = torch.Generator(device=device).manual_seed(rows)
+        q, k, v = (torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen)
+                   for _ in range(3))
+        short = self.short
+
+        def run_short() -> torch.Tensor | None:
+            return short(q, k, v, offsets, window, scale)
+
+        def run_flash() -> torch.Tensor:
+            return varlen(q, k, v, offsets, offsets, window, window)
+
+        try:
+            with torch.no_grad():
+                first = run_short()
+                if first is None:  # refused (reason in its state) or cannot serve these shapes
+                    return "varlen"
+                diff = (first.float() - run_flash().float()).abs().max().item()
+                ms = {"varlen": _graph_ms(run_flash), "short": _graph_ms(run_short)}
+        except Exception as exc:  # flash varlen refuses the shapes: the graph will say so
+            log.warning("vitgraph: window attention not timed for %d rows (%s: %s); flash "
+                        "varlen serves the windows", rows, type(exc).__name__,
+                        str(exc).split("\n")[0])
+            return "varlen"
+        self.window_timings[rows] = {key: round(value, 4) for key, value in ms.items()}
+        if not diff <= _AGREE:  # also NaN
+            log.warning("vitgraph: the short-segment kernel disagrees with flash varlen for %d "
+                        "rows (max abs difference %.3g); flash varlen serves the windows", rows,
+                        diff)
+            return "varlen"
+        choice = "short" if ms["short"] < ms["varlen"] else "varlen"
+        log.info("vitgraph: %d rows, window attention: %s (flash varlen %.3f ms, short-segment "
+                 "kernel %.3f ms)", rows, choice, ms["varlen"], ms["short"])
+        return choice
 
     def _measure(self, rows: int, heads: int, head_dim: int, scale: float,
                  device: torch.device, dtype: torch.dtype, varlen: Callable[..., Any]) -> str:

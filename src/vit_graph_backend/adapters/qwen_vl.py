@@ -79,11 +79,12 @@ class _QwenVisionAdapter(nn.Module):
         attention: the attention kernels of the graphs (see ``_attention_choice``): ``None``
             (default) runs full attention through cuDNN's ragged kernel where
             ``nvidia-cudnn-frontend`` is installed (``pip install 'vit-graph-backend[cudnn]'``;
-            1.5 to 2x faster than flash varlen on an H100; window layers stay on flash varlen),
-            else flash varlen; ``"cudnn"`` the same, refused at construction without the
-            library; ``"varlen"`` flash varlen always. For budgets whose batches hold one
-            single-frame item, ``"auto"`` times
-            segment attention against dense SDPA before the budget's capture and keeps the
+            1.5 to 2x faster than flash varlen on an H100), else flash varlen, and window
+            layers through a short-segment Triton kernel where it is timed faster than flash
+            varlen for the budget (about 2x on an H100); ``"cudnn"`` the same, refused at
+            construction without the library; ``"varlen"`` flash varlen always. For budgets
+            whose batches hold one single-frame item, ``"auto"`` times segment attention
+            against dense SDPA before the budget's capture and keeps the
             faster, and ``"dense"`` always takes dense SDPA there (the fastest where budgets
             fit the images exactly). Eager calls run flash varlen. ``attention_state``
             reports the choices.
@@ -178,10 +179,12 @@ class _QwenVisionAdapter(nn.Module):
         values = self.packer.capture_values(budget, max_batch_size, max_frames_per_batch, device,
                                             dtype)
         attn = self.tower.blocks[0].attn
+        slots = self.packer.captured_slots[budget]
+        windows = (self.layout.window_rows, slots.windows) if self.layout.window else None
         self.attention.prepare(
             values["pixel_values"].shape[0], attn.num_heads, attn.head_dim, attn.scaling,
-            one_segment=self.packer.captured_slots[budget].frames == 1, device=device,
-            dtype=values["pixel_values"].dtype, varlen=self._varlen)
+            one_segment=slots.frames == 1, device=device, dtype=values["pixel_values"].dtype,
+            varlen=self._varlen, windows=windows)
         return values
 
     def prepare_encoder_cudagraph_replay_buffers(
@@ -255,11 +258,12 @@ class _QwenVisionAdapter(nn.Module):
     @property
     def attention_state(self) -> dict[str, Any]:
         """The ``attention`` setting, the kernel of the graphs' full attention over segments
-        (``"cudnn"`` or ``"flash varlen"``, with why cuDNN is off and the shapes it refused;
-        window layers always run flash varlen) and the full-attention
-        kernel chosen for each captured budget (by its static row count), with the timings
-        ``"auto"`` measured. Under ``inner_compiler="inductor"`` the compute is traced once for
-        every budget and always runs flash varlen, whatever is recorded here."""
+        (``"cudnn"`` or ``"flash varlen"``, with why cuDNN is off and the shapes it refused),
+        the full-attention kernel chosen for each captured budget (by its static row count),
+        with the timings ``"auto"`` measured, and under ``"windows"`` the window layers' kernel
+        per budget (``"short"`` or ``"varlen"``) with its timings. Under
+        ``inner_compiler="inductor"`` the compute is traced once for every budget and always
+        runs flash varlen, whatever is recorded here."""
         return self.attention.state
 
     @property
@@ -281,10 +285,12 @@ class _QwenVisionAdapter(nn.Module):
         # q and k rotated together: half the launches of rotating them one by one
         q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
         v = qkv[:, 2]
-        # full attention tries cuDNN in graphs; window layers stay on flash varlen, where cuDNN
-        # is slower (``_cudnn_attention``)
-        out = packed_attention(q, k, v, segments, attn.scaling, self._varlen,
-                               self.attention.graph_kernel() if full else None)
+        # in graphs, full attention tries cuDNN and window layers the short-segment kernel
+        # where it was timed faster for this budget (``_attention_choice``); cuDNN is slower
+        # than flash varlen on windows (``_cudnn_attention``)
+        kernel = (self.attention.graph_kernel() if full
+                  else self.attention.window_kernel(rows))
+        out = packed_attention(q, k, v, segments, attn.scaling, self._varlen, kernel)
         return attn.proj(out.reshape(rows, -1))
 
     def _run(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None) -> Any:

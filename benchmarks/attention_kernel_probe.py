@@ -1,0 +1,256 @@
+"""Attention kernels at the packed towers' shapes, two questions in one run.
+
+1. **Window layers** (Qwen2.5-VL: windows of at most 64 rows, the graph's segment slots mostly
+   empty): flash varlen, which the graphs run today, against a Triton kernel that attends one
+   short segment per program (``window_triton``, defined here for the probe).
+2. **cuDNN's other execution plans** for the full-attention layers (head sizes 72 and 80, which
+   the heuristic's first plan runs in a 128-wide kernel): every plan the frontend offers, timed.
+
+Each window case checks both kernels against a float32 per-segment reference and times CUDA
+graph replays (10 calls per graph, median of 20 replays). Usage:
+``python benchmarks/attention_kernel_probe.py``; text to stdout and $OUT.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from _bench_out import emit
+
+
+@triton.jit
+def _window_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets, q_row, k_row, v_row, o_row, scale,
+                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    segment = tl.program_id(0)
+    head = tl.program_id(1)
+    start = tl.load(offsets + segment)
+    count = tl.load(offsets + segment + 1) - start
+    if count > 0:
+        rows = tl.arange(0, BLOCK)
+        cols = tl.arange(0, WIDTH)
+        live = rows < count
+        mask = live[:, None] & (cols[None, :] < HEAD_DIM)
+        at = (start + rows).to(tl.int64)[:, None]
+        col = head * HEAD_DIM + cols[None, :]
+        q = tl.load(q_ptr + at * q_row + col, mask=mask, other=0.0)
+        k = tl.load(k_ptr + at * k_row + col, mask=mask, other=0.0)
+        v = tl.load(v_ptr + at * v_row + col, mask=mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        top = tl.max(scores, 1)
+        p = tl.exp2(scores - top[:, None])
+        total = tl.sum(p, 1)
+        out = tl.dot(p.to(v.dtype), v) / total[:, None]
+        tl.store(o_ptr + at * o_row + col, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def window_triton(q, k, v, offsets, max_len, scale, warps=4, stages=1):
+    rows, heads, dim = q.shape
+    for x in (q, k, v):
+        assert x.stride(2) == 1 and x.stride(1) == dim
+    out = torch.empty(rows, heads, dim, device=q.device, dtype=q.dtype)
+    block = max(16, triton.next_power_of_2(max_len))
+    width = max(16, triton.next_power_of_2(dim))
+    _window_kernel[(offsets.numel() - 1, heads)](
+        q, k, v, out, offsets, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
+        HEAD_DIM=dim, BLOCK=block, WIDTH=width, num_warps=warps, num_stages=stages)
+    return out
+
+
+def flash(q, k, v, offsets, max_len, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, offsets, offsets, max_len, max_len)
+
+
+def reference(q, k, v, lengths, scale):
+    out, start = torch.zeros(q.shape, dtype=torch.float32, device=q.device), 0
+    for n in lengths:
+        if n:
+            qs, ks, vs = (x[start:start + n].float().transpose(0, 1) for x in (q, k, v))
+            out[start:start + n] = F.scaled_dot_product_attention(
+                qs, ks, vs, scale=scale).transpose(0, 1)
+        start += n
+    return out
+
+
+def graph_ms(fn, calls=10, reps=20):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def window_lengths(grid_h, grid_w, window=8):
+    """Qwen2.5-VL window segment lengths (rows) of one image of ``grid_h x grid_w`` patches."""
+    lengths = []
+    for top in range(0, grid_h, window):
+        for left in range(0, grid_w, window):
+            lengths.append(min(window, grid_h - top) * min(window, grid_w - left))
+    return lengths
+
+
+def window_case(rows, lengths):
+    """The graph's window segments: real windows, empty slots up to the slot bound, then the
+    padding rows in 64-row chunks (``_qwen_packing.segments``)."""
+    tokens = rows // 4
+    slots = min(tokens, (tokens + 3) // 4)
+    segs = lengths + [0] * (slots - len(lengths))
+    used = sum(lengths)
+    chunks = -(-rows // 64) + 1
+    ends = [min(used + 64 * (i + 1), rows) for i in range(chunks)]
+    pads = [b - a for a, b in zip([used] + ends[:-1], ends)]
+    return segs + pads
+
+
+def run_windows(lines):
+    dev, dtype, heads, dim = "cuda", torch.bfloat16, 16, 80
+    scale = dim ** -0.5
+    rng = random.Random(0)
+    odd = [rng.choice([0, 1, 7, 16, 33, 48, 63, 64]) for _ in range(120)]
+    cases = {"16384 rows (128 x 128 patches)": (16384, window_lengths(128, 128)),
+             "4096 rows (64 x 64)": (4096, window_lengths(64, 64)),
+             "1024 rows (32 x 32)": (1024, window_lengths(32, 32)),
+             "6020 rows (70 x 86, partial windows)": (6020, window_lengths(70, 86)),
+             "odd lengths 0..64": (sum(odd) + 100, odd)}
+    lines.append("== window attention (Qwen2.5-VL-3B: 16 heads of 80), bf16; ms per call")
+    lines.append(f"{'case':38s} {'slots':>6s} {'flash':>8s} {'triton w4':>10s} {'w8':>8s} "
+                 f"{'err flash':>10s} {'err triton':>10s}")
+    for name, (rows, lengths) in cases.items():
+        segs = window_case(rows, lengths)
+        offsets = F.pad(torch.tensor(segs, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                        (1, 0)).to(dev)
+        assert int(offsets[-1]) == rows
+        gen = torch.Generator(device=dev).manual_seed(rows)
+        qkv = torch.randn(rows, 3, heads, dim, device=dev, dtype=dtype, generator=gen)
+        qk = qkv[:, :2].contiguous()  # the rotary kernel's output layout
+        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+        ref = reference(q, k, v, segs, scale)
+        err_f = (flash(q, k, v, offsets, 64, scale).float() - ref).abs().max().item()
+        err_t = (window_triton(q, k, v, offsets, 64, scale).float() - ref).abs().max().item()
+        ms_f = graph_ms(lambda: flash(q, k, v, offsets, 64, scale))
+        ms_t4 = graph_ms(lambda: window_triton(q, k, v, offsets, 64, scale, 4))
+        ms_t8 = graph_ms(lambda: window_triton(q, k, v, offsets, 64, scale, 8))
+        lines.append(f"{name:38s} {len(segs):6d} {ms_f:8.4f} {ms_t4:10.4f} {ms_t8:8.4f} "
+                     f"{err_f:10.2e} {err_t:10.2e}")
+        print(lines[-1], flush=True)
+
+
+def run_cudnn_plans(lines):
+    try:
+        import cudnn
+    except Exception as exc:  # noqa: BLE001 - the probe reports and goes on
+        lines.append(f"== cuDNN plans: frontend not importable ({exc})")
+        return
+    dev, dtype = "cuda", torch.bfloat16
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    cases = {"qwen2.5 full 16384 rows, d80": (16384, 16, 80, [16384]),
+             "qwen2.5 full 4096 rows, d80": (4096, 16, 80, [4096]),
+             "qwen3-8b full 6724 rows, d72": (6728, 16, 72, [6724, 4])}
+    for name, (rows, heads, dim, lengths) in cases.items():
+        scale = dim ** -0.5
+        slots = len(lengths)
+        max_len = max(lengths)
+        qkv = torch.randn(rows, 3, heads, dim, device=dev, dtype=dtype)
+        qk = qkv[:, :2].contiguous()
+        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+        offsets = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                        (1, 0)).to(dev)
+        io = cudnn.data_type.BFLOAT16
+        graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        index = dict(stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        seq = graph.tensor(name="seq", dim=[slots, 1, 1, 1], **index)
+        dims = [slots, heads, max_len, dim]
+        descs, ragged, feeds = [], {}, {}
+        for tname, x in zip("qkv", (q, k, v)):
+            row = x.stride(0)
+            if row not in ragged:
+                ragged[row] = graph.tensor(name=f"r{row}", dim=[slots + 1, 1, 1, 1], **index)
+                feeds[ragged[row]] = (offsets * row).view(-1, 1, 1, 1)
+            d = graph.tensor(name=tname, dim=dims, stride=[max_len * row, x.stride(1), row, 1],
+                             data_type=io)
+            d.set_ragged_offset(ragged[row])
+            descs.append(d)
+            feeds[d] = x
+        out, _ = graph.sdpa(name="sdpa", q=descs[0], k=descs[1], v=descs[2],
+                            generate_stats=False, attn_scale=scale, use_padding_mask=True,
+                            seq_len_q=seq, seq_len_kv=seq)
+        orow = heads * dim
+        out.set_output(True).set_dim(dims).set_stride([max_len * orow, dim, orow, 1])
+        if orow not in ragged:
+            ragged[orow] = graph.tensor(name=f"r{orow}", dim=[slots + 1, 1, 1, 1], **index)
+            feeds[ragged[orow]] = (offsets * orow).view(-1, 1, 1, 1)
+        out.set_ragged_offset(ragged[orow])
+        o = torch.empty(rows, heads, dim, device=dev, dtype=dtype)
+        feeds[out] = o
+        feeds[seq] = (offsets[1:] - offsets[:-1]).view(-1, 1, 1, 1)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B,
+                                      cudnn.heur_mode.FALLBACK])
+        count = graph.get_execution_plan_count()
+        flops = sum(4 * n * n * dim * heads for n in lengths)
+        ref = reference(q, k, v, lengths, scale)
+        lines.append(f"== cuDNN plans, {name}: {count} offered")
+        for i in range(count):
+            try:
+                graph.build_plan_at_index(i)
+                ws = torch.empty(max(1, graph.get_workspace_size_plan_at_index(i)), device=dev,
+                                 dtype=torch.uint8)
+                graph.execute_plan_at_index(feeds, ws, index=i, handle=handle)
+                torch.cuda.synchronize()
+                err = (o.float()[:lengths[0]] - ref[:lengths[0]]).abs().max().item()
+                times = []
+                for _ in range(10):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                        enable_timing=True)
+                    s.record()
+                    for _ in range(5):
+                        graph.execute_plan_at_index(feeds, ws, index=i, handle=handle)
+                    e.record()
+                    e.synchronize()
+                    times.append(s.elapsed_time(e) / 5)
+                ms = statistics.median(times)
+                plan = graph.get_plan_name_at_index(i)
+                lines.append(f"  {i:2d} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
+                             f"err {err:.1e}  {plan}")
+            except Exception as exc:  # noqa: BLE001 - a plan that does not build or run
+                lines.append(f"  {i:2d} refused: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}"[:160])
+            print(lines[-1], flush=True)
+
+
+def main():
+    props = torch.cuda.get_device_properties(0)
+    lines = [f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}"]
+    print(lines[0], flush=True)
+    run_windows(lines)
+    run_cudnn_plans(lines)
+    emit(lines, "attention_kernel_probe", echo=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The short-segment attention kernel (``adapters/_short_attention.py``) on CUDA: against a
+float32 per-segment reference on the window layers' layout (q and k views of one buffer, v of
+another, empty slots, segments of 0 to 64 rows), inside a captured CUDA graph whose offsets change
+between replays, the per-budget timing against flash varlen, and served Qwen2.5-VL towers whose
+window layers run it, against HF and against flash varlen."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vit_graph_backend.adapters._attention_choice import AttentionChoice
+from vit_graph_backend.adapters._short_attention import ShortSegmentAttention, triton_reason
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(triton_reason() is not None, reason=f"{triton_reason()}")]
+
+DEV = "cuda"
+
+
+def _layout(rows, heads, dim, dtype, gen):
+    qk = torch.randn(rows, 2, heads, dim, device=DEV, dtype=dtype, generator=gen)
+    qkv = torch.randn(rows, 3, heads, dim, device=DEV, dtype=dtype, generator=gen)
+    return qk[:, 0], qk[:, 1], qkv[:, 2]
+
+
+def _offsets(lengths):
+    ends = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return F.pad(ends, (1, 0)).to(DEV)
+
+
+def _reference(q, k, v, lengths, scale):
+    out, start = torch.zeros(q.shape, device=DEV), 0
+    for n in lengths:
+        if n:
+            qs, ks, vs = (x[start:start + n].float().transpose(0, 1) for x in (q, k, v))
+            out[start:start + n] = F.scaled_dot_product_attention(
+                qs, ks, vs, scale=scale).transpose(0, 1)
+        start += n
+    return out
+
+
+def _shuffled(lengths, seed, moves=200):
+    """``lengths`` with rows moved between segments at random: same total, each 0 to 64."""
+    rng, lengths = random.Random(seed), list(lengths)
+    for _ in range(moves):
+        i, j = rng.randrange(len(lengths)), rng.randrange(len(lengths))
+        amount = rng.randint(0, min(lengths[i], 64 - lengths[j]))
+        lengths[i] -= amount
+        lengths[j] += amount
+    return lengths
+
+
+def _lengths(seed, count=40):
+    rng = random.Random(seed)
+    return [rng.choice([0, 0, 1, 2, 15, 16, 17, 33, 63, 64, 64]) for _ in range(count)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "dim"), [(16, 80), (16, 72), (2, 32), (3, 40), (4, 128)])
+@torch.no_grad()
+def test_matches_a_float32_reference_on_the_window_layout(heads, dim, dtype):
+    lengths = _lengths(dim)
+    rows = sum(lengths)
+    gen = torch.Generator(device=DEV).manual_seed(dim)
+    q, k, v = _layout(rows, heads, dim, dtype, gen)
+    short = ShortSegmentAttention()
+    out = short(q, k, v, _offsets(lengths), 64, dim ** -0.5)
+    assert out is not None, short.state
+    ref = _reference(q, k, v, lengths, dim ** -0.5)
+    err = (out.float() - ref).abs().max().item()
+    from torch.nn.attention.varlen import varlen_attn
+    off = _offsets(lengths)
+    flash_err = (varlen_attn(q, k, v, off, off, 64, 64).float() - ref).abs().max().item()
+    print(f"short-segment kernel, {heads} heads of {dim}, {dtype}: max abs error vs float32 "
+          f"{err:.3g} (flash varlen {flash_err:.3g})")
+    assert out.shape == q.shape and out.is_contiguous()
+    assert torch.isfinite(out).all() and err < 2e-2 and err <= 2 * flash_err + 1e-3
+    assert short.state == {"compiled": 1, "refused": {}}
+
+
+@torch.no_grad()
+def test_a_captured_graph_follows_new_offsets_at_every_replay():
+    """Compiled by a call outside the capture, captured once, then replayed with other segment
+    lengths written into the same offset buffer: each replay equals the reference."""
+    heads, dim, rows = 4, 80, 64 * 30
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    q, k, v = _layout(rows, heads, dim, torch.bfloat16, gen)
+    offsets = _offsets([64] * 30 + [0] * 10)
+    short = ShortSegmentAttention()
+    assert short(q, k, v, offsets, 64, dim ** -0.5) is not None  # the warm-up compiles it
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = short(q, k, v, offsets, 64, dim ** -0.5)
+    assert out is not None
+    for seed in range(3):
+        lengths = _shuffled([64] * 30 + [0] * 10, seed)
+        offsets.copy_(_offsets(lengths))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = (out.float() - _reference(q, k, v, lengths, dim ** -0.5)).abs().max().item()
+        assert err < 2e-2, (seed, err)
+
+
+@torch.no_grad()
+def test_a_shape_met_first_inside_a_capture_is_left_to_flash_varlen():
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    q, k, v = _layout(128, 2, 64, torch.bfloat16, gen)
+    offsets = _offsets([64, 64])
+    short = ShortSegmentAttention()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = short(q, k, v, offsets, 64, 0.125)
+    assert out is None and short.state == {"compiled": 0, "refused": {}}
+
+
+@torch.no_grad()
+def test_the_window_kernel_is_timed_per_budget_and_kept_only_where_faster():
+    from torch.nn.attention.varlen import varlen_attn
+
+    choice = AttentionChoice(None)
+    for rows in (1024, 4096):
+        choice.prepare(rows, 16, 80, 80 ** -0.5, one_segment=False, device=torch.device(DEV),
+                       dtype=torch.bfloat16, varlen=varlen_attn, windows=(64, rows // 16))
+        ms = choice.window_timings[rows]
+        print(f"window layers, {rows} rows: {ms} -> {choice.window_by_rows[rows]}")
+        expected = "short" if ms["short"] < ms["varlen"] else "varlen"
+        assert choice.window_by_rows[rows] == expected
+        assert (choice.window_kernel(rows) is choice.short) == (expected == "short")
+    assert AttentionChoice("varlen").short is None
+
+
+@torch.no_grad()
+def test_served_qwen2_5_window_layers_match_hf_and_flash_varlen():
+    """A Qwen2.5-VL tower (heads of 32, 64-row windows) served with the default attention: each
+    budget's window kernel is timed at capture; outputs equal HF's and those of the same tower
+    served with ``attention="varlen"`` (flash varlen in every layer) within bf16 rounding."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    from vit_graph_backend import serve
+
+    torch.manual_seed(0)
+    tower = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
+        depth=4, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=96,
+        window_size=112, fullatt_block_indexes=[1, 3])).to(DEV, torch.bfloat16).eval()
+    default, flash = serve(tower, max_budget=512), serve(tower, max_budget=512,
+                                                         attention="varlen")
+    rng = random.Random(5)
+    worst_hf = worst_flash = 0.0
+    for _ in range(6):
+        grids = [[1, 2 * rng.randint(4, 16), 2 * rng.randint(4, 16)]
+                 for _ in range(rng.randint(1, 3))]
+        rows = sum(t * h * w for t, h, w in grids)
+        pv = torch.randn(rows, 3 * 2 * 14 * 14, device=DEV, dtype=torch.bfloat16)
+        grid = torch.tensor(grids, device=DEV)
+        got, ref, other = default(pv, grid), tower(pv, grid).pooler_output, flash(pv, grid)
+        scale = max(ref.float().abs().max().item(), 1.0)
+        worst_hf = max(worst_hf, (got.float() - ref.float()).abs().max().item() / scale)
+        worst_flash = max(worst_flash, (got.float() - other.float()).abs().max().item() / scale)
+    windows = default.encoder.attention_state["windows"]
+    print(f"served qwen2.5, window kernels {windows['by_rows']}, timings ms "
+          f"{windows['timings_ms']}; max relative error vs HF {worst_hf:.3g}, vs flash varlen "
+          f"{worst_flash:.3g}")
+    assert worst_hf < 5e-2 and worst_flash < 5e-2
+    assert len(windows["by_rows"]) == default.manager.num_graphs > 0
+    assert windows["timings_ms"].keys() == windows["by_rows"].keys()
+    assert flash.encoder.attention_state["windows"]["by_rows"] == {
+        rows: "varlen" for rows in windows["by_rows"]}
+    assert default.manager.stats.eager_items == 0
