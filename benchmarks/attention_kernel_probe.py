@@ -1,20 +1,24 @@
-"""Attention kernels at the packed towers' shapes, two questions in one run.
+"""Attention kernels at the packed towers' shapes, three questions in one run.
 
 1. **Window layers** (Qwen2.5-VL: windows of at most 64 rows, the graph's segment slots mostly
    empty): flash varlen, which the graphs run today, against a Triton kernel that attends one
    short segment per program (``window_triton``, defined here for the probe).
 2. **cuDNN's other execution plans** for the full-attention layers (head sizes 72 and 80, which
    the heuristic's first plan runs in a 128-wide kernel): every plan the frontend offers, timed.
+3. **The rotary embedding inside the window kernel**: a window layer's rotary kernel then
+   attention, against one prototype kernel (``window_triton_rotary``) that rotates q and k as it
+   loads them from the unrotated projection.
 
 Each window case checks both kernels against a float32 per-segment reference and times CUDA
 graph replays (10 calls per graph, median of 20 replays). Usage:
-``python benchmarks/attention_kernel_probe.py``; text to stdout and $OUT.
+``python benchmarks/attention_kernel_probe.py [windows] [rotary] [cudnn]``; text to stdout and $OUT.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +63,64 @@ def window_triton(q, k, v, offsets, max_len, scale, warps=4, stages=1):
     _window_kernel[(offsets.numel() - 1, heads)](
         q, k, v, out, offsets, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
         HEAD_DIM=dim, BLOCK=block, WIDTH=width, num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit
+def _rotary_window_kernel(qkv_ptr, o_ptr, offsets, qkv_row, o_row, cos_ptr, sin_ptr, table_row,
+                          scale_log2, HEADS_ALL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK: tl.constexpr, WIDTH: tl.constexpr, HALF_WIDTH: tl.constexpr,
+                          HEADS: tl.constexpr):
+    """``_window_kernel`` on the unrotated ``(rows, 3, heads, dim)`` projection, q and k rotated
+    as they are loaded (two contiguous half tiles each, float32 math, one rounding), ``HEADS``
+    heads per program sharing the program's table loads."""
+    segment = tl.program_id(0)
+    start = tl.load(offsets + segment)
+    count = tl.load(offsets + segment + 1) - start
+    if count > 0:
+        rows = tl.arange(0, BLOCK)
+        cols = tl.arange(0, WIDTH)
+        halves = tl.arange(0, HALF_WIDTH)[None, :]
+        live = rows < count
+        mask = live[:, None] & (cols[None, :] < HEAD_DIM)
+        half_mask = live[:, None] & (halves < HEAD_DIM // 2)
+        at = (start + rows).to(tl.int64)[:, None]
+        table = at * table_row
+        cos1 = tl.load(cos_ptr + table + halves, mask=half_mask, other=0.0)
+        cos2 = tl.load(cos_ptr + table + HEAD_DIM // 2 + halves, mask=half_mask, other=0.0)
+        sin1 = tl.load(sin_ptr + table + halves, mask=half_mask, other=0.0)
+        sin2 = tl.load(sin_ptr + table + HEAD_DIM // 2 + halves, mask=half_mask, other=0.0)
+        for step in tl.static_range(HEADS):
+            head = tl.program_id(1) * HEADS + step
+            base = qkv_ptr + at * qkv_row + head * HEAD_DIM
+            q1 = tl.load(base + halves, mask=half_mask, other=0.0)
+            q2 = tl.load(base + HEAD_DIM // 2 + halves, mask=half_mask, other=0.0)
+            k1 = tl.load(base + HEADS_ALL * HEAD_DIM + halves, mask=half_mask, other=0.0)
+            k2 = tl.load(base + HEADS_ALL * HEAD_DIM + HEAD_DIM // 2 + halves, mask=half_mask,
+                         other=0.0)
+            v = tl.load(base + 2 * HEADS_ALL * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+            a, b = q1.to(tl.float32), q2.to(tl.float32)
+            q1, q2 = (a * cos1 + b * sin1).to(v.dtype), (b * cos2 + a * sin2).to(v.dtype)
+            a, b = k1.to(tl.float32), k2.to(tl.float32)
+            k1, k2 = (a * cos1 + b * sin1).to(v.dtype), (b * cos2 + a * sin2).to(v.dtype)
+            scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+            scores = tl.where(live[None, :], scores * scale_log2, float("-inf"))
+            weights = tl.exp2(scores - tl.max(scores, 1)[:, None])
+            out = tl.dot(weights.to(v.dtype), v) / tl.sum(weights, 1)[:, None]
+            tl.store(o_ptr + at * o_row + head * HEAD_DIM + cols[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def window_triton_rotary(qkv, cos, sin, offsets, scale, heads_per_program=1):
+    rows, _, heads, dim = qkv.shape
+    assert qkv.stride(3) == 1 and qkv.stride(2) == dim and qkv.stride(1) == heads * dim
+    out = torch.empty(rows, heads, dim, device=qkv.device, dtype=qkv.dtype)
+    _rotary_window_kernel[(offsets.numel() - 1, heads // heads_per_program)](
+        qkv, out, offsets, qkv.stride(0), out.stride(0), cos, sin, cos.stride(0),
+        scale * 1.4426950408889634, HEADS_ALL=heads, HEAD_DIM=dim, BLOCK=64,
+        WIDTH=max(16, triton.next_power_of_2(dim)),
+        HALF_WIDTH=max(16, triton.next_power_of_2(dim // 2)), HEADS=heads_per_program,
+        num_warps=4, num_stages=1)
     return out
 
 
@@ -157,6 +219,51 @@ def run_windows(lines):
         print(lines[-1], flush=True)
 
 
+def run_rotary_windows(lines):
+    """A window layer's work after the qkv projection: the rotary embedding (Inductor-compiled
+    ``_fused.rotate_qk``, as the graphs run it) then attention (flash varlen, or the
+    short-segment kernel), against one kernel rotating q and k as it loads them
+    (``window_triton_rotary``, 1, 2 or 4 heads a program)."""
+    from vit_graph_backend.adapters._fused import rotate_qk
+
+    dev, dtype, heads, dim = "cuda", torch.bfloat16, 16, 80
+    scale = dim ** -0.5
+    rotate = torch.compile(rotate_qk, dynamic=False)
+    lines.append("== window layer with its rotary embedding (16 heads of 80), bf16; ms per call")
+    lines.append(f"{'case':38s} {'rot+flash':>10s} {'rot+short':>10s} {'fused 1h':>9s} "
+                 f"{'2h':>8s} {'4h':>8s} {'err fused vs rot+short':>24s}")
+    for name, (rows, lengths) in {"16384 rows (128 x 128 patches)":
+                                  (16384, window_lengths(128, 128)),
+                                  "4096 rows (64 x 64)": (4096, window_lengths(64, 64)),
+                                  "1024 rows (32 x 32)": (1024, window_lengths(32, 32))}.items():
+        segs = window_case(rows, lengths)
+        offsets = F.pad(torch.tensor(segs, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                        (1, 0)).to(dev)
+        gen = torch.Generator(device=dev).manual_seed(rows)
+        qkv = torch.randn(rows, 3, heads, dim, device=dev, dtype=dtype, generator=gen)
+        angle = torch.rand(rows, 1, dim, device=dev, generator=gen) * 6.3
+        cos, sin = angle.cos(), angle.sin()
+        sin[..., :dim // 2] *= -1  # signed, as the adapter passes it
+
+        def rot_flash():
+            q, k = rotate(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
+            return flash(q, k, qkv[:, 2], offsets, 64, scale)
+
+        def rot_short():
+            q, k = rotate(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
+            return window_triton(q, k, qkv[:, 2], offsets, 64, scale)
+
+        def fused(n):
+            return lambda: window_triton_rotary(qkv, cos.view(rows, dim), sin.view(rows, dim),
+                                                offsets, scale, n)
+
+        err = (fused(1)().float() - rot_short().float()).abs().max().item()
+        times = [graph_ms(fn) for fn in (rot_flash, rot_short, fused(1), fused(2), fused(4))]
+        lines.append(f"{name:38s} {times[0]:10.4f} {times[1]:10.4f} {times[2]:9.4f} "
+                     f"{times[3]:8.4f} {times[4]:8.4f} {err:24.2e}")
+        print(lines[-1], flush=True)
+
+
 def run_cudnn_plans(lines):
     try:
         import cudnn
@@ -247,8 +354,13 @@ def main():
     props = torch.cuda.get_device_properties(0)
     lines = [f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}"]
     print(lines[0], flush=True)
-    run_windows(lines)
-    run_cudnn_plans(lines)
+    parts = sys.argv[1:] or ["windows", "rotary", "cudnn"]
+    if "windows" in parts:
+        run_windows(lines)
+    if "rotary" in parts:
+        run_rotary_windows(lines)
+    if "cudnn" in parts:
+        run_cudnn_plans(lines)
     emit(lines, "attention_kernel_probe", echo=False)
 
 

@@ -171,6 +171,8 @@ def test_served_qwen2_5_window_layers_match_hf_and_flash_varlen():
     assert worst_hf < 5e-2 and worst_flash < 5e-2
     assert len(windows["by_rows"]) == default.manager.num_graphs > 0
     assert windows["timings_ms"].keys() == windows["by_rows"].keys()
+    for rows, ms in windows["timings_ms"].items():  # a kernel that disagrees is never kept
+        assert windows["by_rows"][rows] == ("short" if ms["short"] < ms["varlen"] else "varlen")
     assert flash.encoder.attention_state["windows"]["by_rows"] == {
         rows: "varlen" for rows in windows["by_rows"]}
     assert default.manager.stats.eager_items == 0
