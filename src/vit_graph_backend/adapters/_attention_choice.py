@@ -22,13 +22,13 @@ the budget's worst typical padding; a stream measured with the choice made at an
 padding instead put its largest images (40 % padding) in dense budgets, and its p99 rose from
 47.6 to 56.5 ms (``benchmarks/results/attention_choice_*``). ``attention="dense"`` suits budgets
 that fit the images exactly (a fixed image size with ``budgets=`` its token count);
-``"varlen"`` fixes flash varlen. Window attention (Qwen2.5-VL) always has many segments and
-stays on flash varlen.
+``"varlen"`` fixes flash varlen. Window attention (Qwen2.5-VL) always has many segments: its
+kernel is chosen apart (below).
 
 Full attention over segments (every budget) runs cuDNN's ragged kernel in the graphs where
 ``nvidia-cudnn-frontend`` is installed (``_cudnn_attention``: 1.5 to 2x flash varlen's speed in
-the Qwen2.5-VL-3B tower's full layers; its window layers stay on flash varlen, which is faster
-there), flash varlen otherwise: the default
+the Qwen2.5-VL-3B tower's full layers; in its window layers cuDNN is slower than flash varlen),
+flash varlen otherwise: the default
 (``attention=None``) takes cuDNN when the library imports, ``"cudnn"`` insists on it (an error
 when the adapter is built without it), ``"varlen"`` keeps flash varlen, and ``"auto"`` and
 ``"dense"`` compare dense attention with whichever segment kernel serves.
@@ -41,13 +41,15 @@ graph's empty slots and padding chunks), checks that they agree, and keeps the f
 (``window_by_rows``); ``attention="varlen"`` keeps flash varlen there too, and so does a process
 without Triton.
 
-``"auto"`` is opt-in: once the widening moved into the rotary
-kernel and the timing left it out, ``"auto"`` chose dense attention for the small budgets of the
-Qwen2.5-VL-3B ladder, timed 20 to 45 % faster there, yet that single-image stream ran 8 %
-slower than with flash varlen throughout (p50 8.80 against 8.04 ms on an H100,
-``attention_choice_single_image_streams_margin_*``). The timing in isolation misses what the
-dense path costs inside the graph; until it is measured in place, a per-budget choice that can
-lose is not a default.
+Every choice is timed from CUDA-graph replays (:func:`_graph_ms`). Timed as single launches, a
+small budget's kernels measured the host's launch time (0.05 to 0.16 ms against 0.01 to
+0.02 ms of GPU time on an H100), and ``"auto"`` chose dense attention for the small budgets of
+the Qwen2.5-VL-3B ladder where it did not pay: that single-image stream ran 8 % slower
+(``attention_choice_single_image_streams_margin_*``). Timed from graphs, ``"auto"`` keeps dense
+attention for the smallest budgets only and its streams run even with the default (p50 6.98
+against 7.08 ms for the 3B tower, p99 35.1 against 36.2 ms for a Qwen3-VL-8B-shaped one,
+``attention_choice_graph_timed_single_image_streams_default_vs_auto_*``), while its first pass
+also compiles the widened rotary kernel: no gain that would make it the default.
 """
 
 from __future__ import annotations
@@ -74,8 +76,7 @@ ATTENTION_SETTINGS = ("auto", "varlen", "dense", "cudnn")
 
 #: Dense attention is kept only when timed at least this much faster: its graph also widens q,
 #: k and v inside the rotary kernel, which the timing leaves out (0.08 ms a layer at 6,724 rows
-#: on an H100, a tenth of the attention there; ``packed_large_image_kernel_time_by_kind_*``), and
-#: sub-0.1 ms timings of small budgets wobble by more than that.
+#: on an H100, a tenth of the attention there; ``packed_large_image_kernel_time_by_kind_*``).
 _DENSE_MARGIN = 0.9
 
 #: Largest max-abs difference between the kernels on unit-variance bf16 inputs that counts as
@@ -83,28 +84,17 @@ _DENSE_MARGIN = 0.9
 _AGREE = 5e-2
 
 
-def _median_ms(fn: Callable[[], Any], reps: int = 5) -> float:
-    fn()  # warm-up: first-call setup (cuDNN plans, lazy modules) is not the kernel's time
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     """GPU ms per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (median of
-    ``reps`` replays): the kernels' time as the budget's graph will run them, without the host's
-    launch time, which for a small budget's window layer is ten times the kernel's (0.07 to
-    0.15 ms against 7 to 12 us on an H100, ``benchmarks/results/window_attention_*``)."""
+    ``reps`` replays): the kernels' time as the budget's graph will run them. A single launch
+    timed with events measures the host's launch time instead wherever the kernels are short: a
+    small budget's window layer timed 0.07 to 0.15 ms so against 4 to 12 us from a graph on an
+    H100 (``benchmarks/results/window_attention_*``), and full attention likewise."""
     fn()  # outside the capture: first-call setup (Triton's compile, lazy modules)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread-local: another thread's allocations during this capture stay legal
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(calls):
             fn()
     graph.replay()
@@ -292,7 +282,7 @@ class AttentionChoice:
         try:
             with torch.no_grad():
                 diff = (flash()[:real].float() - dense()[:real].float()).abs().max().item()
-                ms = {"varlen": _median_ms(flash), "dense": _median_ms(dense)}
+                ms = {"varlen": _graph_ms(flash), "dense": _graph_ms(dense)}
         except Exception as exc:  # a kernel that refuses these shapes: flash varlen serves
             log.warning("vitgraph: dense attention unavailable for %d rows (%s: %s); segment "
                         "attention serves", rows, type(exc).__name__, str(exc).split("\n")[0])
