@@ -1,8 +1,8 @@
 """Attention kernels at the packed towers' shapes, three questions in one run.
 
 1. **Window layers** (Qwen2.5-VL: windows of at most 64 rows, the graph's segment slots mostly
-   empty): flash varlen, which the graphs run today, against a Triton kernel that attends one
-   short segment per program (``window_triton``, defined here for the probe).
+   empty): flash varlen against the package's short-segment Triton kernel, which attends one
+   short segment per program (``adapters/_short_attention_kernel.py``), with 4 and 8 warps.
 2. **cuDNN's other execution plans** for the full-attention layers (head sizes 72 and 80, which
    the heuristic's first plan runs in a 128-wide kernel): every plan the frontend offers, timed.
 3. **The rotary embedding inside the window kernel**: a window layer's rotary kernel then
@@ -26,44 +26,14 @@ import triton
 import triton.language as tl
 from _bench_out import emit
 
-
-@triton.jit
-def _window_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets, q_row, k_row, v_row, o_row, scale,
-                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-    segment = tl.program_id(0)
-    head = tl.program_id(1)
-    start = tl.load(offsets + segment)
-    count = tl.load(offsets + segment + 1) - start
-    if count > 0:
-        rows = tl.arange(0, BLOCK)
-        cols = tl.arange(0, WIDTH)
-        live = rows < count
-        mask = live[:, None] & (cols[None, :] < HEAD_DIM)
-        at = (start + rows).to(tl.int64)[:, None]
-        col = head * HEAD_DIM + cols[None, :]
-        q = tl.load(q_ptr + at * q_row + col, mask=mask, other=0.0)
-        k = tl.load(k_ptr + at * k_row + col, mask=mask, other=0.0)
-        v = tl.load(v_ptr + at * v_row + col, mask=mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)
-        scores = tl.where(live[None, :], scores, float("-inf"))
-        top = tl.max(scores, 1)
-        p = tl.exp2(scores - top[:, None])
-        total = tl.sum(p, 1)
-        out = tl.dot(p.to(v.dtype), v) / total[:, None]
-        tl.store(o_ptr + at * o_row + col, out.to(o_ptr.dtype.element_ty), mask=mask)
+from vit_graph_backend.adapters._attention_choice import _graph_ms
+from vit_graph_backend.adapters._short_attention_kernel import attend
 
 
-def window_triton(q, k, v, offsets, max_len, scale, warps=4, stages=1):
-    rows, heads, dim = q.shape
-    for x in (q, k, v):
-        assert x.stride(2) == 1 and x.stride(1) == dim
-    out = torch.empty(rows, heads, dim, device=q.device, dtype=q.dtype)
+def window_triton(q, k, v, offsets, max_len, scale, warps=4):
+    """The package's short-segment kernel (``adapters/_short_attention_kernel.py``)."""
     block = max(16, triton.next_power_of_2(max_len))
-    width = max(16, triton.next_power_of_2(dim))
-    _window_kernel[(offsets.numel() - 1, heads)](
-        q, k, v, out, offsets, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
-        HEAD_DIM=dim, BLOCK=block, WIDTH=width, num_warps=warps, num_stages=stages)
-    return out
+    return attend(q, k, v, offsets, block, scale, warps)
 
 
 @triton.jit
@@ -71,9 +41,9 @@ def _rotary_window_kernel(qkv_ptr, o_ptr, offsets, qkv_row, o_row, cos_ptr, sin_
                           scale_log2, HEADS_ALL: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK: tl.constexpr, WIDTH: tl.constexpr, HALF_WIDTH: tl.constexpr,
                           HEADS: tl.constexpr):
-    """``_window_kernel`` on the unrotated ``(rows, 3, heads, dim)`` projection, q and k rotated
-    as they are loaded (two contiguous half tiles each, float32 math, one rounding), ``HEADS``
-    heads per program sharing the program's table loads."""
+    """The short-segment kernel on the unrotated ``(rows, 3, heads, dim)`` projection, q and k
+    rotated as they are loaded (two contiguous half tiles each, float32 math, one rounding),
+    ``HEADS`` heads per program sharing the program's table loads."""
     segment = tl.program_id(0)
     start = tl.load(offsets + segment)
     count = tl.load(offsets + segment + 1) - start
@@ -141,27 +111,9 @@ def reference(q, k, v, lengths, scale):
     return out
 
 
-def graph_ms(fn, calls=10, reps=20):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+def graph_ms(fn):
+    """GPU ms per call, 10 calls per CUDA graph, median of 20 replays (the package's timer)."""
+    return _graph_ms(fn, calls=10, reps=20)
 
 
 def window_lengths(grid_h, grid_w, window=8):

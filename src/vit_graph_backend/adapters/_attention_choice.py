@@ -88,8 +88,8 @@ def _graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     """GPU ms per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (median of
     ``reps`` replays): the kernels' time as the budget's graph will run them. A single launch
     timed with events measures the host's launch time instead wherever the kernels are short: a
-    small budget's window layer timed 0.07 to 0.15 ms so against 4 to 12 us from a graph on an
-    H100 (``benchmarks/results/window_attention_*``), and full attention likewise."""
+    small budget's window layer timed that way took 0.07 to 0.15 ms, against 4 to 12 us from a
+    graph on an H100 (``benchmarks/results/window_attention_*``), and full attention likewise."""
     fn()  # outside the capture: first-call setup (Triton's compile, lazy modules)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

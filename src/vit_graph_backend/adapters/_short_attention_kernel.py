@@ -47,18 +47,19 @@ def _short_attention(q_ptr, k_ptr, v_ptr, o_ptr, offsets, q_row, k_row, v_row, o
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-           block: int, scale: float) -> torch.Tensor:
+           block: int, scale: float, warps: int = 4) -> torch.Tensor:
     """Attention of ``(rows, heads, head_dim)`` q, k, v (heads contiguous within a row, any row
     stride) within the segments of int32 ``offsets``, each at most ``block`` rows (a power of
     two, 16 to 64); a fresh contiguous output. Rows outside every segment are left unwritten.
 
-    Four warps: eight were 10 to 35 % slower on an H100 at the Qwen2.5-VL-3B window shapes
-    (``benchmarks/results/window_attention_kernel_probe_*``).
+    ``warps``: four (the default) because eight were 10 to 35 % slower on an H100 at the
+    Qwen2.5-VL-3B window shapes (``benchmarks/results/window_attention_kernel_probe_*``).
     """
     rows, heads, dim = q.shape
     out = torch.empty((rows, heads, dim), device=q.device, dtype=q.dtype)
     width = max(16, triton.next_power_of_2(dim))
     _short_attention[(offsets.numel() - 1, heads)](
         q, k, v, out, offsets, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-        scale * _LOG2E, HEAD_DIM=dim, BLOCK=block, WIDTH=width, num_warps=4, num_stages=1)
+        scale * _LOG2E, HEAD_DIM=dim, BLOCK=block, WIDTH=width, num_warps=warps,
+        num_stages=1)
     return out
