@@ -240,12 +240,22 @@ def _max_abs_error(out: Any, ref: Any) -> float | None:
 
 def attention_note(fn: Any) -> str | None:
     """What runs a served packed tower's full attention in its graphs (cuDNN or flash varlen,
-    and why not cuDNN), from ``served.encoder.attention_state``; ``None`` for other modes."""
+    and why not cuDNN) and, for a tower with window layers, in how many captured budgets the
+    short-segment kernel runs them (or why never), from ``served.encoder.attention_state``;
+    ``None`` for other modes."""
     state = getattr(getattr(fn, "encoder", None), "attention_state", None)
     if not isinstance(state, dict) or "segments" not in state:
         return None
     off = f" ({state['cudnn_off']})" if state.get("cudnn_off") else ""
-    return f"full attention in the graphs: {state['segments']}{off}"
+    note = f"full attention in the graphs: {state['segments']}{off}"
+    windows = state.get("windows") or {}
+    chosen = windows.get("by_rows") or {}
+    if chosen:  # a tower with window layers, budgets captured
+        short = sum(1 for kernel in chosen.values() if kernel == "short")
+        why = f" ({windows['short_off']})" if windows.get("short_off") else ""
+        note += (f"; window layers: short-segment kernel in {short} of {len(chosen)} budgets"
+                 f"{why}")
+    return note
 
 
 def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]],
