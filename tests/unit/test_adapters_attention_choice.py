@@ -153,9 +153,10 @@ def _adapter_layout(rows=70, heads=2, dim=80, dtype=torch.bfloat16):
 
 def test_the_short_segment_kernel_takes_the_adapters_window_layout():
     q, k, v = _adapter_layout()
-    assert short_unserved_reason(q, k, v, MAX_ROWS) is None
-    assert short_unserved_reason(*_adapter_layout(dim=MAX_HEAD_DIM), 16) is None
-    assert short_unserved_reason(*_adapter_layout(dtype=torch.float16), 1) is None
+    offsets = torch.tensor([0, 64, 70], dtype=torch.int32)
+    assert short_unserved_reason(q, k, v, offsets, MAX_ROWS) is None
+    assert short_unserved_reason(*_adapter_layout(dim=MAX_HEAD_DIM), offsets, 16) is None
+    assert short_unserved_reason(*_adapter_layout(dtype=torch.float16), offsets, 1) is None
 
 
 @pytest.mark.parametrize(("change", "reason"), [
@@ -165,6 +166,9 @@ def test_the_short_segment_kernel_takes_the_adapters_window_layout():
     ("heads apart", r"k of shape \(70, 2, 80\) and strides \(160, 1, 2\) \(the kernel takes "
                     r"\(70, 2, 80\) with each row's heads contiguous\)"),
     ("shape", r"v of shape \(70, 2, 40\)"),
+    ("int64", r"offsets of dtype torch.int64 and shape \(3,\) \(the kernel takes a contiguous "
+              r"1-D int32 tensor\)"),
+    ("strided", r"offsets of dtype torch.int32 and shape \(3,\)"),
 ])
 def test_the_short_segment_kernel_says_why_it_does_not_serve(change, reason):
     q, k, v = _adapter_layout(dim=136 if change == "wide" else 80,
@@ -173,7 +177,10 @@ def test_the_short_segment_kernel_says_why_it_does_not_serve(change, reason):
         k = torch.zeros(70, 80, 2, dtype=q.dtype).transpose(1, 2)
     if change == "shape":
         v = v[..., :40]
-    why = short_unserved_reason(q, k, v, 65 if change == "long" else 64)
+    offsets = torch.tensor([0, 64, 70], dtype=torch.int64 if change == "int64" else torch.int32)
+    if change == "strided":
+        offsets = torch.tensor([0, 0, 64, 0, 70, 0], dtype=torch.int32)[::2]
+    why = short_unserved_reason(q, k, v, offsets, 65 if change == "long" else 64)
     assert why is not None and re.fullmatch(reason + ".*", why)
 
 

@@ -48,10 +48,15 @@ def triton_reason() -> str | None:
 
 
 def short_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          max_seqlen: int) -> str | None:
+                          offsets: torch.Tensor, max_seqlen: int) -> str | None:
     """Why the kernel cannot serve these ``(rows, heads, head_dim)`` tensors with segments of up
-    to ``max_seqlen`` rows, or ``None`` if it can (on any device: the caller checks CUDA)."""
+    to ``max_seqlen`` rows at ``offsets``, or ``None`` if it can (on any device: the caller
+    checks CUDA)."""
     dim = q.shape[-1]
+    if offsets.dtype != torch.int32 or offsets.dim() != 1 or not offsets.is_contiguous():
+        # the kernel reads offsets as packed int32: anything else would be misread
+        return (f"offsets of dtype {offsets.dtype} and shape {tuple(offsets.shape)} (the kernel "
+                "takes a contiguous 1-D int32 tensor)")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (the short-segment kernel takes float16/bfloat16)"
     if max_seqlen > MAX_ROWS:
@@ -91,7 +96,7 @@ class ShortSegmentAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  offsets: torch.Tensor, max_seqlen: int, scale: float,
                  cache: dict[Any, torch.Tensor] | None = None) -> torch.Tensor | None:
-        if not q.is_cuda or short_unserved_reason(q, k, v, max_seqlen) is not None:
+        if not q.is_cuda or short_unserved_reason(q, k, v, offsets, max_seqlen) is not None:
             return None
         block = max(16, 1 << (max(max_seqlen, 1) - 1).bit_length())  # next power of two
         key = (q.device.index, q.dtype, block, q.shape[-1])
