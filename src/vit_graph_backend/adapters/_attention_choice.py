@@ -225,34 +225,12 @@ class AttentionChoice:
         lengths += [0] * max(0, count - len(lengths))
         offsets = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         offsets = offsets.to(device)
-        gen = torch.Generator(device=device).manual_seed(rows)
-        q, k, v = (torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen)
-                   for _ in range(3))
+        q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
         short = self.short
-
-        def run_short() -> torch.Tensor | None:
-            return short(q, k, v, offsets, window, scale)
-
-        def run_flash() -> torch.Tensor:
-            return varlen(q, k, v, offsets, offsets, window, window)
-
-        try:
-            with torch.no_grad():
-                first = run_short()
-                if first is None:  # refused (reason in its state) or cannot serve these shapes
-                    return "varlen"
-                diff = (first.float() - run_flash().float()).abs().max().item()
-                ms = {"varlen": _graph_ms(run_flash), "short": _graph_ms(run_short)}
-        except Exception as exc:  # flash varlen refuses the shapes: the graph will say so
-            log.warning("vitgraph: window attention not timed for %d rows (%s: %s); flash "
-                        "varlen serves the windows", rows, type(exc).__name__,
-                        str(exc).split("\n")[0])
-            return "varlen"
-        self.window_timings[rows] = {key: round(value, 4) for key, value in ms.items()}
-        if not diff <= _AGREE:  # also NaN
-            log.warning("vitgraph: the short-segment kernel disagrees with flash varlen for %d "
-                        "rows (max abs difference %.3g); flash varlen serves the windows", rows,
-                        diff)
+        ms = _race(rows, "window attention", {
+            "varlen": lambda: varlen(q, k, v, offsets, offsets, window, window),
+            "short": lambda: short(q, k, v, offsets, window, scale)}, rows, self.window_timings)
+        if ms is None:
             return "varlen"
         choice = "short" if ms["short"] < ms["varlen"] else "varlen"
         log.info("vitgraph: %d rows, window attention: %s (flash varlen %.3f ms, short-segment "
@@ -261,38 +239,54 @@ class AttentionChoice:
 
     def _measure(self, rows: int, heads: int, head_dim: int, scale: float,
                  device: torch.device, dtype: torch.dtype, varlen: Callable[..., Any]) -> str:
-        gen = torch.Generator(device=device).manual_seed(rows)
-        q, k, v = (torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen)
-                   for _ in range(3))
+        q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
         real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)
         offsets = torch.tensor([0, real, rows], dtype=torch.int32, device=device)
-
         segments = Segments(offsets, rows)
-
-        def flash() -> torch.Tensor:  # segment attention: cuDNN where it serves, else flash
-            return varlen_attention(q, k, v, segments, scale, varlen, self.graph_kernel())
-
         # timed without the widening, which the graph does in the rotary embedding's kernel
         # (``_fused.rotate_qk_wide``), as flash varlen is timed without the rotary embedding
         wide = widen_for_dense(q, k, v, offsets[1:2])
-
-        def dense() -> torch.Tensor:
-            return dense_sdpa(wide, head_dim, scale)
-
-        try:
-            with torch.no_grad():
-                diff = (flash()[:real].float() - dense()[:real].float()).abs().max().item()
-                ms = {"varlen": _graph_ms(flash), "dense": _graph_ms(dense)}
-        except Exception as exc:  # a kernel that refuses these shapes: flash varlen serves
-            log.warning("vitgraph: dense attention unavailable for %d rows (%s: %s); segment "
-                        "attention serves", rows, type(exc).__name__, str(exc).split("\n")[0])
-            return "varlen"
-        self.timings[rows] = {key: round(value, 4) for key, value in ms.items()}
-        if not diff <= _AGREE:  # also NaN
-            log.warning("vitgraph: dense attention disagrees with segment attention for %d rows "
-                        "(max abs difference %.3g); segment attention serves", rows, diff)
+        ms = _race(rows, "full attention", {
+            # segment attention: cuDNN where it serves, else flash varlen
+            "varlen": lambda: varlen_attention(q, k, v, segments, scale, varlen,
+                                               self.graph_kernel()),
+            "dense": lambda: dense_sdpa(wide, head_dim, scale)}, real, self.timings)
+        if ms is None:
             return "varlen"
         choice = "dense" if ms["dense"] < _DENSE_MARGIN * ms["varlen"] else "varlen"
         log.info("vitgraph: %d rows, full attention: %s (segments %.3f ms, dense %.3f ms)",
                  rows, choice, ms["varlen"], ms["dense"])
         return choice
+
+
+def _random_qkv(rows: int, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, ...]:
+    """Unit-variance q, k and v of a budget's shapes, the same for every run of that budget."""
+    gen = torch.Generator(device=device).manual_seed(rows)
+    return tuple(torch.randn(rows, heads, head_dim, device=device, dtype=dtype, generator=gen)
+                 for _ in range(3))
+
+
+def _race(rows: int, what: str, kernels: dict[str, Callable[[], torch.Tensor | None]],
+          compared: int, timings: dict[int, dict[str, float]]) -> dict[str, float] | None:
+    """Each of ``kernels`` (``"varlen"``, the one that serves otherwise, and its rival), timed
+    from CUDA-graph replays (:func:`_graph_ms`) on the budget of ``rows`` static rows; the times
+    are also kept in ``timings``. ``None`` (``"varlen"`` serves) where a kernel raises or refuses
+    (returns ``None``), or where the two disagree over the first ``compared`` rows."""
+    try:
+        with torch.no_grad():
+            outs = [run() for run in kernels.values()]
+            if any(out is None for out in outs):  # refused (its reason is in its state)
+                return None
+            diff = (outs[0][:compared].float() - outs[1][:compared].float()).abs().max().item()
+            ms = {name: _graph_ms(run) for name, run in kernels.items()}
+    except Exception as exc:  # a kernel that refuses these shapes: flash varlen serves
+        log.warning("vitgraph: %s not timed for %d rows (%s: %s); the varlen kernel serves",
+                    what, rows, type(exc).__name__, str(exc).split("\n")[0])
+        return None
+    timings[rows] = {key: round(value, 4) for key, value in ms.items()}
+    if not diff <= _AGREE:  # also NaN
+        log.warning("vitgraph: %s for %d rows: the kernels disagree (max abs difference %.3g); "
+                    "the varlen kernel serves", what, rows, diff)
+        return None
+    return ms
