@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from _bench_out import emit
 
-from vit_graph_backend.adapters._attention_choice import _graph_ms
 from vit_graph_backend.adapters._short_attention_kernel import attend
+from vit_graph_backend.gpu_timing import graph_ms as _graph_ms
 
 
 def window_triton(q, k, v, offsets, max_len, scale, warps=4):

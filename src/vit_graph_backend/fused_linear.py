@@ -13,7 +13,10 @@ The op picks, per shape, between a Triton GEMM with bias and activation in its e
 configurations, ``_linear_act_kernels.py``) and cuBLAS followed by an in-place activation kernel,
 by timing them on the call's own tensors the first time the shape runs outside a CUDA graph
 capture (the runtime's warm-up runs before each capture are such runs); a shape first met inside
-a capture takes cuBLAS + activation and is timed at its next run outside one. The fused kernel
+a capture takes cuBLAS + activation and is timed at its next run outside one. Each candidate is
+timed from the replays of a small CUDA graph (``gpu_timing.graph_ms``), as the budget's graph
+will run it: timed as single launches, a small shape's few microseconds of GPU time read as the
+host's launch time, which favours the candidate with fewer launches. The fused kernel
 wins on the large GPU-bound shapes (CLIP-L fc1 at 48 images: 0.38 against 0.49 ms) and cuBLAS on
 small ones (ViT-B fc1 at 8 images); ``benchmarks/results/linear_act_probe_*`` has the table.
 
@@ -35,12 +38,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import threading
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .gpu_timing import graph_ms
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
            "activation_of", "activation_reference", "fused_epilogue_unavailable", "gated_width",
@@ -72,7 +76,9 @@ MIN_CAPABILITY = (9, 0)
 DTYPES = (torch.bfloat16, torch.float16)
 _UNFUSED = "cublas+activation"  # cuBLAS, then one activation (or SiLU-mul) kernel
 _PYTORCH = "pytorch"  # what runs when neither Triton path does for a shape
-_TIMED_RUNS = 5
+#: Calls per timing graph and replays timed (``gpu_timing.graph_ms``): every candidate of every
+#: shape runs ``1 + calls * (reps + 1)`` times, in the first pass of each new model.
+_GRAPH_CALLS, _GRAPH_REPS = 3, 3
 #: Shapes timed at most: past this (an eager fallback meeting a new row count at every call,
 #: say), new shapes take cuBLAS + activation untimed, so no call keeps paying for timing.
 MAX_TIMED_SHAPES = 1024
@@ -281,20 +287,28 @@ class LinearActChoices:
 
     def _time(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               activation: str) -> Choice:
-        """The fastest way for this shape (median of CUDA-event timed runs on the current
-        stream); each candidate also runs once before, which compiles its kernel."""
+        """The fastest way for this shape, each candidate timed from CUDA-graph replays on the
+        call's own tensors (``gpu_timing.graph_ms``, whose first run outside the capture compiles
+        the candidate's kernel): what the budget's graph will run, not the host's launch time."""
         gated = activation == GATED
         candidates: list[Choice] = [_UNFUSED, *(
             c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
             if (gated, c) not in self.refused)]
         times: dict[Choice, float] = {}
+        short_of_memory = False
         for choice in candidates:
             try:
-                self._launch(choice, rows, weight, bias, activation)
-                times[choice] = _median_ms(
-                    lambda choice=choice: self._launch(choice, rows, weight, bias, activation))
+                times[choice] = graph_ms(
+                    lambda choice=choice: self._launch(choice, rows, weight, bias, activation),
+                    calls=_GRAPH_CALLS, reps=_GRAPH_REPS)
             except Exception as exc:  # a kernel this GPU or Triton cannot build
                 reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                if isinstance(exc, torch.OutOfMemoryError):
+                    # the moment's memory, not the kernel: refused for no other shape
+                    short_of_memory = True
+                    log.warning("vitgraph: linear+%s at %d x %d -> %d: %s not timed (%s)",
+                                activation, *rows.shape, weight.shape[0], _name(choice), reason)
+                    continue
                 if choice == _UNFUSED:
                     log.warning("vitgraph: the %s kernel after cuBLAS failed at %d x %d -> %d "
                                 "(%s)", activation, *rows.shape, weight.shape[0], reason)
@@ -302,8 +316,8 @@ class LinearActChoices:
                 self.refused[(gated, choice)] = reason  # type: ignore[index]
                 log.warning("vitgraph: fused linear+%s tile %s refused (%s); not tried again",
                             activation, _name(choice), reason)
-        if not times:
-            return _PYTORCH
+        if not times:  # out of memory: cuBLAS + activation, as for a shape met in a capture
+            return _UNFUSED if short_of_memory else _PYTORCH
         best = min(times, key=times.__getitem__)
         log.debug("vitgraph: linear+%s at %d x %d -> %d: %s (%s)", activation, *rows.shape,
                   weight.shape[0], _name(best),
@@ -314,19 +328,6 @@ class LinearActChoices:
 def _name(choice: Choice) -> str:
     """``"cublas+activation"``, ``"pytorch"`` or ``"fused "`` and the tile's fields."""
     return choice if isinstance(choice, str) else "fused " + "x".join(map(str, choice))
-
-
-def _median_ms(fn: Any) -> float:
-    stream = torch.cuda.current_stream()
-    times = []
-    for _ in range(_TIMED_RUNS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _describe(key: tuple[Any, ...]) -> str:

@@ -208,3 +208,42 @@ def test_cpu_graph_is_left_alone_and_says_why(caplog):
     assert vit_graph_backend.report()["fused_linear_activations"] == 0
     assert any("epilogue_fusion='auto' leaves linear layers" in r.message and "cpu" in r.message
                for r in caplog.records)
+
+
+def _timed_with(monkeypatch, failure):
+    """``LinearActChoices._time`` with every fused candidate raising ``failure`` and cuBLAS +
+    activation running: the timer only calls its work here (the graph timing is a GPU test)."""
+    from vit_graph_backend import fused_linear
+
+    def launch(choice, rows, weight, bias, activation):
+        if choice != "cublas+activation":
+            raise failure
+        return rows
+
+    monkeypatch.setattr(fused_linear.LinearActChoices, "_launch", staticmethod(launch))
+    monkeypatch.setattr(fused_linear, "graph_ms", lambda fn, calls, reps: fn() is not None)
+    choices = fused_linear.LinearActChoices()
+    x, w = torch.ones(4, 8), torch.ones(8, 8)
+    return choices, choices._time(x, w, None, "gelu")
+
+
+def test_a_candidate_out_of_memory_while_timed_is_not_refused(monkeypatch):
+    choices, choice = _timed_with(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"))
+    assert choice == "cublas+activation"
+    assert choices.state["refused"] == {}   # tried again at the next shape
+
+
+def test_a_candidate_that_fails_to_build_is_refused(monkeypatch):
+    choices, choice = _timed_with(monkeypatch, RuntimeError("out of resources"))
+    assert choice == "cublas+activation"
+    assert set(choices.state["refused"].values()) == {"RuntimeError: out of resources"}
+
+
+def test_out_of_memory_for_every_candidate_leaves_cublas(monkeypatch):
+    from vit_graph_backend import fused_linear
+
+    monkeypatch.setattr(fused_linear, "graph_ms", lambda fn, calls, reps: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory")))
+    choices = fused_linear.LinearActChoices()
+    assert choices._time(torch.ones(4, 8), torch.ones(8, 8), None, "gelu") == "cublas+activation"
+    assert choices.state["refused"] == {}

@@ -41,9 +41,9 @@ graph's empty slots and padding chunks), checks that they agree, and keeps the f
 (``window_by_rows``); ``attention="varlen"`` keeps flash varlen there too, and so does a process
 without Triton.
 
-Every choice is timed from CUDA-graph replays (:func:`_graph_ms`). Timed as single launches, a
-small budget's kernels measured the host's launch time (0.05 to 0.16 ms against 0.01 to
-0.02 ms of GPU time on an H100), and ``"auto"`` chose dense attention for the small budgets of
+Every choice is timed from CUDA-graph replays (``gpu_timing.graph_ms``). Timed as single
+launches, a small budget's kernels measured the host's launch time (0.05 to 0.16 ms against 0.01
+to 0.02 ms of GPU time on an H100), and ``"auto"`` chose dense attention for the small budgets of
 the Qwen2.5-VL-3B ladder where it did not pay: that single-image stream ran 8 % slower
 (``attention_choice_single_image_streams_margin_*``). Timed from graphs, ``"auto"`` keeps dense
 attention for the smallest budgets only and its streams run even with the default (p50 6.98
@@ -55,13 +55,13 @@ also compiles the widened rotary kernel: no gain that would make it the default.
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..errors import InvalidOptionError, MissingDependencyError
+from ..gpu_timing import graph_ms
 from ._cudnn_attention import RaggedAttention, cudnn_frontend_reason
 from ._packed_attention import Segments, dense_sdpa, varlen_attention, widen_for_dense
 from ._short_attention import ShortSegmentAttention, triton_reason
@@ -82,31 +82,6 @@ _DENSE_MARGIN = 0.9
 #: Largest max-abs difference between the kernels on unit-variance bf16 inputs that counts as
 #: agreeing (both measured within 1e-2 of a float32 reference; a wrong kernel is off by ~1).
 _AGREE = 5e-2
-
-
-def _graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
-    """GPU ms per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (median of
-    ``reps`` replays): the kernels' time as the budget's graph will run them. A single launch
-    timed with events measures the host's launch time instead wherever the kernels are short: a
-    small budget's window layer timed that way took 0.07 to 0.15 ms, against 4 to 12 us from a
-    graph on an H100 (``benchmarks/results/window_attention_*``), and full attention likewise."""
-    fn()  # outside the capture: first-call setup (Triton's compile, lazy modules)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # thread-local: another thread's allocations during this capture stay legal
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 class AttentionChoice:
@@ -270,16 +245,16 @@ def _random_qkv(rows: int, heads: int, head_dim: int, device: torch.device, dtyp
 def _race(rows: int, what: str, kernels: dict[str, Callable[[], torch.Tensor | None]],
           compared: int, timings: dict[int, dict[str, float]]) -> dict[str, float] | None:
     """Each of ``kernels`` (``"varlen"``, the one that serves otherwise, and its rival), timed
-    from CUDA-graph replays (:func:`_graph_ms`) on the budget of ``rows`` static rows; the times
-    are also kept in ``timings``. ``None`` (``"varlen"`` serves) where a kernel raises or refuses
-    (returns ``None``), or where the two disagree over the first ``compared`` rows."""
+    from CUDA-graph replays (``gpu_timing.graph_ms``) on the budget of ``rows`` static rows; the
+    times are also kept in ``timings``. ``None`` (``"varlen"`` serves) where a kernel raises or
+    refuses (returns ``None``), or where the two disagree over the first ``compared`` rows."""
     try:
         with torch.no_grad():
             outs = [run() for run in kernels.values()]
             if any(out is None for out in outs):  # refused (its reason is in its state)
                 return None
             diff = (outs[0][:compared].float() - outs[1][:compared].float()).abs().max().item()
-            ms = {name: _graph_ms(run) for name, run in kernels.items()}
+            ms = {name: graph_ms(run) for name, run in kernels.items()}
     except Exception as exc:  # a kernel that refuses these shapes: flash varlen serves
         log.warning("vitgraph: %s not timed for %d rows (%s: %s); the varlen kernel serves",
                     what, rows, type(exc).__name__, str(exc).split("\n")[0])

@@ -1,0 +1,82 @@
+"""The GPU time of a short piece of work as a CUDA graph runs it: how the package's choices
+between kernels are timed (``fused_linear`` per GEMM shape, ``adapters/_attention_choice.py``
+per budget).
+
+A single launch timed with CUDA events measures the host's launch time wherever the kernels are
+short: on an H100 a small budget's window attention timed that way took 0.07 to 0.15 ms against 4
+to 12 us of GPU time (``benchmarks/results/window_attention_*``), so such a timing picks whichever
+candidate launches fewer kernels, not the one the graph runs faster. :func:`graph_ms` captures a
+few calls into a temporary graph and times its replays instead.
+
+It captures with ``CUDAGraph.capture_begin``/``capture_end`` on a side stream rather than through
+``torch.cuda.graph``, whose entry runs a full ``gc.collect()`` and empties the allocator's cache:
+paid for every candidate of every shape, that lands in a model's first pass.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _compat
+
+__all__ = ["graph_ms"]
+
+
+#: One side stream per device for every timing, created on first use: cuBLAS keeps a workspace
+#: (tens of MiB on Hopper) for each stream it has run on, for the process's life, so a fresh pool
+#: stream per timing grew a ViT-B/16 stream's peak memory by 363 MiB over its 18 budgets.
+_streams: dict[int, torch.cuda.Stream] = {}
+#: One timing at a time: a stream can hold only one capture. Re-entrant, for an ``fn`` whose
+#: first run (outside the capture) times something itself.
+_lock = threading.RLock()
+
+
+def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
+    """GPU ms per call of ``fn``, replayed from a CUDA graph of ``calls`` calls (median of
+    ``reps`` replays).
+
+    ``fn`` runs once outside the capture first (a Triton compile, lazy modules). It runs on the
+    device's timing stream, which waits for the caller's stream, and the caller's stream waits
+    for it in turn, so ``fn`` may read tensors the caller just wrote. The capture is
+    thread-local: another thread's work stays legal meanwhile. Raises what ``fn`` raises, with
+    the capture closed.
+    """
+    caller = torch.cuda.current_stream()
+    with _lock:
+        side = _streams.get(caller.device.index)
+        if side is None:
+            side = _streams[caller.device.index] = torch.cuda.Stream(device=caller.device)
+        side.wait_stream(caller)
+        try:
+            with torch.cuda.stream(side):
+                fn()
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    for _ in range(calls):
+                        fn()
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except RuntimeError:  # invalidated: close the allocator's side too
+                        _compat.end_failed_capture(graph.pool(), caller.device)
+                    raise
+                graph.capture_end()
+                graph.replay()
+                times = []
+                for _ in range(reps):
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record(side)
+                    graph.replay()
+                    end.record(side)
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) / calls)
+        finally:
+            caller.wait_stream(side)
+    return statistics.median(times)
