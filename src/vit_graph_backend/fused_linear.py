@@ -15,8 +15,9 @@ by timing them on the call's own tensors the first time the shape runs outside a
 capture (the runtime's warm-up runs before each capture are such runs); a shape first met inside
 a capture takes cuBLAS + activation and is timed at its next run outside one. Each candidate is
 timed from the replays of a small CUDA graph (``gpu_timing.graph_ms``), as the budget's graph
-will run it: timed as single launches, a small shape's few microseconds of GPU time read as the
-host's launch time, which favours the candidate with fewer launches. The fused kernel
+will run it: timed as single launches, a shape of up to a few tenths of a millisecond of GPU
+time reads mostly as the host's launch time, and the pick was as much the host's as the GPU's
+(``benchmarks/results/linear_act_choice_timing_single_launch_vs_graph_*``). The fused kernel
 wins on the large GPU-bound shapes (CLIP-L fc1 at 48 images: 0.38 against 0.49 ms) and cuBLAS on
 small ones (ViT-B fc1 at 8 images); ``benchmarks/results/linear_act_probe_*`` has the table.
 
