@@ -6,8 +6,9 @@ The tiny Qwen2.5-VL tower here has ``intermediate_size=42`` (not a multiple of 8
 3420), so ``align_mlp=True`` pads it to 48 with ``epilogue_fusion="off"``; with the default
 ``"auto"`` its gate and up weights are one packed copy, 2 x 128 rows (``fused_linear.pack_gated``),
 which the plain path reads as one GEMM and two views, and the graph path through
-``fused_linear.linear_silu_mul`` (PyTorch's ops on CPU). Tolerance: padding adds exact zeros, but a wider GEMM
-may sum in another order: float32 outputs of magnitude ~10 agree to 1e-5 (measured ~2e-6).
+``fused_linear.linear_silu_mul`` (PyTorch's ops on CPU). Tolerance: padding adds exact zeros,
+but a wider GEMM may sum in another order: float32 outputs of magnitude ~10 agree to 1e-5
+(measured ~2e-6).
 """
 
 from __future__ import annotations
@@ -123,6 +124,60 @@ def test_copies_follow_in_place_writes_and_replaced_parameters_without_moving():
     hf.blocks[1].mlp.up_proj.bias.add_(0.5)
     torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
     assert [w.out_weight.data_ptr() for w in adapter.kernels.aligned.weights] == pointers
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("epilogue_fusion", ["auto", "off"])  # packed gate/up copy, or two
+def test_copies_follow_parameters_written_into_their_modules_tables(epilogue_fusion):
+    """accelerate's ``set_module_tensor_to_device`` (Hugging Face loading with a ``device_map``)
+    replaces a parameter by writing ``module._parameters[name]``, which no registration hook
+    sees; ``p.data = t`` gives a parameter new storage in place. Both are followed."""
+    hf = _tower()
+    adapter = adapt(hf, align_mlp=True, epilogue_fusion=epilogue_fusion)
+    pv, grid = _call(GRIDS)
+    adapter(pv, grid)
+    pointers = [w.out_weight.data_ptr() for w in adapter.kernels.aligned.weights]
+    mlp0, mlp1 = hf.blocks[0].mlp, hf.blocks[1].mlp
+    mlp1.down_proj._parameters["weight"] = torch.nn.Parameter(torch.randn(HIDDEN, WIDTH) * 0.2)
+    mlp0.gate_proj._parameters["bias"] = torch.nn.Parameter(torch.randn(WIDTH) * 0.2)
+    torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    mlp0.up_proj.weight.data = torch.randn(WIDTH, HIDDEN) * 0.2   # checked apart: any change
+    torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    assert [w.out_weight.data_ptr() for w in adapter.kernels.aligned.weights] == pointers
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("epilogue_fusion", ["auto", "off"])
+def test_a_bias_removed_or_added_later_is_followed(epilogue_fusion):
+    hf = _tower()
+    adapter = adapt(hf, align_mlp=True, epilogue_fusion=epilogue_fusion)
+    pv, grid = _call(GRIDS)
+    adapter(pv, grid)
+    hf.blocks[0].mlp.gate_proj.bias = None   # registered as None: no registration hook runs
+    hf.blocks[1].mlp.up_proj.register_parameter("bias", None)
+    torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    hf.blocks[1].mlp.up_proj.bias = torch.nn.Parameter(torch.randn(WIDTH) * 0.2)
+    torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_copies_follow_a_conversion_that_overwrites_the_parameters():
+    """With ``torch.__future__.set_overwrite_module_params_on_conversion(True)``, ``.double()``
+    puts new Parameter objects into every module's table directly."""
+    hf = _tower()
+    adapter = adapt(hf, align_mlp=True)
+    pv, grid = _call(GRIDS)
+    adapter(pv, grid)
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        hf.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(before)
+    pv = pv.double()
+    got = adapter(pv, grid)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
 
 
 @torch.no_grad()

@@ -16,9 +16,15 @@ one cuBLAS GEMM and takes the gate and up halves as views.
 
 The padded tensors are copies (the tower's own parameters are left alone, so saving, loading and
 ``.to()`` behave as before); :meth:`AlignedMLPs.refresh` brings them in step with the originals
-whenever a parameter was written in place or replaced, copying into the same padded storage so a
-captured graph keeps reading valid weights. Parameters created under ``torch.inference_mode``
-(inference tensors) keep no version counter, so an in-place write to them could not be seen:
+whenever a parameter was written in place, given new storage or replaced, copying into the same
+padded storage so a captured graph keeps reading valid weights. A replaced parameter is read from
+its module's parameter table at every call: accelerate's ``set_module_tensor_to_device`` (how
+Hugging Face loads with a ``device_map``) writes that table directly, which no registration hook
+sees, so copies checked against parameters listed earlier would go stale without an error
+(``tests/unit/test_adapters_aligned_mlp.py``). In-projection biases always have padded storage
+(zeros for a projection without one), so a bias added or removed later is followed too.
+Parameters created under ``torch.inference_mode`` (inference tensors) keep no version counter,
+so an in-place write to them could not be seen:
 ``refresh`` raises :class:`UntrackedWeights` for them, and the adapter runs the tower's own MLPs
 instead of copies that might go stale (``_qwen_kernels.KernelChoices.sync``).
 """
@@ -29,11 +35,13 @@ import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._compat import parameter_table
 from ..budgets import ceil_div
 from ..fused_linear import (
     GATE_CHUNK,
@@ -52,6 +60,19 @@ ALIGNMENT = 8
 
 _data_ptr = torch.Tensor.data_ptr
 _version = operator.attrgetter("_version")
+_lookup = dict.get
+
+
+def _fingerprint(params: list[torch.Tensor | None]) -> tuple[int, ...]:
+    """Each parameter's address and version counter: a move to another device or dtype gives
+    new storage, so the two suffice. Read with map over C-level getters: this runs before every
+    packed call (Qwen2.5-VL-3B: 160 parameters), where a generator of tuples cost as much as a
+    small kernel launch."""
+    try:
+        return (*map(_data_ptr, params), *map(_version, params))
+    except TypeError:  # a projection without a bias: None in its slot
+        return tuple(v for p in params for v in ((-1, -1) if p is None else (_data_ptr(p),
+                                                                             p._version)))
 
 
 class UntrackedWeights(RuntimeError):
@@ -67,9 +88,10 @@ _SHAPES = ((("gate_proj", "up_proj"), "down_proj"),   # Qwen2.5-VL: down(act(gat
            (("linear_fc1",), "linear_fc2"))          # Qwen3-VL: linear_fc2(act(linear_fc1 x))
 
 
-#: Parameter registrations seen in this process (a replaced parameter is a registration), counted
-#: by a global hook installed with the first AlignedMLPs: refresh() rebuilds its list of
-#: parameters only when this moved, instead of walking the modules at every call.
+#: Parameter registrations seen in this process (a new Linear registers its parameters when
+#: built), counted by a global hook installed with the first AlignedMLPs: refresh() walks the
+#: modules again for their parameter tables only when this moved (a projection replaced by
+#: another module), instead of at every call.
 _registrations = [0]
 _hook_lock = threading.Lock()
 _hook_installed = False
@@ -117,15 +139,16 @@ def intermediate_size(mlp: nn.Module) -> int | None:
 
 @dataclass
 class MLPWeights:
-    """One block's padded weights: ``ins`` as ``(weight, bias)`` pairs, then the out projection's
-    weight (its bias needs no padding: the graphs read the module's own)."""
+    """One block's padded weights: ``ins`` as ``(weight, bias)`` pairs (a bias of zeros for a
+    projection without one), then the out projection's weight (its bias needs no padding: the
+    graphs read the module's own)."""
 
-    ins: list[tuple[torch.Tensor, torch.Tensor | None]]
+    ins: list[tuple[torch.Tensor, torch.Tensor]]
     out_weight: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
         """Every padded tensor of the block."""
-        return [t for pair in self.ins for t in pair if t is not None] + [self.out_weight]
+        return [t for pair in self.ins for t in pair] + [self.out_weight]
 
 
 class AlignedMLPs:
@@ -151,10 +174,12 @@ class AlignedMLPs:
                              else ceil_div(width, ALIGNMENT) * ALIGNMENT)
         self.weights: list[MLPWeights] = []
         self._fingerprint: tuple | None = None
-        self._param_list: list[torch.Tensor] | None = None
-        self._param_list_at = -1
-        #: the parameter list found to hold inference tensors (refused again without a scan)
-        self._untracked: list[torch.Tensor] | None = None
+        #: (parameter tables, names) of every parameter the copies are made from, and the
+        #: registration count they were read at
+        self._slots: tuple[list[dict[str, Any]], list[str]] | None = None
+        self._slots_at = -1
+        #: the fingerprint's parameters found to be inference tensors (refused without a scan)
+        self._untracked: list[torch.Tensor | None] | None = None
         _install_registration_hook()
 
     @staticmethod
@@ -171,43 +196,43 @@ class AlignedMLPs:
         """Bytes the padded copies hold."""
         return sum(t.numel() * t.element_size() for w in self.weights for t in w.tensors())
 
-    def _params(self) -> list[torch.Tensor]:
-        """The parameters the copies are made from (not the out projection's bias, which is
-        read where it is: one tensor fewer per block to check before every call)."""
-        params = []
+    def _read_slots(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """Where each parameter the copies are made from lives: its module's parameter table and
+        name (not the out projection's bias, which is read where it is: one tensor fewer per
+        block to check before every call)."""
+        tables, names = [], []
         for mlp in self.mlps:
             for name in self.ins:
-                linear = getattr(mlp, name)
-                params.append(linear.weight)
-                if linear.bias is not None:
-                    params.append(linear.bias)
-            params.append(getattr(mlp, self.out).weight)
-        return params
+                table = parameter_table(getattr(mlp, name))
+                tables += [table, table]
+                names += ["weight", "bias"]
+            tables.append(parameter_table(getattr(mlp, self.out)))
+            names.append("weight")
+        return tables, names
 
     def refresh(self) -> bool:
         """Bring the padded copies in step with the MLPs' parameters; True if anything was
-        copied. Cheap when nothing changed (one pass over addresses and version counters; the
-        modules are walked again only after a parameter was registered somewhere)."""
-        if self._param_list is None or self._param_list_at != _registrations[0]:
-            self._param_list_at = _registrations[0]
-            self._param_list = self._params()
-        params = self._param_list
-        if params is self._untracked:  # known since the last registration: no scan per call
-            raise UntrackedWeights(_UNTRACKED)
-        # a move to another device or dtype gives new storage, so addresses and versions suffice;
-        # read with map over C-level getters: this runs before every packed call (Qwen2.5-VL-3B:
-        # 160 parameters), where a generator of tuples cost as much as a small kernel launch
+        copied. Cheap when nothing changed: one pass over the parameter tables, addresses and
+        version counters (the modules are walked again only after a parameter was registered
+        somewhere)."""
+        if self._slots is None or self._slots_at != _registrations[0]:
+            self._slots_at = _registrations[0]
+            self._slots = self._read_slots()
+        params = list(map(_lookup, *self._slots))  # C-level, like _fingerprint
+        if self._untracked is not None and all(map(operator.is_, params, self._untracked)):
+            raise UntrackedWeights(_UNTRACKED)  # the same tensors as last time: no scan per call
         try:
-            fingerprint = (*map(_data_ptr, params), *map(_version, params))
+            fingerprint = _fingerprint(params)
         except RuntimeError:  # "Inference tensors do not track version counter"
-            if not any(p.is_inference() for p in params):
+            if not any(p is not None and p.is_inference() for p in params):
                 raise
             self._untracked = params
             raise UntrackedWeights(_UNTRACKED) from None
+        self._untracked = None
         if fingerprint == self._fingerprint:
             return False
         with torch.no_grad():
-            places = {(p.device, p.dtype) for p in params}
+            places = {(p.device, p.dtype) for p in params if p is not None}
             if not self.weights or places != {(w.out_weight.device, w.out_weight.dtype)
                                               for w in self.weights}:
                 self.weights = [self._allocate(mlp) for mlp in self.mlps]
@@ -218,7 +243,9 @@ class AlignedMLPs:
                     for name, (weight, bias) in zip(self.ins, w.ins):
                         linear = getattr(mlp, name)
                         weight[:self.width].copy_(linear.weight)
-                        if bias is not None:
+                        if linear.bias is None:
+                            bias.zero_()
+                        else:
                             bias[:self.width].copy_(linear.bias)
                 w.out_weight[:, :self.width].copy_(getattr(mlp, self.out).weight)
         # only the heads above are ever written: the padding stays zero
@@ -229,9 +256,9 @@ class AlignedMLPs:
         gate, up = (getattr(mlp, name) for name in self.ins)
         (weight, bias), = w.ins
         pack_gated(gate.weight, up.weight, out=weight)
-        if bias is not None:  # a missing one of the two biases is zeros
-            pack_gated(*(bias.new_zeros(self.width) if b is None else b
-                         for b in (gate.bias, up.bias)), out=bias)
+        # a missing bias is zeros
+        pack_gated(*(bias.new_zeros(self.width) if b is None else b
+                     for b in (gate.bias, up.bias)), out=bias)
 
     def _allocate(self, mlp: nn.Module) -> MLPWeights:
         def zeros_like_padded(t: torch.Tensor, dim: int, scale: int = 1) -> torch.Tensor:
@@ -239,14 +266,12 @@ class AlignedMLPs:
             shape[dim] = self.padded_width * scale
             return torch.zeros(shape, device=t.device, dtype=t.dtype)
 
+        # a bias for every in projection, zeros where it has none: one added later has room
         if self.gated:  # one packed weight, twice the padded width
-            gate, up = (getattr(mlp, name) for name in self.ins)
-            bias = gate.bias if gate.bias is not None else up.bias
-            ins = [(zeros_like_padded(gate.weight, 0, 2),
-                    None if bias is None else zeros_like_padded(bias, 0, 2))]
+            gate = getattr(mlp, self.ins[0])
+            ins = [(zeros_like_padded(gate.weight, 0, 2), zeros_like_padded(gate.weight[0], 0, 2))]
         else:
-            ins = [(zeros_like_padded(linear.weight, 0),
-                    None if linear.bias is None else zeros_like_padded(linear.bias, 0))
+            ins = [(zeros_like_padded(linear.weight, 0), zeros_like_padded(linear.weight[0], 0))
                    for linear in (getattr(mlp, name) for name in self.ins)]
         return MLPWeights(ins, zeros_like_padded(getattr(mlp, self.out).weight, 1))
 
