@@ -118,6 +118,36 @@ def test_a_shape_met_first_inside_a_capture_is_left_to_flash_varlen():
 
 
 @torch.no_grad()
+def test_out_of_memory_at_the_first_run_leaves_the_shape_to_be_compiled_at_the_next():
+    """The real kernel, its first run failing as a full GPU would fail it: that call is left to
+    flash varlen, and the next compiles and serves the shape (a failure of the kernel itself
+    would be refused for the process: ``tests/unit/test_adapters_attention_choice.py``)."""
+    import importlib
+
+    kernel = importlib.import_module("vit_graph_backend.adapters._short_attention_kernel")
+
+    class FullOnce:
+        failed = False
+
+        def attend(self, *args):
+            if not self.failed:
+                self.failed = True
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return kernel.attend(*args)
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    lengths = _lengths(5)
+    q, k, v = _layout(sum(lengths), 4, 80, torch.bfloat16, gen)
+    short = ShortSegmentAttention()
+    short._kernel = FullOnce()
+    assert short(q, k, v, _offsets(lengths), 64, 80 ** -0.5) is None
+    out = short(q, k, v, _offsets(lengths), 64, 80 ** -0.5)
+    assert out is not None and short.state == {"compiled": 1, "refused": {}}
+    err = (out.float() - _reference(q, k, v, lengths, 80 ** -0.5)).abs().max().item()
+    assert err < 2e-2
+
+
+@torch.no_grad()
 def test_the_window_kernel_is_timed_per_budget_and_kept_only_where_faster():
     from torch.nn.attention.varlen import varlen_attn
 

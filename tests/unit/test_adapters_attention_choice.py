@@ -228,3 +228,78 @@ def test_a_tower_without_windows_chooses_no_window_kernel():
     choice.prepare(256, 2, 80, 80 ** -0.5, one_segment=True, device=CPU, dtype=torch.bfloat16,
                    varlen=None)
     assert choice.window_by_rows == {} and choice.by_rows == {256: "varlen"}
+
+
+class _FlakyKernel:
+    """A kernel (module) whose first ``failures`` runs raise ``error``, then return ``q``."""
+
+    def __init__(self, error: Exception, failures: int = 1) -> None:
+        self.error, self.failures, self.runs = error, failures, 0
+
+    def attend(self, q, *args):
+        self.runs += 1
+        if self.runs <= self.failures:
+            raise self.error
+        return q
+
+
+@pytest.fixture
+def as_if_on_cuda(monkeypatch):
+    """CPU tensors taken for CUDA ones by the kernels' wrappers, outside any capture."""
+    import contextlib
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize(("error", "refused"), [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), False),
+    (RuntimeError("out of resources: shared memory"), True)])
+def test_the_short_kernel_refuses_a_shape_for_a_failure_but_not_for_memory(
+        as_if_on_cuda, caplog, error, refused):
+    import logging
+
+    short = ShortSegmentAttention()
+    short._kernel = _FlakyKernel(error)
+    q, k, v = _adapter_layout()
+    offsets = torch.tensor([0, 64, 70], dtype=torch.int32)
+    with caplog.at_level(logging.WARNING):
+        assert short(q, k, v, offsets, 64, 80 ** -0.5) is None   # flash varlen serves this call
+    second = short(q, k, v, offsets, 64, 80 ** -0.5)
+    assert (second is None) == refused and len(short.state["refused"]) == int(refused)
+    assert short._kernel.runs == (1 if refused else 2)   # a refused shape is not tried again
+    assert type(error).__name__ in caplog.text
+
+
+class _FakeCudnn:
+    """Enough of ``cudnn`` for ``RaggedAttention._build``: the handle fails ``failures`` times."""
+
+    def __init__(self, error: Exception, failures: int = 1) -> None:
+        self.error, self.failures, self.handles = error, failures, 0
+
+    def create_handle(self):
+        self.handles += 1
+        if self.handles <= self.failures:
+            raise self.error
+        raise RuntimeError("no plan in this fake")   # got past the handle: a real refusal
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory"),
+    RuntimeError("cudnnCreate failed: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"),
+    RuntimeError("CUDNN_STATUS_ALLOC_FAILED")])
+def test_cudnn_out_of_memory_while_building_is_tried_again(as_if_on_cuda, caplog, error):
+    import logging
+
+    ragged = RaggedAttention()
+    ragged._cudnn = _FakeCudnn(error)
+    q, k, v = (torch.randn(70, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    offsets = torch.tensor([0, 64, 70], dtype=torch.int32)
+    with caplog.at_level(logging.WARNING):
+        assert ragged(q, k, v, offsets, 64, 0.25) is None
+    assert ragged.state == {"plans": 0, "refused": {}} and "ran out of memory" in caplog.text
+    assert ragged(q, k, v, offsets, 64, 0.25) is None   # tried again: now a real refusal
+    assert ragged._cudnn.handles == 2
+    assert list(ragged.state["refused"].values()) == ["RuntimeError: no plan in this fake"]
+    assert ragged(q, k, v, offsets, 64, 0.25) is None and ragged._cudnn.handles == 2

@@ -13,7 +13,9 @@ memory takes. ``_short_attention_kernel`` attends a whole segment per program in
 dtype other than float16/bfloat16, segments longer than :data:`MAX_ROWS`, heads wider than
 :data:`MAX_HEAD_DIM`, a head not contiguous within its row, or Triton missing. The kernel compiles
 at its first call for a shape; a shape met first inside a CUDA-graph capture is served by flash
-varlen (the runtime's warm-up run before each capture compiles it). Which of the two serves each
+varlen (the runtime's warm-up run before each capture compiles it). A shape whose first run fails
+is left to flash varlen for the process, unless it ran out of memory: that is the moment's
+memory, and the next call tries again. Which of the two serves each
 budget's window layers is measured at capture (``_attention_choice``).
 """
 
@@ -113,9 +115,15 @@ class ShortSegmentAttention:
                     out = self._kernel.attend(q, k, v, offsets, block, scale)
             except Exception as exc:  # Triton cannot compile or run it here
                 first = str(exc).splitlines()[0] if str(exc) else ""
-                self.refused[key] = f"{type(exc).__name__}: {first}"
+                reason = f"{type(exc).__name__}: {first}"
+                if isinstance(exc, torch.OutOfMemoryError):
+                    # the moment's memory, not the shape: flash varlen serves this call only
+                    log.warning("vitgraph: the short-segment attention kernel ran out of memory "
+                                "for %s (%s); flash varlen serves this call", key, reason)
+                    return None
+                self.refused[key] = reason
                 log.warning("vitgraph: the short-segment attention kernel failed for %s (%s); "
-                            "flash varlen serves it", key, self.refused[key])
+                            "flash varlen serves it", key, reason)
                 return None
             self._ready.add(key)
             return out
