@@ -15,11 +15,15 @@ already at the head size named, the padding copy timed apart (``pad``):
   the packed graphs run;
 - ``sdpa``: ``F.scaled_dot_product_attention`` on the real segment alone (PyTorch's pick, cuDNN on
   an H100: what a budget that fits the image exactly could run);
-- ``flash-varlen``: ``varlen_attn``, the fallback.
+- ``flash-varlen``: ``varlen_attn``, the fallback;
+- ``cudnn-padmask``: cuDNN through the frontend without ragged offsets: one sequence of all the
+  rows, the keys past the real rows hidden by cuDNN's padding mask (sequence lengths as device
+  tensors, so it would capture as the ragged graph does). Asks whether the ragged graph's gap to
+  ``sdpa`` is the ragged addressing or the mask.
 
-TFLOP/s are counted at the real head size (4 * rows^2 * heads * head), so a padded kernel that is
+TFLOP/s are counted at the real head size (4 * real_rows^2 * heads * head), so a padded kernel that is
 no faster reads lower. ``err`` is the max abs difference from the same kernel at the real head
-size (bf16 inputs of unit variance).
+size, and at the real head size from ``sdpa`` on the real rows (bf16 inputs of unit variance).
 
 Usage: python benchmarks/attention_head_padding_probe.py. Text to stdout and
 $OUT/attention_head_padding_probe.txt.
@@ -43,16 +47,56 @@ CASES = {
 }
 
 
+def cudnn_padding_mask(q, k, v, real, scale):
+    """A callable running one cuDNN SDPA graph over ``(rows, heads, head)`` q, k, v as a batch
+    of one sequence whose first ``real`` rows are real (cuDNN's padding mask hides the rest)."""
+    import cudnn
+
+    rows, heads, dim = q.shape
+    handle = cudnn.create_handle()
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
+                          intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    dims, strides = [1, heads, rows, dim], [rows * heads * dim, dim, heads * dim, 1]
+    seq = graph.tensor(name="seq", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1],
+                       data_type=cudnn.data_type.INT32)
+    qkv = [graph.tensor(name=n, dim=dims, stride=strides, data_type=cudnn.data_type.BFLOAT16)
+           for n in "qkv"]
+    o, _ = graph.sdpa(name="sdpa", q=qkv[0], k=qkv[1], v=qkv[2], generate_stats=False,
+                      attn_scale=scale, use_padding_mask=True, seq_len_q=seq, seq_len_kv=seq)
+    o.set_output(True).set_dim(dims).set_stride(strides)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(max(graph.get_workspace_size(), 1), device=q.device,
+                            dtype=torch.uint8)
+    lengths = torch.full((1, 1, 1, 1), real, dtype=torch.int32, device=q.device)
+    out = torch.zeros_like(q)
+    feeds = {qkv[0]: q, qkv[1]: k, qkv[2]: v, o: out, seq: lengths}
+
+    def run():
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        graph.execute(feeds, workspace, handle=handle)
+        return out
+
+    return run
+
+
 def _kernels(q, k, v, offsets, real, scale):
     from torch.nn.attention.varlen import varlen_attn
 
     ragged = RaggedAttention() if cudnn_frontend_reason() is None else None
     rows = q.shape[0]
-    out = {}
+    dense = [x[:real].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+    out = {"sdpa": lambda: F.scaled_dot_product_attention(*dense, scale=scale)[0].transpose(0, 1)}
     if ragged is not None:
         out["cudnn-ragged"] = lambda: ragged(q, k, v, offsets, rows, scale)
-    dense = [x[:real].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-    out["sdpa"] = lambda: F.scaled_dot_product_attention(*dense, scale=scale)[0].transpose(0, 1)
+        try:
+            out["cudnn-padmask"] = cudnn_padding_mask(q, k, v, real, scale)
+        except Exception as exc:  # the frontend refuses the graph
+            print(f"cudnn-padmask not built: {type(exc).__name__}: {exc}".splitlines()[0])
     out["flash-varlen"] = lambda: varlen_attn(q, k, v, offsets, offsets, rows, rows, scale=scale)
     return out
 
@@ -93,8 +137,9 @@ def main() -> None:
                         continue
                     if width == head:
                         base[kname] = got
-                    err = ((got - base[kname]).abs().max().item() if kname in base
-                           else float("nan"))
+                    # at the real head size against sdpa on the real rows, padded against itself
+                    ref = base.get("sdpa" if width == head else kname)
+                    err = (got - ref).abs().max().item() if ref is not None else float("nan")
                     lines.append(f"{name:<30}{width:>5}  {kname:<14}{ms:>8.3f}"
                                  f"{flop / ms / 1e9:>9.0f}"
                                  f"{(pad_ms if width != head else 0.0):>8.3f}{err:>10.2e}")

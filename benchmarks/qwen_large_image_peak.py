@@ -11,7 +11,8 @@ warm-up (the served tower's first call captures its graphs).
 
 ``--modes`` picks among those, ``epilogue-off`` (``epilogue_fusion="off"``: the gated MLP's
 GEMMs through cuBLAS and a separate SiLU-mul kernel) and ``windows-flash`` (the defaults with the
-window layers on flash varlen instead of the short-segment kernel).
+window layers on flash varlen instead of the short-segment kernel) and ``dense`` (budgets of one
+image whose full attention is dense SDPA over the widened heads: ``_packed_attention``).
 
 Usage: python benchmarks/qwen_large_image_peak.py [--reps 20] [--modes vitgraph,varlen,...]. Text to stdout and to
 $OUT/qwen_large_image_peak.txt when $OUT is set.
@@ -41,7 +42,7 @@ SIDES = (32, 64, 128)
 #: Each mode's serve() settings beside the defaults.
 SETTINGS = {"vitgraph": {}, "varlen": {"attention": "varlen"},
             "1-item": {"max_items_per_graph": 1}, "epilogue-off": {"epilogue_fusion": "off"},
-            "windows-flash": {}}
+            "windows-flash": {}, "dense": {"attention": "dense", "max_items_per_graph": 1}}
 #: Modes that change the served tower after serve(): the defaults with window layers on flash
 #: varlen instead of the short-segment kernel.
 AFTER = {"windows-flash": flash_windows}

@@ -99,9 +99,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
 
 
 def wide_width(head_dim: int) -> int:
-    """Head width of :func:`widen_for_dense`'s buffer: at least one extra channel, a multiple of
-    8 (the fused SDPA kernels need it)."""
-    return (head_dim // 8 + 1) * 8
+    """Head width of :func:`widen_for_dense`'s buffer: at least one extra channel, rounded up to
+    a multiple of 16. The fused SDPA kernels need a multiple of 8, but cuDNN's dense kernel ran
+    Qwen2.5-VL's heads of 80 widened to 88 about 15 % slower than widened to 96, over 4,096 and
+    16,384 rows on an H100 (72 widened to 80 ran as fast as to 96;
+    ``benchmarks/results/attention_head_padding_*``)."""
+    return (head_dim // 16 + 1) * 16
 
 
 def widen_for_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor
@@ -135,7 +138,7 @@ def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          segments: Segments, scale: float) -> torch.Tensor:
     """Dense SDPA over all rows where only rows ``[0, offsets[1])`` are keys.
 
-    Each head gets one more channel (then zeros up to a multiple of 8): 1 in every query, 0 in
+    Each head gets one more channel (then zeros up to :func:`wide_width`): 1 in every query, 0 in
     the real keys and ``_HIDDEN_KEY`` in the padding keys. A real key's score is unchanged (plus
     ``1 * 0``); a padding key's is far below anything ``exp`` returns non-zero for. The real rows'
     outputs are exactly segment attention's; the padding rows attend to the real keys (finite
