@@ -14,15 +14,20 @@ Each row also gives the FLOP rate of the attention kernels (attention FLOPs coun
 ``4 * rows^2 * hidden`` per full-attention layer, the window layers' as ``4 * rows * window_rows *
 hidden``) so the attention's distance from the matmul peak shows.
 
-Usage: python benchmarks/packed_kernel_profile.py [--parts qwen3,qwen25,qwen25-epilogue-off]. Text to stdout and
-$OUT/packed_kernel_profile.txt when $OUT is set.
+Each row also gives the kernels per call and the wall time of one call (the GPU idle at its
+start): where the kernels' sum falls short of it, the graph's GPU waits between kernels.
+
+Usage: python benchmarks/packed_kernel_profile.py [--parts qwen3,qwen25,qwen25-epilogue-off]
+[--side 128]. Text to stdout and $OUT/packed_kernel_profile.txt when $OUT is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,22 +57,37 @@ def kernel_events(fn, calls: int = 5) -> list[tuple[str, float]]:
             if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0]
 
 
-def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float]]:
+def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float], float]:
     kinds: collections.Counter = collections.Counter()
     kernels: collections.Counter = collections.Counter()
-    for name, ms in kernel_events(fn, calls):
+    events = kernel_events(fn, calls)
+    for name, ms in events:
         kinds[_kind(name)] += ms / calls
         kernels[name[:80]] += ms / calls
-    return dict(kinds), dict(kernels.most_common(5))
+    return dict(kinds), dict(kernels.most_common(5)), len(events) / calls
+
+
+def wall_ms(fn, reps: int = 10) -> float:
+    """Median ms of one call between device syncs (the GPU idle at each start)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def report(name: str, fn, attention_flops: float) -> list[str]:
-    kinds, top = kernel_times(fn)
+    kinds, top, count = kernel_times(fn)
     total = sum(kinds.values())
+    wall = wall_ms(fn)
     attn = kinds.get("attention", 0.0)
     rate = attention_flops / (attn / 1e3) / 1e12 if attn else float("nan")
     lines = [f"{name}: {total:.2f} ms of kernels per call; attention {attn:.2f} ms "
-             f"({rate:.0f} TFLOP/s)"]
+             f"({rate:.0f} TFLOP/s); {count:.0f} kernels per call; wall {wall:.2f} ms per "
+             f"call, the kernels busy {total / wall:.0%} of it"]
     lines += [f"    {kind:<52}{ms:8.2f} ms" for kind, ms in sorted(kinds.items(),
                                                                   key=lambda kv: -kv[1])]
     lines += ["    top kernels:"] + [f"      {ms:7.2f} ms  {k}" for k, ms in top.items()]
@@ -77,7 +97,10 @@ def report(name: str, fn, attention_flops: float) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="qwen3,qwen25")
-    parts = parser.parse_args().parts.split(",")
+    parser.add_argument("--side", type=int, default=128,
+                        help="the Qwen2.5 image's side in patches (128: 16,384 patches)")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; bf16, random "
              "weights; ms per call, summed over the graph's kernels"]
     # towers built outside inference_mode: inference-tensor weights turn the padded MLP copies
@@ -87,7 +110,7 @@ def main() -> None:
     for part, settings in (("qwen25", {}), ("qwen25-epilogue-off", {"epilogue_fusion": "off"}),
                            ("qwen25-windows-flash", {})):
         if part in parts:
-            lines += qwen25_rows(settings, part.endswith("windows-flash"))
+            lines += qwen25_rows(settings, part.endswith("windows-flash"), args.side)
     emit(lines, "packed_kernel_profile")
 
 
@@ -110,19 +133,20 @@ def qwen3_rows() -> list[str]:
     return lines
 
 
-def qwen25_rows(settings: dict, windows_flash: bool = False) -> list[str]:
+def qwen25_rows(settings: dict, windows_flash: bool = False, side: int = 128) -> list[str]:
     served = serve(qwen25_tower(), **settings)
     if windows_flash:
         flash_windows(served)
-    rows, hidden = 128 * 128, 1280
+    rows, hidden = side * side, 1280
     pv = torch.randn(rows, 1176, device="cuda", dtype=torch.bfloat16)
-    grid = [[1, 128, 128]]
+    grid = [[1, side, side]]
     window_rows = 4 * 4 * 4  # 112 px windows: 4 x 4 merged tokens of 4 rows
     flops = 4 * 4 * rows * rows * hidden + 28 * 4 * rows * window_rows * hidden
     name = "default options" if not settings else str(settings)
     name += ", window layers on flash varlen" if windows_flash else ""
     with torch.inference_mode():
-        lines = report(f"qwen2.5-vl-3b, 16384 patches ({name})", lambda: served(pv, grid), flops)
+        lines = report(f"qwen2.5-vl-3b, {rows} patches ({name})", lambda: served(pv, grid),
+                       flops)
     lines.append(f"    window kernels by static rows: "
                  f"{served.encoder.attention_state['windows']['by_rows']}")
     return lines
