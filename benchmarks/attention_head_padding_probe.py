@@ -21,9 +21,10 @@ already at the head size named, the padding copy timed apart (``pad``):
   tensors, so it would capture as the ragged graph does). Asks whether the ragged graph's gap to
   ``sdpa`` is the ragged addressing or the mask.
 
-TFLOP/s are counted at the real head size (4 * real_rows^2 * heads * head), so a padded kernel that is
-no faster reads lower. ``err`` is the max abs difference from the same kernel at the real head
-size, and at the real head size from ``sdpa`` on the real rows (bf16 inputs of unit variance).
+TFLOP/s are counted at the real head size (4 * real_rows^2 * heads * head), so a padded kernel
+that is no faster reads lower. ``err`` is the max abs difference from the same kernel at the real
+head size, and at the real head size from ``sdpa`` on the real rows (bf16 inputs of unit
+variance).
 
 Usage: python benchmarks/attention_head_padding_probe.py. Text to stdout and
 $OUT/attention_head_padding_probe.txt.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from _bench_out import emit
+from cudnn_ragged_attention_probe import build_plans
 
 from vit_graph_backend.adapters._cudnn_attention import RaggedAttention, cudnn_frontend_reason
 from vit_graph_backend.gpu_timing import graph_ms
@@ -65,13 +67,7 @@ def cudnn_padding_mask(q, k, v, real, scale):
     o, _ = graph.sdpa(name="sdpa", q=qkv[0], k=qkv[1], v=qkv[2], generate_stats=False,
                       attn_scale=scale, use_padding_mask=True, seq_len_q=seq, seq_len_kv=seq)
     o.set_output(True).set_dim(dims).set_stride(strides)
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    workspace = torch.empty(max(graph.get_workspace_size(), 1), device=q.device,
-                            dtype=torch.uint8)
+    workspace = build_plans(cudnn, graph, q.device)
     lengths = torch.full((1, 1, 1, 1), real, dtype=torch.int32, device=q.device)
     out = torch.zeros_like(q)
     feeds = {qkv[0]: q, qkv[1]: k, qkv[2]: v, o: out, seq: lengths}

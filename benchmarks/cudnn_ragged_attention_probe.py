@@ -31,6 +31,16 @@ from varlen_attention_probe import (
 from vit_graph_backend.adapters._cudnn_attention import RaggedAttention
 
 
+def build_plans(cudnn, graph, device) -> torch.Tensor:
+    """Validate a cuDNN graph and build its execution plans; returns its workspace."""
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    return torch.empty(max(graph.get_workspace_size(), 1), device=device, dtype=torch.uint8)
+
+
 def cudnn_ragged(q, k, v, lengths, zero_slots):
     """A callable running one cuDNN ragged SDPA graph over packed ``[rows, heads, dim]`` q/k/v."""
     import cudnn
@@ -61,13 +71,7 @@ def cudnn_ragged(q, k, v, lengths, zero_slots):
                           attn_scale=dim ** -0.5, use_padding_mask=True, seq_len_q=seq,
                           seq_len_kv=seq)
     o.set_output(True).set_dim(dims).set_stride(strides).set_ragged_offset(ragged)
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    workspace = torch.empty(max(graph.get_workspace_size(), 1), device=q.device,
-                            dtype=torch.uint8)
+    workspace = build_plans(cudnn, graph, q.device)
     lens = torch.tensor(lengths + [0] * zero_slots, dtype=torch.int32, device=q.device)
     ragged_t = offsets_of(lengths, zero_slots, q.device) * (heads * dim)
     out = torch.empty_like(q)

@@ -27,7 +27,6 @@ import argparse
 import collections
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,6 +40,7 @@ from qwen_stream import tower as qwen25_tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
 from vit_graph_backend.benchmarking.models import MODELS, build_model  # noqa: E402
+from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
 
 
 def kernel_events(fn, calls: int = 5) -> list[tuple[str, float]]:
@@ -69,14 +69,8 @@ def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float]
 
 def wall_ms(fn, reps: int = 10) -> float:
     """Median ms of one call between device syncs (the GPU idle at each start)."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    timer = CallTimer("cuda")
+    return statistics.median(timer.wall(fn)[1] * 1e3 for _ in range(reps))
 
 
 def report(name: str, fn, attention_flops: float) -> list[str]:
