@@ -101,7 +101,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
 def wide_width(head_dim: int) -> int:
     """Head width of :func:`widen_for_dense`'s buffer: at least one extra channel, rounded up to
     a multiple of 16. The fused SDPA kernels need a multiple of 8, but cuDNN's dense kernel ran
-    Qwen2.5-VL's heads of 80 widened to 88 7 to 15 % slower than widened to 96, over 4,096 and
+    Qwen2.5-VL's heads of 80 widened to 96 7 to 15 % faster than widened to 88, over 4,096 and
     16,384 rows on an H100 (72 widened to 80 ran as fast as to 96;
     ``benchmarks/results/attention_head_padding_*``)."""
     return (head_dim // 16 + 1) * 16
