@@ -9,8 +9,10 @@ candidate launches fewer kernels, not the one the graph runs faster. :func:`grap
 few calls into a temporary graph and times its replays instead.
 
 It captures with ``CUDAGraph.capture_begin``/``capture_end`` on a side stream rather than through
-``torch.cuda.graph``, whose entry runs a full ``gc.collect()`` and empties the allocator's cache:
-paid for every candidate of every shape, that lands in a model's first pass.
+``torch.cuda.graph``, whose entry synchronizes the device and empties the allocator's device and
+pinned-host caches (and runs ``gc.collect()`` where ``torch.compiler.config.force_cudagraph_gc``
+is set; off by default in torch 2.11): paid for every candidate of every shape, that would land
+in a model's first pass, and emptied caches make the next allocations slow.
 """
 
 from __future__ import annotations
