@@ -25,6 +25,7 @@ import torch
 from _bench_out import emit
 
 from vit_graph_backend import fused_linear
+from vit_graph_backend.benchmarking.timing import CallTimer
 from vit_graph_backend.gpu_timing import graph_ms
 
 # (label, rows, K, N, activation): N is the gated MLP's unpacked width
@@ -38,16 +39,10 @@ SHAPES = ([(f"clip-l fc1 b{b}", 577 * b, 1024, 4096, "quick_gelu")
 
 
 def launch_ms(fn, runs=5):
+    """Median ms of single launches timed with events (the GPU idle at each)."""
     fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    timer = CallTimer("cuda")
+    return statistics.median(timer.time_call(fn, ())[1] for _ in range(runs))
 
 
 def operands(rows, k, n, activation):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vit_graph_backend import fused_linear
+from vit_graph_backend.benchmarking.timing import CallTimer
 from vit_graph_backend.fused_linear import CHOICES
 from vit_graph_backend.gpu_timing import graph_ms
 
@@ -25,15 +26,8 @@ DEV, DT = "cuda", torch.bfloat16
 def _event_ms(fn, reps=10):
     """Single launches timed with events: what the choices used before ``graph_ms``."""
     fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    timer = CallTimer(DEV)
+    return statistics.median(timer.time_call(fn, ())[1] for _ in range(reps))
 
 
 def _own_graph_ms(fn, calls=20, reps=20):
@@ -48,15 +42,8 @@ def _own_graph_ms(fn, calls=20, reps=20):
         for _ in range(calls):
             fn()
     g.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    timer = CallTimer(DEV)
+    return statistics.median(timer.time_call(g.replay, ())[1] / calls for _ in range(reps))
 
 
 def test_short_work_reads_as_gpu_time_not_launch_time():
