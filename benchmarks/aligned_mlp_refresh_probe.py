@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from qwen_stream import tower  # noqa: E402
 
 import vit_graph_backend  # noqa: E402
-from vit_graph_backend.adapters._aligned_mlp import AlignedMLPs, _registrations  # noqa: E402
+from vit_graph_backend.adapters._aligned_mlp import AlignedMLPs  # noqa: E402
+from vit_graph_backend.weight_watch import registrations  # noqa: E402
 
 
 def main() -> None:
@@ -31,11 +32,11 @@ def main() -> None:
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; {len(hf.blocks)} blocks")
     aligned.refresh()
     torch.cuda.synchronize()
-    start, calls = _registrations[0], 3000
+    start, calls = registrations(), 3000
     for _ in range(3):
         us = timeit.timeit(aligned.refresh, number=calls) / calls * 1e6
         print(f"refresh, nothing changed: {us:.1f} us per call (parameter registrations "
-              f"meanwhile: {_registrations[0] - start})")
+              f"meanwhile: {registrations() - start})")
 
 
 if __name__ == "__main__":

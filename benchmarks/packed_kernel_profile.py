@@ -15,7 +15,11 @@ Each row also gives the FLOP rate of the attention kernels (attention FLOPs coun
 hidden``) so the attention's distance from the matmul peak shows.
 
 Each row also gives the kernels per call and the wall time of one call (the GPU idle at its
-start): where the kernels' sum falls short of it, the graph's GPU waits between kernels.
+start): where the kernels' sum falls short of it, the graph's GPU waits between kernels. A
+second line splits that wall: the call's host time (call to return, the GPU idle at its start),
+the span from the first kernel's start to the last one's end, and the GPU's idle time inside the
+span (the gaps between kernels, summed; how many exceed 5 us; the three largest, with the kernels
+on either side), from one profile per call (median of 3).
 
 Usage: python benchmarks/packed_kernel_profile.py [--parts qwen3,qwen25,qwen25-epilogue-off]
 [--side 128]. Text to stdout and $OUT/packed_kernel_profile.txt when $OUT is set.
@@ -27,6 +31,7 @@ import argparse
 import collections
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,6 +72,42 @@ def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float]
     return dict(kinds), dict(kernels.most_common(5)), len(events) / calls
 
 
+def _gaps(fn) -> tuple[float, float, list[float], list[tuple[float, str, str]]]:
+    """One call's kernels, profiled alone: span ms, idle ms inside it, every gap (ms), and the
+    largest three with the kernels around them."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0)
+    gaps, end, before = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append(((start - end) / 1e3, before[:40], name[:40]))
+        if stop > end:
+            end, before = stop, name
+    idle = sum(g for g, _, _ in gaps)
+    return (end - spans[0][0]) / 1e3, idle, [g for g, _, _ in gaps], sorted(gaps)[-3:][::-1]
+
+
+def timeline(fn, calls: int = 3) -> str:
+    """Host ms, span and idle inside the span (see the module docstring), medians of ``calls``."""
+    host = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+    runs = sorted((_gaps(fn) for _ in range(calls)), key=lambda run: run[1])
+    span, idle, gaps, top = runs[len(runs) // 2]
+    largest = "; ".join(f"{g * 1e3:.0f} us {a} -> {b}" for g, a, b in top)
+    return (f"    host {statistics.median(host):.3f} ms; span {span:.2f} ms, idle inside it "
+            f"{idle:.3f} ms in {len(gaps)} gaps ({sum(g > 5e-3 for g in gaps)} over 5 us, "
+            f"{sum(g for g in gaps if g > 5e-3):.3f} ms); largest: {largest}")
+
+
 def wall_ms(fn, reps: int = 10) -> float:
     """Median ms of one call between device syncs (the GPU idle at each start)."""
     timer = CallTimer("cuda")
@@ -81,7 +122,7 @@ def report(name: str, fn, attention_flops: float) -> list[str]:
     rate = attention_flops / (attn / 1e3) / 1e12 if attn else float("nan")
     lines = [f"{name}: {total:.2f} ms of kernels per call; attention {attn:.2f} ms "
              f"({rate:.0f} TFLOP/s); {count:.0f} kernels per call; wall {wall:.2f} ms per "
-             f"call, the kernels busy {total / wall:.0%} of it"]
+             f"call, the kernels busy {total / wall:.0%} of it", timeline(fn)]
     lines += [f"    {kind:<52}{ms:8.2f} ms" for kind, ms in sorted(kinds.items(),
                                                                   key=lambda kv: -kv[1])]
     lines += ["    top kernels:"] + [f"      {ms:7.2f} ms  {k}" for k, ms in top.items()]

@@ -19,6 +19,7 @@ from packaging.version import Version
 __all__ = [
     "MIN_TORCH",
     "TORCH_VERSION",
+    "buffer_table",
     "compile_fx_without_cudagraphs",
     "current_raw_stream",
     "enable_backed_size_oblivious",
@@ -152,9 +153,16 @@ def current_raw_stream(index: int) -> int:
 def parameter_table(module: torch.nn.Module) -> dict[str, Any]:
     """``module._parameters``: the dict ``nn.Module`` keeps its own parameters in, which
     assigning or registering a parameter writes to (torch/nn/modules/module.py). Read on every
-    packed call (``packed._Sentinel``): a lookup there costs about 0.2 us, ``getattr`` through
-    ``nn.Module.__getattr__`` about 2 us."""
+    packed call (``weight_watch.py``, ``adapters/_aligned_mlp.py``): a lookup there costs about
+    0.2 us, ``getattr`` through ``nn.Module.__getattr__`` about 2 us."""
     return module._parameters
+
+
+def buffer_table(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._buffers``: the dict ``nn.Module`` keeps its own buffers in, which assigning or
+    registering a buffer writes to (torch/nn/modules/module.py); read like
+    :func:`parameter_table`."""
+    return module._buffers
 
 
 def end_failed_capture(pool: Any, device: torch.device) -> bool:

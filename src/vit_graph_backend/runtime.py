@@ -353,15 +353,18 @@ class EncoderCudaGraphManager:
         # the graphs read the old addresses: capture again where that is still right
         param = self._watch.param() if self._watch is not None else None
         place = (None, None) if param is None else (param.device, param.dtype)
-        if place == (self.device, self.dtype):
+        added = self._watch.devices_added() if self._watch is not None else set()
+        if place == (self.device, self.dtype) and not added:
             log.warning("vitgraph: the encoder's parameters have new storage (replaced or moved "
                         "after capture); its graphs are captured again")
             self.clear()
         else:
+            where = (f"some of them to {', '.join(sorted(map(str, added)))}" if added
+                     else f"to {place[0]}, {place[1]}")
             self.disable_graphs(
-                f"the encoder's parameters moved to {place[0]}, {place[1]} after graphs were "
-                f"captured for {self.device}, {self.dtype}; build it again (serve() or a new "
-                "manager) to have graphs there")
+                f"the encoder's parameters moved {where} after graphs were captured for "
+                f"{self.device}, {self.dtype}; build it again (serve() or a new manager) to have "
+                "graphs there")
         self._watch = WeightWatch.of(self._watch_module)
 
     def _grad_reason(self, inputs: Any) -> str | None:

@@ -1,53 +1,137 @@
 """`WeightWatch`: whether a module's weights still live where its graphs were captured.
 
 A captured graph reads every weight by address. ``.to()``, ``.half()`` or ``load_state_dict(...,
-assign=True)`` give a whole module new storage and free the old one; a graph replayed after that
+assign=True)`` give a whole module new storage and free the old one; so does, for one tensor,
+``p.data = t`` or a write to its module's table (``module._parameters[name] = p``, which is how
+accelerate's ``set_module_tensor_to_device`` places a weight). A graph replayed after any of them
 reads freed memory and returns wrong numbers without an error (an H100 run:
-``benchmarks/results/packed_served_tower_new_storage_recapture_*``). Every one of those moves
-every parameter, so watching one, the first, catches them for the price of a dictionary read and
-an address (0.2 us on a CPU core). A single parameter given new storage by hand (``p.data = t``)
-is not caught here; the Qwen adapters' padded MLP copies follow their own parameters
-(``adapters/_aligned_mlp.py``), and batched graphs check every tensor they read (``batched.py``).
+``benchmarks/results/packed_served_tower_new_storage_recapture_*``).
+
+So the watch keeps, for every parameter and buffer of the module, the table it lives in and its
+address, and before every call looks each one up again and compares: a ``dict.get`` and a
+``data_ptr()`` per tensor, through C-level ``map``: 40 to 80 us in process for the 392 tensors of
+the Qwen2.5-VL-3B tower on an H100's host
+(``benchmarks/results/weight_watch_check_every_tensor_vs_first_parameter_*``). No hook fires for
+``p.data = t`` or a table write, hence a look at every call (PEFT's ``merge(safe_merge=True)``
+of a LoRA adapter writes ``base_layer.weight.data``). Modules attached after the watch was
+made register their parameters, buffers or themselves, which a process-wide count of those
+registrations notices; the module tree is walked again only then.
 
 :class:`~vit_graph_backend.runtime.EncoderCudaGraphManager` watches its encoder (or the module
 given as ``watch``) before every call: it captures again when the weights moved on the same device
-and dtype, and turns its graphs off with the reason otherwise.
+and dtype, and turns its graphs off with the reason otherwise. Batched graphs check every tensor
+they read themselves (``batched.py``); the Qwen adapters' padded MLP copies follow their own
+parameters, in-place writes included (``adapters/_aligned_mlp.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._compat import parameter_table
+from ._compat import buffer_table, parameter_table
 
-__all__ = ["WeightWatch"]
+__all__ = ["WeightWatch", "registrations"]
+
+_data_ptr = torch.Tensor.data_ptr
+_lookup = dict.get
+
+#: Parameters, buffers and submodules registered anywhere in this process: a module tree walked
+#: at one count is still the same tree while the count has not moved (table writes that bypass
+#: registration are caught by reading the tables themselves).
+_registrations = [0]
+_hook_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _count_registration(*_: Any) -> None:
+    _registrations[0] += 1
+
+
+def registrations() -> int:
+    """How many parameters, buffers and submodules have been registered in this process since
+    the first watch (or :class:`~vit_graph_backend.adapters._aligned_mlp.AlignedMLPs`) was made."""
+    global _hooks_installed
+    if not _hooks_installed:
+        with _hook_lock:
+            if not _hooks_installed:
+                hooks = torch.nn.modules.module
+                hooks.register_module_parameter_registration_hook(_count_registration)
+                hooks.register_module_buffer_registration_hook(_count_registration)
+                hooks.register_module_module_registration_hook(_count_registration)
+                _hooks_installed = True
+    return _registrations[0]
+
+
+def _readable(tensor: torch.Tensor) -> bool:
+    try:  # a tensor subclass without storage of its own has no address to watch
+        tensor.data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 class WeightWatch:
-    """A module's first parameter and the address it had when the watch was made."""
+    """Every parameter and buffer of a module and the address each had when the watch was made."""
 
-    def __init__(self, owner: nn.Module, name: str, param: torch.Tensor) -> None:
-        self._params = parameter_table(owner)  # what assigning a parameter writes to
-        self._name, self._ptr = name, param.data_ptr()
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._slots: tuple[list[dict[str, Any]], list[str]] = ([], [])
+        self._at = -1
+        self._first = 0     # the slot of the module's first parameter
+        self._devices = self._read_slots()
+        self._addresses_then = self._addresses()
 
     @staticmethod
     def of(module: Any) -> WeightWatch | None:
-        """A watch on ``module``'s first parameter (``None`` for no module or no parameter)."""
-        if not isinstance(module, nn.Module):
+        """A watch on ``module``'s weights (``None`` for no module or no parameter)."""
+        if not isinstance(module, nn.Module) or next(module.parameters(), None) is None:
             return None
-        for name, param in module.named_parameters():
-            prefix, _, attr = name.rpartition(".")
-            return WeightWatch(module.get_submodule(prefix), attr, param)
-        return None
+        watch = WeightWatch(module)
+        return watch if watch._slots[1] else None
+
+    def _read_slots(self) -> set[torch.device]:
+        self._at = registrations()
+        tables: list[dict[str, Any]] = []
+        names: list[str] = []
+        first, devices = None, set()
+        for module in self._module.modules():
+            for table in (parameter_table(module), buffer_table(module)):
+                for name, tensor in table.items():
+                    if tensor is None or not _readable(tensor):
+                        continue
+                    if first is None and isinstance(tensor, nn.Parameter):
+                        first = len(names)
+                    tables.append(table)
+                    names.append(name)
+                    devices.add(tensor.device)
+        self._slots, self._first = (tables, names), first or 0
+        return devices
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Each watched tensor now, ``None`` where one was removed."""
+        if self._at != _registrations[0]:
+            self._read_slots()
+        return list(map(_lookup, *self._slots))
+
+    def _addresses(self) -> tuple[int, ...] | None:
+        try:
+            return tuple(map(_data_ptr, self.tensors()))
+        except (TypeError, RuntimeError):  # a tensor removed, or one without storage put in
+            return None
 
     def param(self) -> torch.Tensor | None:
-        """The watched parameter now (``None`` if it was removed)."""
-        return self._params.get(self._name)
+        """The module's first parameter now (``None`` if it was removed)."""
+        tables, names = self._slots
+        return tables[self._first].get(names[self._first])
+
+    def devices_added(self) -> set[torch.device]:
+        """Devices the watched tensors are on now and were not on when the watch was made."""
+        return {t.device for t in self.tensors() if t is not None} - self._devices
 
     def moved(self) -> bool:
-        """Whether the parameter is gone or has other storage than when watched."""
-        param = self.param()
-        return param is None or param.data_ptr() != self._ptr
+        """Whether any watched tensor is gone or has other storage than when watched."""
+        return self._addresses() != self._addresses_then

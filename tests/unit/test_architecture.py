@@ -59,7 +59,7 @@ LAYERS: dict[str, set[str]] = {
     "_compat": set(),
     # fused_linear's op: the Qwen-VL adapters run fc1 + GELU through it (it imports nothing above)
     "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear",
-                 "gpu_timing"},
+                 "gpu_timing", "weight_watch"},
     "stream_order": {"_compat"},
     "graph_capture": {"_compat", "graph_launch"},
     # How a captured graph is instantiated and launched (the CUDA driver through ctypes).

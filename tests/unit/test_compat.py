@@ -144,3 +144,13 @@ def test_parameter_table_is_where_modules_keep_their_parameters():
     lin.weight = torch.nn.Parameter(torch.zeros(2, 2))  # assignment writes the same table
     lin.load_state_dict({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, assign=True)
     assert table["weight"] is lin.weight and torch.equal(table["weight"], torch.ones(2, 2))
+
+
+def test_buffer_table_is_where_modules_keep_their_buffers():
+    norm = torch.nn.BatchNorm1d(2)
+    table = _compat.buffer_table(norm)
+    assert table["running_mean"] is norm.running_mean
+    norm.running_mean = torch.zeros(2)  # assignment writes the same table
+    norm.load_state_dict({**norm.state_dict(), "running_var": torch.full((2,), 3.0)}, assign=True)
+    assert table["running_mean"] is norm.running_mean and table["running_var"] is norm.running_var
+    assert torch.equal(table["running_var"], torch.full((2,), 3.0))

@@ -162,3 +162,26 @@ def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly(caplog):
     reason = served.manager.memory_report()["graphs_off_reason"]
     assert reason and "moved to cpu, torch.float64" in reason
     torch.testing.assert_close(out, tower(pixels.double(), torch.tensor(GRID)).pooler_output)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("how", ["data", "table"])
+def test_one_weight_given_new_storage_is_followed(how, caplog):
+    """One weight other than the first given new storage: by hand (``p.data = t``) or written to
+    its module's table as accelerate's ``set_module_tensor_to_device`` does. No registration hook
+    fires for either; the graphs would read the old address, so they are captured again."""
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    served(pixels, GRID)
+    proj = tower.blocks[0].attn.proj
+    if how == "data":
+        proj.weight.data = proj.weight * 2
+    else:
+        proj._parameters["weight"] = torch.nn.Parameter(proj.weight * 2)
+    with caplog.at_level("WARNING", logger="vit_graph_backend"):
+        out = served(pixels, GRID)
+    assert "captured again" in caplog.text
+    expected = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    served(pixels, GRID)
+    assert caplog.text.count("captured again") == 1

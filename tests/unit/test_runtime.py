@@ -16,6 +16,7 @@ import logging
 from vit_graph_backend.errors import InvalidInputError, InvalidOptionError
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.runtime import EncoderCudaGraphManager
+from vit_graph_backend.weight_watch import WeightWatch
 
 MBS = 4
 
@@ -201,3 +202,25 @@ def test_a_manager_follows_its_encoder_to_new_weight_storage(caplog):
     model.to(torch.float64)
     mgr.run({**call, "x": call["x"].double()})
     assert "moved to cpu, torch.float64" in mgr.memory_report()["graphs_off_reason"]
+
+
+@torch.no_grad()
+def test_a_manager_follows_one_weight_written_to_its_table(caplog, monkeypatch):
+    """One weight, not the first, written to its module's table (accelerate's way): captured
+    again; the same with a device the weights were not on before: graphs off, saying where."""
+    model, mgr = _setup()
+    call = _call([5, 9])
+    mgr.run(call)
+    name, param = list(model.named_parameters())[-1]
+    owner = model.get_submodule(name.rpartition(".")[0])
+    owner._parameters[name.rpartition(".")[2]] = torch.nn.Parameter(param * 3)
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        out = mgr.run(call)
+    assert "captured again" in caplog.text
+    for got, ref in zip(out, run_alone(model, call), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    owner._parameters[name.rpartition(".")[2]] = torch.nn.Parameter(param * 2)
+    # a CPU machine has one device: the offload's other device is stood in for
+    monkeypatch.setattr(WeightWatch, "devices_added", lambda self: {torch.device("meta")})
+    mgr.run(call)
+    assert "moved some of them to meta" in mgr.memory_report()["graphs_off_reason"]

@@ -32,7 +32,6 @@ instead of copies that might go stale (``_qwen_kernels.KernelChoices.sync``).
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +50,7 @@ from ..fused_linear import (
     linear_silu_mul,
     pack_gated,
 )
+from ..weight_watch import registrations
 
 __all__ = ["ALIGNMENT", "AlignedMLPs", "MLPWeights", "UntrackedWeights", "intermediate_size",
            "is_silu", "mlp_linears"]
@@ -86,28 +86,6 @@ _UNTRACKED = ("the tower's MLP parameters are inference tensors (made under torc
 _SHAPES = ((("gate_proj", "up_proj"), "down_proj"),   # Qwen2.5-VL: down(act(gate x) * up x)
            (("fc1",), "fc2"),                        # Qwen2-VL: fc2(act(fc1 x))
            (("linear_fc1",), "linear_fc2"))          # Qwen3-VL: linear_fc2(act(linear_fc1 x))
-
-
-#: Parameter registrations seen in this process (a new Linear registers its parameters when
-#: built), counted by a global hook installed with the first AlignedMLPs: refresh() walks the
-#: modules again for their parameter tables only when this moved (a projection replaced by
-#: another module), instead of at every call.
-_registrations = [0]
-_hook_lock = threading.Lock()
-_hook_installed = False
-
-
-def _count_registration(module: nn.Module, name: str, param: object) -> None:
-    _registrations[0] += 1
-
-
-def _install_registration_hook() -> None:
-    global _hook_installed
-    with _hook_lock:
-        if not _hook_installed:
-            torch.nn.modules.module.register_module_parameter_registration_hook(
-                _count_registration)
-            _hook_installed = True
 
 
 def is_silu(act: object) -> bool:
@@ -180,7 +158,7 @@ class AlignedMLPs:
         self._slots_at = -1
         #: the fingerprint's parameters found to be inference tensors (refused without a scan)
         self._untracked: list[torch.Tensor | None] | None = None
-        _install_registration_hook()
+        registrations()  # installs the process-wide registration count (``weight_watch.py``)
 
     @staticmethod
     def needed(mlps: Sequence[nn.Module], gated: bool = False) -> bool:
@@ -215,8 +193,9 @@ class AlignedMLPs:
         copied. Cheap when nothing changed: one pass over the parameter tables, addresses and
         version counters (the modules are walked again only after a parameter was registered
         somewhere)."""
-        if self._slots is None or self._slots_at != _registrations[0]:
-            self._slots_at = _registrations[0]
+        seen = registrations()
+        if self._slots is None or self._slots_at != seen:
+            self._slots_at = seen
             self._slots = self._read_slots()
         params = list(map(_lookup, *self._slots))  # C-level, like _fingerprint
         if self._untracked is not None and all(map(operator.is_, params, self._untracked)):

@@ -1,0 +1,93 @@
+"""`WeightWatch` sees every way a weight can get new storage (``weight_watch.py``).
+
+A captured graph reads each weight by address, so each case below is one that would otherwise
+replay over freed memory: the watch must say "moved" for it, and must not for an in-place write
+(the graph reads the new values where they are) or for modules made elsewhere in the process.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vit_graph_backend.weight_watch import WeightWatch, registrations
+
+
+class _Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.register_buffer("scale", torch.ones(8))
+
+
+def _watched() -> tuple[_Tower, WeightWatch]:
+    torch.manual_seed(0)
+    tower = _Tower()
+    watch = WeightWatch.of(tower)
+    assert watch is not None and not watch.moved()
+    return tower, watch
+
+
+@torch.no_grad()
+def test_in_place_writes_and_modules_made_elsewhere_are_not_moves():
+    tower, watch = _watched()
+    tower.blocks[1].weight.mul_(2.0)
+    tower.scale.add_(1.0)
+    tower.load_state_dict({k: v * 3 for k, v in tower.state_dict().items()})  # copies in place
+    before = registrations()
+    nn.Linear(8, 8)  # registers two parameters somewhere else
+    assert registrations() > before
+    assert not watch.moved()
+
+
+@torch.no_grad()
+def test_one_parameter_given_new_storage_by_hand_is_a_move():
+    tower, watch = _watched()
+    tower.blocks[2].bias.data = torch.zeros(8)  # not the first parameter, not a registration
+    assert watch.moved()
+
+
+@torch.no_grad()
+def test_a_write_to_a_parameter_table_is_a_move():
+    """accelerate's ``set_module_tensor_to_device`` puts a weight in place this way."""
+    tower, watch = _watched()
+    tower.blocks[1]._parameters["weight"] = nn.Parameter(torch.zeros(8, 8))
+    assert watch.moved()
+
+
+@torch.no_grad()
+def test_a_replaced_buffer_is_a_move():
+    tower, watch = _watched()
+    tower.scale = torch.full((8,), 2.0)
+    assert watch.moved()
+
+
+@torch.no_grad()
+def test_a_replaced_submodule_is_a_move():
+    tower, watch = _watched()
+    made = nn.Linear(8, 8)      # made before the watch sees it: its registration is earlier
+    assert not watch.moved()
+    tower.blocks[0] = made       # attaching it is a registration: the tree is walked again
+    assert watch.moved()
+
+
+@torch.no_grad()
+def test_a_removed_parameter_is_a_move():
+    tower, watch = _watched()
+    tower.blocks[0].bias = None
+    assert watch.moved()
+
+
+@torch.no_grad()
+def test_the_first_parameter_and_devices_added():
+    tower, watch = _watched()
+    assert watch.param() is tower.embed.weight and watch.devices_added() == set()
+    # one weight offloaded, as accelerate's set_module_tensor_to_device does it
+    tower.blocks[1]._parameters["weight"] = nn.Parameter(torch.empty(8, 8, device="meta"))
+    assert watch.moved() and watch.devices_added() == {torch.device("meta")}
+    assert watch.param() is tower.embed.weight  # the first parameter is where it was
+
+
+def test_no_watch_without_parameters():
+    assert WeightWatch.of(nn.ReLU()) is None and WeightWatch.of(object()) is None
