@@ -20,7 +20,6 @@ import io
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,14 +35,8 @@ SIDES = (16, 32, 64, 128)
 
 
 def host_ms(fn, reps: int = 10) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    timer = CallTimer("cuda")
+    return statistics.median(timer.host(fn)[1] * 1e3 for _ in range(reps))
 
 
 def profile_rows(fn, calls: int = 20, top: int = 24) -> list[str]:

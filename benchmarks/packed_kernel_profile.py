@@ -31,7 +31,6 @@ import argparse
 import collections
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -93,13 +92,8 @@ def _gaps(fn) -> tuple[float, float, list[float], list[tuple[float, str, str]]]:
 
 def timeline(fn, calls: int = 3) -> str:
     """Host ms, span and idle inside the span (see the module docstring), medians of ``calls``."""
-    host = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()
+    timer = CallTimer("cuda")
+    host = [timer.host(fn)[1] * 1e3 for _ in range(calls)]
     runs = sorted((_gaps(fn) for _ in range(calls)), key=lambda run: run[1])
     span, idle, gaps, top = runs[len(runs) // 2]
     largest = "; ".join(f"{g * 1e3:.0f} us {a} -> {b}" for g, a, b in top)

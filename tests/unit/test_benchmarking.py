@@ -29,7 +29,7 @@ from vit_graph_backend.benchmarking.models import availability, build_model, cal
 from vit_graph_backend.benchmarking.runner import attention_note, stream_budget_range
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.plan_preview import plan_stream, summarize_plans
-from vit_graph_backend.benchmarking.timing import percentile, summarize
+from vit_graph_backend.benchmarking.timing import CallTimer, percentile, summarize
 from vit_graph_backend.benchmarking.workloads import make_stream, resolve_modality
 from vit_graph_backend.budgets import BudgetConfig
 from vit_graph_backend.specs import EncoderItemSpec
@@ -197,6 +197,19 @@ def test_percentile_interpolates_like_numpy():
                                      "min": 1.0, "max": 3.0}
     with pytest.raises(ValueError, match="no values"):
         percentile([], 50)
+
+
+def test_host_time_ends_when_the_call_returns_and_the_device_is_waited_on_after(monkeypatch):
+    """``CallTimer.host``: synced before the call, the clock stopped at its return, synced after
+    (a CUDA device stood in for: the two syncs are recorded, the call sleeps 20 ms)."""
+    import time
+
+    timer = CallTimer("cpu")
+    events = []
+    monkeypatch.setattr(timer, "sync", lambda: events.append("sync"))
+    result, seconds = timer.host(lambda: events.append("call") or time.sleep(0.02) or 7)
+    assert result == 7 and events == ["sync", "call", "sync"]
+    assert 0.02 <= seconds < 1.0
 
 
 # -- JSON schema ---------------------------------------------------------------------------------

@@ -84,6 +84,17 @@ class CallTimer:
         self.sync()
         return result, time.perf_counter() - start
 
+    def host(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        """Run ``fn()`` with the device idle at its start; return its result and the seconds
+        until it returned (its host time, when it never waits for the device), then wait for the
+        device."""
+        self.sync()
+        start = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - start
+        self.sync()
+        return result, seconds
+
 
 def progress(iterable: Iterable[T], *, desc: str, total: int | None = None,
              enabled: bool = True) -> Iterator[T]:
