@@ -19,10 +19,14 @@ start): where the kernels' sum falls short of it, the graph's GPU waits between 
 second line splits that wall: the call's host time (call to return, the GPU idle at its start),
 the span from the first kernel's start to the last one's end, and the GPU's idle time inside the
 span (the gaps between kernels, summed; how many exceed 5 us; the three largest, with the kernels
-on either side), from one profile per call (median of 3).
+on either side), from one profile per call (median of 3). With ``--back-to-back N``, a third
+line gives the same for N calls issued with no sync between them, per call, beside their
+unprofiled wall: whether the kernels run slower in a sustained stream (clocks under the power
+limit) than one call at a time.
 
 Usage: python benchmarks/packed_kernel_profile.py [--parts qwen3,qwen25,qwen25-epilogue-off]
-[--side 128]. Text to stdout and $OUT/packed_kernel_profile.txt when $OUT is set.
+[--side 128] [--back-to-back 20]. Text to stdout and $OUT/packed_kernel_profile.txt when $OUT
+is set.
 """
 
 from __future__ import annotations
@@ -71,12 +75,15 @@ def kernel_times(fn, calls: int = 5) -> tuple[dict[str, float], dict[str, float]
     return dict(kinds), dict(kernels.most_common(5)), len(events) / calls
 
 
-def _gaps(fn) -> tuple[float, float, list[float], list[tuple[float, str, str]]]:
-    """One call's kernels, profiled alone: span ms, idle ms inside it, every gap (ms), and the
-    largest three with the kernels around them."""
+def _gaps(fn, calls: int = 1) -> tuple[float, float, list[float], list[tuple[float, str, str]],
+                                       float]:
+    """``calls`` calls' kernels, issued with no sync between them and profiled alone: span ms,
+    idle ms inside it, every gap (ms), the largest three with the kernels around them, and the
+    kernels' busy ms."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0)
@@ -87,7 +94,21 @@ def _gaps(fn) -> tuple[float, float, list[float], list[tuple[float, str, str]]]:
         if stop > end:
             end, before = stop, name
     idle = sum(g for g, _, _ in gaps)
-    return (end - spans[0][0]) / 1e3, idle, [g for g, _, _ in gaps], sorted(gaps)[-3:][::-1]
+    span = (end - spans[0][0]) / 1e3
+    return span, idle, [g for g, _, _ in gaps], sorted(gaps)[-3:][::-1], span - idle
+
+
+def back_to_back(fn, calls: int) -> str:
+    """Per call, ``calls`` calls issued with no sync between them: the kernels' busy time and the
+    idle time inside the profiled span, and the unprofiled wall (the host hidden behind the GPU):
+    whether the kernels themselves run slower in a sustained stream than one call at a time."""
+    span, idle, gaps, top, busy = _gaps(fn, calls)
+    timer = CallTimer("cuda")
+    wall = timer.wall(lambda: [fn() for _ in range(calls)])[1] * 1e3 / calls
+    largest = "; ".join(f"{g * 1e3:.0f} us {a} -> {b}" for g, a, b in top)
+    return (f"    back to back, {calls} calls: kernels busy {busy / calls:.2f} ms per call, idle "
+            f"inside the span {idle / calls:.3f} ms per call; unprofiled wall {wall:.2f} ms per "
+            f"call; largest gaps: {largest}")
 
 
 def timeline(fn, calls: int = 3) -> str:
@@ -95,7 +116,7 @@ def timeline(fn, calls: int = 3) -> str:
     timer = CallTimer("cuda")
     host = [timer.host(fn)[1] * 1e3 for _ in range(calls)]
     runs = sorted((_gaps(fn) for _ in range(calls)), key=lambda run: run[1])
-    span, idle, gaps, top = runs[len(runs) // 2]
+    span, idle, gaps, top, _ = runs[len(runs) // 2]
     largest = "; ".join(f"{g * 1e3:.0f} us {a} -> {b}" for g, a, b in top)
     return (f"    host {statistics.median(host):.3f} ms; span {span:.2f} ms, idle inside it "
             f"{idle:.3f} ms in {len(gaps)} gaps ({sum(g > 5e-3 for g in gaps)} over 5 us, "
@@ -108,7 +129,7 @@ def wall_ms(fn, reps: int = 10) -> float:
     return statistics.median(timer.wall(fn)[1] * 1e3 for _ in range(reps))
 
 
-def report(name: str, fn, attention_flops: float) -> list[str]:
+def report(name: str, fn, attention_flops: float, streamed: int = 0) -> list[str]:
     kinds, top, count = kernel_times(fn)
     total = sum(kinds.values())
     wall = wall_ms(fn)
@@ -117,6 +138,8 @@ def report(name: str, fn, attention_flops: float) -> list[str]:
     lines = [f"{name}: {total:.2f} ms of kernels per call; attention {attn:.2f} ms "
              f"({rate:.0f} TFLOP/s); {count:.0f} kernels per call; wall {wall:.2f} ms per "
              f"call, the kernels busy {total / wall:.0%} of it", timeline(fn)]
+    if streamed:
+        lines.append(back_to_back(fn, streamed))
     lines += [f"    {kind:<52}{ms:8.2f} ms" for kind, ms in sorted(kinds.items(),
                                                                   key=lambda kv: -kv[1])]
     lines += ["    top kernels:"] + [f"      {ms:7.2f} ms  {k}" for k, ms in top.items()]
@@ -128,6 +151,8 @@ def main() -> None:
     parser.add_argument("--parts", default="qwen3,qwen25")
     parser.add_argument("--side", type=int, default=128,
                         help="the Qwen2.5 image's side in patches (128: 16,384 patches)")
+    parser.add_argument("--back-to-back", type=int, default=0, metavar="N",
+                        help="also profile N calls issued with no sync between them (Qwen2.5)")
     args = parser.parse_args()
     parts = args.parts.split(",")
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; bf16, random "
@@ -139,7 +164,8 @@ def main() -> None:
     for part, settings in (("qwen25", {}), ("qwen25-epilogue-off", {"epilogue_fusion": "off"}),
                            ("qwen25-windows-flash", {})):
         if part in parts:
-            lines += qwen25_rows(settings, part.endswith("windows-flash"), args.side)
+            lines += qwen25_rows(settings, part.endswith("windows-flash"), args.side,
+                                 args.back_to_back)
     emit(lines, "packed_kernel_profile")
 
 
@@ -162,7 +188,8 @@ def qwen3_rows() -> list[str]:
     return lines
 
 
-def qwen25_rows(settings: dict, windows_flash: bool = False, side: int = 128) -> list[str]:
+def qwen25_rows(settings: dict, windows_flash: bool = False, side: int = 128,
+                streamed: int = 0) -> list[str]:
     served = serve(qwen25_tower(), **settings)
     if windows_flash:
         flash_windows(served)
@@ -175,7 +202,7 @@ def qwen25_rows(settings: dict, windows_flash: bool = False, side: int = 128) ->
     name += ", window layers on flash varlen" if windows_flash else ""
     with torch.inference_mode():
         lines = report(f"qwen2.5-vl-3b, {rows} patches ({name})", lambda: served(pv, grid),
-                       flops)
+                       flops, streamed)
     lines.append(f"    window kernels by static rows: "
                  f"{served.encoder.attention_state['windows']['by_rows']}")
     return lines
