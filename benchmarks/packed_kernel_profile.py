@@ -98,6 +98,10 @@ def _gaps(fn, calls: int = 1) -> tuple[float, float, list[float], list[tuple[flo
     return span, idle, [g for g, _, _ in gaps], sorted(gaps)[-3:][::-1], span - idle
 
 
+def _named(top: list[tuple[float, str, str]]) -> str:
+    return "; ".join(f"{g * 1e3:.0f} us {a} -> {b}" for g, a, b in top)
+
+
 def back_to_back(fn, calls: int) -> str:
     """Per call, ``calls`` calls issued with no sync between them: the kernels' busy time and the
     idle time inside the profiled span, and the unprofiled wall (the host hidden behind the GPU):
@@ -105,10 +109,9 @@ def back_to_back(fn, calls: int) -> str:
     span, idle, gaps, top, busy = _gaps(fn, calls)
     timer = CallTimer("cuda")
     wall = timer.wall(lambda: [fn() for _ in range(calls)])[1] * 1e3 / calls
-    largest = "; ".join(f"{g * 1e3:.0f} us {a} -> {b}" for g, a, b in top)
     return (f"    back to back, {calls} calls: kernels busy {busy / calls:.2f} ms per call, idle "
             f"inside the span {idle / calls:.3f} ms per call; unprofiled wall {wall:.2f} ms per "
-            f"call; largest gaps: {largest}")
+            f"call; largest gaps: {_named(top)}")
 
 
 def timeline(fn, calls: int = 3) -> str:
@@ -117,10 +120,9 @@ def timeline(fn, calls: int = 3) -> str:
     host = [timer.host(fn)[1] * 1e3 for _ in range(calls)]
     runs = sorted((_gaps(fn) for _ in range(calls)), key=lambda run: run[1])
     span, idle, gaps, top, _ = runs[len(runs) // 2]
-    largest = "; ".join(f"{g * 1e3:.0f} us {a} -> {b}" for g, a, b in top)
     return (f"    host {statistics.median(host):.3f} ms; span {span:.2f} ms, idle inside it "
             f"{idle:.3f} ms in {len(gaps)} gaps ({sum(g > 5e-3 for g in gaps)} over 5 us, "
-            f"{sum(g for g in gaps if g > 5e-3):.3f} ms); largest: {largest}")
+            f"{sum(g for g in gaps if g > 5e-3):.3f} ms); largest: {_named(top)}")
 
 
 def wall_ms(fn, reps: int = 10) -> float:
