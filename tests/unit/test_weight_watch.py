@@ -8,6 +8,8 @@ replay over freed memory: the watch must say "moved" for it, and must not for an
 from __future__ import annotations
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from vit_graph_backend.weight_watch import WeightWatch, registrations
@@ -91,3 +93,46 @@ def test_the_first_parameter_and_devices_added():
 
 def test_no_watch_without_parameters():
     assert WeightWatch.of(nn.ReLU()) is None and WeightWatch.of(object()) is None
+
+
+def _addresses(module: nn.Module) -> list[tuple[str, int]]:
+    """Every parameter and buffer by name and address, read through ``named_parameters`` and
+    ``named_buffers``: an oracle that shares nothing with the watch's table lookups."""
+    tensors = [*module.named_parameters(remove_duplicate=False),
+               *module.named_buffers(remove_duplicate=False)]
+    return sorted((name, t.data_ptr()) for name, t in tensors)
+
+
+_OPS = ("in_place", "data", "table", "buffer", "submodule", "remove_bias", "elsewhere")
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(_OPS), st.integers(0, 2)), max_size=6))
+@torch.no_grad()
+def test_moved_exactly_when_some_weight_has_another_address(ops):
+    """Any sequence of weight changes: the watch says "moved" exactly when some parameter or
+    buffer now has another address than when it was made, or is gone, or is new."""
+    tower, watch = _watched()
+    before = _addresses(tower)
+    kept = []  # old tensors held alive, so a freed address cannot be reused by the next op
+    for op, i in ops:
+        block = tower.blocks[i]
+        if op == "in_place":
+            block.weight.mul_(0.5)
+        elif op == "data":
+            kept.append(block.weight.data)
+            block.weight.data = block.weight * 2
+        elif op == "table":
+            kept.append(block.weight)
+            block._parameters["weight"] = nn.Parameter(block.weight * 2)
+        elif op == "buffer":
+            kept.append(tower.scale)
+            tower.scale = tower.scale * 2
+        elif op == "submodule":
+            kept.append(block)
+            tower.blocks[i] = nn.Linear(8, 8)
+        elif op == "remove_bias":
+            kept.append(block.bias)
+            block.bias = None
+        else:
+            kept.append(nn.Linear(8, 8))  # registered elsewhere: no weight of the tower moved
+    assert watch.moved() == (_addresses(tower) != before)
