@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import pstats
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
+from packed_host_overhead import profile_rows  # noqa: E402
 from qwen_stream import tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
@@ -92,9 +92,7 @@ def main() -> None:
                 served(pv, grid)
                 prof.disable()
             torch.cuda.synchronize()
-            stats = pstats.Stats(prof).stats
-            own[name] = {f"{Path(f[0]).name}:{f[1]}({f[2]})": v[2] / 15 * 1e6
-                         for f, v in stats.items()}
+            own[name] = {where: us for us, _, _, where in profile_rows(prof, 15)}
     keys = set(own["after sync"]) | set(own["GPU busy"])
     diff = sorted(keys, key=lambda k: own["GPU busy"].get(k, 0) - own["after sync"].get(k, 0))
     lines.append("cProfile own us per call, after sync vs GPU busy, largest differences:")

@@ -5,8 +5,9 @@ per call (16 / 32 / 64 / 128 patches a side, the grid given as a list, as a proc
 same image again and again: the call's host time (call to return, the GPU idle at its start;
 median of 10) and its wall time between device syncs. Then ``cProfile`` of 20 calls at
 ``--profile-side`` (each after a device sync): the top host functions by own time and by
-cumulative time, in microseconds per call. A host time that grows with the image's rows, when the
-image and its metadata are the same every call, is work the GPU waits for before each call.
+cumulative time, in microseconds per call (``packed_host_overhead.profile_table``). A host time
+that grows with the image's rows, when the image and its metadata are the same every call, is
+work the GPU waits for before each call.
 
 Usage: python benchmarks/packed_host_by_image_size.py [--profile-side 64]. Text to stdout and
 to $OUT/packed_host_by_image_size.txt when $OUT is set.
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
+from packed_host_overhead import profile_table  # noqa: E402
 from qwen_stream import tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
@@ -39,7 +39,8 @@ def host_ms(fn, reps: int = 10) -> float:
     return statistics.median(timer.host(fn)[1] * 1e3 for _ in range(reps))
 
 
-def profile_rows(fn, calls: int = 20, top: int = 24) -> list[str]:
+def profiled(fn, calls: int = 20, top: int = 24) -> list[str]:
+    """``packed_host_overhead.profile_table`` of ``calls`` calls, each after a device sync."""
     prof = cProfile.Profile()
     for _ in range(calls):
         torch.cuda.synchronize()
@@ -47,18 +48,7 @@ def profile_rows(fn, calls: int = 20, top: int = 24) -> list[str]:
         fn()
         prof.disable()
     torch.cuda.synchronize()
-    lines = []
-    for key in ("tottime", "cumulative"):
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats(key)
-        lines.append(f"  by {key} (us per call):")
-        for func in stats.fcn_list[:top]:
-            _, _, tt, ct, _ = stats.stats[func]
-            where = f"{Path(func[0]).name}:{func[1]}({func[2]})"
-            lines.append(f"    own {tt / calls * 1e6:8.1f}  cum {ct / calls * 1e6:8.1f}  "
-                         f"{where[:100]}")
-    return lines
+    return profile_table(prof, calls, top)
 
 
 def main() -> None:
@@ -80,7 +70,7 @@ def main() -> None:
             wall = statistics.median(timer.wall(fn)[1] * 1e3 for _ in range(10))
             lines.append(f"{side:>6} {side * side:>8} {host_ms(fn):>8.3f} {wall:>8.2f}")
         lines.append(f"cProfile, side {args.profile_side}:")
-        lines += profile_rows(calls[args.profile_side])
+        lines += profiled(calls[args.profile_side])
     emit(lines, "packed_host_by_image_size")
 
 

@@ -114,14 +114,20 @@ def settle(quiet, limit=90.0):
     return waited, first
 
 
-def profile_table(prof, calls, count=28):
-    """The top functions of a ``cProfile`` run, by own time then by cumulative, in microseconds
-    per served call (pstats' own table rounds to milliseconds)."""
-    stats = pstats.Stats(prof).stats
+def profile_rows(prof, calls):
+    """Every function of a ``cProfile`` run: ``(own us, cumulative us, calls, where)`` per
+    served call (pstats' own table rounds to milliseconds)."""
     rows = []
-    for (path, line, func), (_, ncalls, own, cumulative, _) in stats.items():
+    for (path, line, func), (_, ncalls, own, cumulative, _) in pstats.Stats(prof).stats.items():
         where = f"{Path(path).name}:{line}({func})" if path != "~" else func
         rows.append((own * 1e6 / calls, cumulative * 1e6 / calls, ncalls / calls, where))
+    return rows
+
+
+def profile_table(prof, calls, count=28):
+    """The top functions of a ``cProfile`` run, by own time then by cumulative, in microseconds
+    per served call."""
+    rows = profile_rows(prof, calls)
     out = [f"{'own us':>8}{'cum us':>8}{'n/call':>7}  function"]
     for key in (0, 1):
         out += [f"{o:8.1f}{c:8.1f}{n:7.1f}  {w[:110]}"
