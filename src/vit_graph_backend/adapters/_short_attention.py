@@ -15,38 +15,24 @@ dtype other than float16/bfloat16, segments longer than :data:`MAX_ROWS`, heads 
 at its first call for a shape; a shape met first inside a CUDA-graph capture is served by flash
 varlen (the runtime's warm-up run before each capture compiles it). A shape whose first run fails
 is left to flash varlen for the process, unless it ran out of memory: that is the moment's
-memory, and the next call tries again. Which of the two serves each
+memory, and the next call tries again (``_triton_calls``). Which of the two serves each
 budget's window layers is measured at capture (``_attention_choice``).
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-import threading
-from typing import Any
-
 import torch
+
+from ._triton_calls import TritonKernelCalls, triton_reason
 
 __all__ = ["MAX_HEAD_DIM", "MAX_ROWS", "ShortSegmentAttention", "short_unserved_reason",
            "triton_reason"]
-
-log = logging.getLogger(__name__)
 
 #: Longest segment the kernel takes: one register tile of rows (measured up to this size).
 MAX_ROWS = 64
 #: Widest head the kernel takes (its tile is the next power of two, at most 128).
 MAX_HEAD_DIM = 128
 _DTYPES = (torch.float16, torch.bfloat16)
-
-
-def triton_reason() -> str | None:
-    """Why the kernel cannot be imported in this process, or ``None`` if it can."""
-    try:
-        importlib.import_module("triton")
-    except Exception as exc:  # ImportError, or a broken install
-        return f"triton is not importable ({type(exc).__name__}: {exc})"
-    return None
 
 
 def short_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -72,58 +58,24 @@ def short_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return None
 
 
-class ShortSegmentAttention:
+class ShortSegmentAttention(TritonKernelCalls):
     """Segment attention through ``_short_attention_kernel`` (module docstring).
 
     Call it with ``(rows, heads, head_dim)`` q, k, v, the segments' cumulative int32 ``offsets``
     and a static ``max_seqlen``; it returns the attention output, or ``None`` where it does not
-    serve. Thread-safe: one lock covers the table of compiled and refused shapes.
+    serve. Thread-safe (``_triton_calls.TritonKernelCalls``).
     """
 
     def __init__(self) -> None:
-        self._kernel: Any = None
-        #: (device index, dtype, block, head size) compiled by a call outside a capture
-        self._ready: set[tuple[Any, ...]] = set()
-        #: shape key -> why the kernel failed there (flash varlen serves it)
-        self.refused: dict[tuple[Any, ...], str] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def state(self) -> dict[str, Any]:
-        """Shapes compiled (count) and shapes refused with their reasons."""
-        with self._lock:
-            return {"compiled": len(self._ready),
-                    "refused": {str(key): why for key, why in self.refused.items()}}
+        super().__init__("vit_graph_backend.adapters._short_attention_kernel",
+                         "short-segment attention kernel", "flash varlen")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  offsets: torch.Tensor, max_seqlen: int, scale: float,
-                 cache: dict[Any, torch.Tensor] | None = None) -> torch.Tensor | None:
+                 cache: dict | None = None) -> torch.Tensor | None:
         if not q.is_cuda or short_unserved_reason(q, k, v, offsets, max_seqlen) is not None:
             return None
         block = max(16, 1 << (max(max_seqlen, 1) - 1).bit_length())  # next power of two
         key = (q.device.index, q.dtype, block, q.shape[-1])
-        if key in self._ready:
-            return self._kernel.attend(q, k, v, offsets, block, scale)
-        with self._lock:
-            if key in self.refused or torch.cuda.is_current_stream_capturing():
-                return None  # never compiled inside a capture: its warm-up run compiles it
-            try:
-                if self._kernel is None:
-                    self._kernel = importlib.import_module(
-                        "vit_graph_backend.adapters._short_attention_kernel")
-                with torch.cuda.device(q.device):
-                    out = self._kernel.attend(q, k, v, offsets, block, scale)
-            except Exception as exc:  # Triton cannot compile or run it here
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                reason = f"{type(exc).__name__}: {first}"
-                if isinstance(exc, torch.OutOfMemoryError):
-                    # the moment's memory, not the shape: flash varlen serves this call only
-                    log.warning("vitgraph: the short-segment attention kernel ran out of memory "
-                                "for %s (%s); flash varlen serves this call", key, reason)
-                    return None
-                self.refused[key] = reason
-                log.warning("vitgraph: the short-segment attention kernel failed for %s (%s); "
-                            "flash varlen serves it", key, reason)
-                return None
-            self._ready.add(key)
-            return out
+        return self._launch(key, q.device,
+                            lambda kernel: kernel.attend(q, k, v, offsets, block, scale))

@@ -1,0 +1,88 @@
+"""What the package's Triton attention kernels share: compiled once per shape outside CUDA-graph
+capture, a shape whose first run fails remembered and left to the fallback kernel.
+
+A Triton kernel compiles at its first call for a shape; a shape met first inside a capture is
+served by the fallback (the runtime's warm-up run before each capture compiles it). A shape
+whose first run fails is left to the fallback for the process, unless it ran out of memory:
+that is the moment's memory, and the next call tries again. Used by ``_short_attention`` and
+``_segment_attention``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["TritonKernelCalls", "triton_reason"]
+
+log = logging.getLogger(__name__)
+
+
+def triton_reason() -> str | None:
+    """Why Triton cannot be imported in this process, or ``None`` if it can."""
+    try:
+        importlib.import_module("triton")
+    except Exception as exc:  # ImportError, or a broken install
+        return f"triton is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+class TritonKernelCalls:
+    """The compiled and refused shapes of one Triton kernel module (module docstring).
+
+    Args:
+        module: the kernel's module, imported at the first call.
+        what: the kernel's name in warnings; ``fallback``: the kernel that serves instead.
+
+    Thread-safe: one lock covers the table of compiled and refused shapes.
+    """
+
+    def __init__(self, module: str, what: str, fallback: str) -> None:
+        self._module, self._what, self._fallback = module, what, fallback
+        self._kernel: Any = None
+        #: shape keys compiled by a call outside a capture
+        self._ready: set[tuple[Any, ...]] = set()
+        #: shape key -> why the kernel failed there (the fallback serves it)
+        self.refused: dict[tuple[Any, ...], str] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Shapes compiled (count) and shapes refused with their reasons."""
+        with self._lock:
+            return {"compiled": len(self._ready),
+                    "refused": {str(key): why for key, why in self.refused.items()}}
+
+    def _launch(self, key: tuple[Any, ...], device: torch.device,
+                run: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
+        """``run(kernel_module)`` for the shape ``key`` on ``device``, or ``None`` where the
+        fallback serves (refused, first met inside a capture, or failed just now)."""
+        if key in self._ready:
+            return run(self._kernel)
+        with self._lock:
+            if key in self.refused or torch.cuda.is_current_stream_capturing():
+                return None  # never compiled inside a capture: its warm-up run compiles it
+            try:
+                if self._kernel is None:
+                    self._kernel = importlib.import_module(self._module)
+                with torch.cuda.device(device):
+                    out = run(self._kernel)
+            except Exception as exc:  # Triton cannot compile or run it here
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                reason = f"{type(exc).__name__}: {first}"
+                if isinstance(exc, torch.OutOfMemoryError):
+                    # the moment's memory, not the shape: the fallback serves this call only
+                    log.warning("vitgraph: the %s ran out of memory for %s (%s); %s serves "
+                                "this call", self._what, key, reason, self._fallback)
+                    return None
+                self.refused[key] = reason
+                log.warning("vitgraph: the %s failed for %s (%s); %s serves it", self._what,
+                            key, reason, self._fallback)
+                return None
+            self._ready.add(key)
+            return out
