@@ -12,7 +12,9 @@ warm-up (the served tower's first call captures its graphs).
 ``--modes`` picks among those, ``epilogue-off`` (``epilogue_fusion="off"``: the gated MLP's
 GEMMs through cuBLAS and a separate SiLU-mul kernel) and ``windows-flash`` (the defaults with the
 window layers on flash varlen instead of the short-segment kernel) and ``dense`` (budgets of one
-image whose full attention is dense SDPA over the widened heads: ``_packed_attention``).
+image whose full attention is dense SDPA over the widened heads: ``_packed_attention``) and
+``cudnn`` (full attention always through cuDNN's ragged kernel, never the Triton segment kernel
+that the defaults time against it per budget: ``_attention_choice``).
 
 ``--back-to-back`` adds a second table: the same calls issued ``--reps`` at a time with no sync
 between them (wall of the run over its calls), where each call's host work overlaps the GPU work
@@ -48,7 +50,8 @@ SIDES = (32, 64, 128)
 #: Each mode's serve() settings beside the defaults.
 SETTINGS = {"vitgraph": {}, "varlen": {"attention": "varlen"},
             "1-item": {"max_items_per_graph": 1}, "epilogue-off": {"epilogue_fusion": "off"},
-            "windows-flash": {}, "dense": {"attention": "dense", "max_items_per_graph": 1}}
+            "windows-flash": {}, "dense": {"attention": "dense", "max_items_per_graph": 1},
+            "cudnn": {"attention": "cudnn"}}
 #: Modes that change the served tower after serve(): the defaults with window layers on flash
 #: varlen instead of the short-segment kernel.
 AFTER = {"windows-flash": flash_windows}
@@ -135,8 +138,9 @@ def main() -> None:
         report, state = mode.report(), mode.encoder.attention_state
         lines.append(f"{name}: graphs {report.get('graphs_captured')}, eager items "
                      f"{report.get('stats', {}).get('eager_items')}; segments {state['segments']}"
-                     f" {state['cudnn']}; full attention by static rows {state['by_rows']}; "
-                     f"windows by static rows {state['windows']['by_rows']}")
+                     f" {state['cudnn']}; full attention by static rows {state['by_rows']}, "
+                     f"segment kernel {state['full']['by_rows']} (ms {state['full']['timings_ms']})"
+                     f"; windows by static rows {state['windows']['by_rows']}")
     emit(lines, "qwen_large_image_peak")
 
 

@@ -126,7 +126,7 @@ def test_segment_attention_runs_flash_varlen_where_cudnn_does_not_serve():
         return torch.zeros(1)
 
     out = varlen_attention(q, k, v, Segments(offsets, 10), 8 ** -0.5, varlen,
-                           choice.graph_kernel())
+                           choice.graph_kernel(10))
     assert out.shape == (1,) and len(calls) == 1
     assert calls[0][3] is offsets and calls[0][4] is offsets and calls[0][5:] == (10, 10)
     assert choice.ragged.state == {"plans": 0, "refused": {}}

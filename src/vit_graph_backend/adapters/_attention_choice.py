@@ -33,6 +33,17 @@ flash varlen otherwise: the default
 when the adapter is built without it), ``"varlen"`` keeps flash varlen, and ``"auto"`` and
 ``"dense"`` compare dense attention with whichever segment kernel serves.
 
+Where Triton imports and the GPU has TMA, full attention over segments has a third kernel: the
+Triton segment kernel (``_segment_attention``), which tiles heads of 80 and 72 as 64 + 16 columns
+where cuDNN runs them 128 wide. It was as fast as cuDNN to 11 % faster at the Qwen2.5-VL-3B
+tower's shapes, 7 % slower to 5 % faster at the Qwen3-VL-8B tower's
+(``benchmarks/results/segment_attention_kernel_*``), so for each budget
+:meth:`AttentionChoice.prepare` times it against the segment kernel that serves otherwise
+(cuDNN, else flash varlen) on the budget's full-attention layouts (one image of all the rows and
+one of two thirds, each with the graph's empty slots and padding segment; a budget of several
+frames also two images of a third each; the times summed), checks that they agree, and keeps
+the faster (``full_by_rows``); ``attention="varlen"`` and ``"cudnn"`` never run it.
+
 Window layers (Qwen2.5-VL: segments of at most 64 rows) have two kernels of the same inputs and
 outputs: flash varlen and the short-segment Triton kernel (``_short_attention``, about twice as
 fast at the 3B tower's shapes on an H100). For each budget of a tower with windows,
@@ -54,6 +65,7 @@ also compiles the widened rotary kernel: no gain that would make it the default.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +76,7 @@ from ..errors import InvalidOptionError, MissingDependencyError
 from ..gpu_timing import graph_ms
 from ._cudnn_attention import RaggedAttention, cudnn_frontend_reason
 from ._packed_attention import Segments, dense_sdpa, varlen_attention, widen_for_dense
+from ._segment_attention import SegmentFlashAttention
 from ._short_attention import ShortSegmentAttention, triton_reason
 
 __all__ = ["ATTENTION_SETTINGS", "AttentionChoice"]
@@ -130,15 +143,31 @@ class AttentionChoice:
         self.window_by_rows: dict[int, str] = {}
         #: static row count -> the window kernels' measured ms, for reports
         self.window_timings: dict[int, dict[str, float]] = {}
+        #: why full attention never runs the Triton segment kernel (``None``: measured per
+        #: budget on CUDA)
+        self.segment_off = (f"attention={setting!r}" if setting in ("varlen", "cudnn")
+                            else triton_reason())
+        #: the Triton segment kernel for full attention, or ``None``
+        self.segment = SegmentFlashAttention() if self.segment_off is None else None
+        #: static row count -> full attention's segment kernel ("triton" or "varlen": cuDNN
+        #: where it serves, else flash varlen)
+        self.full_by_rows: dict[int, str] = {}
+        #: static row count -> the full segment kernels' measured ms, for reports
+        self.full_timings: dict[int, dict[str, float]] = {}
+        self._segment_first = _FirstServing(self.segment, self.ragged)
 
     def prepare(self, rows: int, heads: int, head_dim: int, scale: float, *, one_segment: bool,
                 device: torch.device, dtype: torch.dtype,
                 varlen: Callable[..., Any] | None,
-                windows: tuple[int, int] | None = None) -> str:
+                windows: tuple[int, int] | None = None, frames: int = 1) -> str:
         """Choose the full-attention kernel of the budget whose static buffers have ``rows``
         rows (called before its capture); returns ``"dense"`` or ``"varlen"``. ``windows``:
         ``(rows of a full window, window segment slots)`` of a tower with window layers, whose
-        kernel is then chosen too (:meth:`window_kernel`)."""
+        kernel is then chosen too (:meth:`window_kernel`); ``frames``: the graph's segment slots
+        for full attention besides the padding segment (the segment kernel is chosen on that
+        layout: :meth:`graph_kernel`)."""
+        self.full_by_rows[rows] = self._choose_segment_kernel(
+            rows, heads, head_dim, scale, frames, device, dtype, varlen)
         if windows is not None:
             self.window_by_rows[rows] = self._choose_window_kernel(
                 rows, heads, head_dim, scale, windows, device, dtype, varlen)
@@ -151,10 +180,14 @@ class AttentionChoice:
         self.by_rows[rows] = choice
         return choice
 
-    def graph_kernel(self) -> RaggedAttention | None:
-        """cuDNN's ragged attention for a graph's full attention, or ``None`` (flash varlen):
-        never while an inner compiler traces (the frontend's call is opaque to it)."""
-        return None if torch.compiler.is_compiling() else self.ragged
+    def graph_kernel(self, rows: int) -> Callable[..., torch.Tensor | None] | None:
+        """The segment kernel of a graph's full attention in the budget of ``rows`` static
+        rows: the Triton segment kernel where it was timed faster (cuDNN, then flash varlen,
+        where it does not serve a call), else cuDNN's ragged attention, or ``None`` (flash
+        varlen). Never while an inner compiler traces (these calls are opaque to it)."""
+        if torch.compiler.is_compiling():
+            return None
+        return self._segment_first if self.full_by_rows.get(rows) == "triton" else self.ragged
 
     def window_kernel(self, rows: int) -> ShortSegmentAttention | None:
         """The short-segment kernel where it was chosen for the budget of ``rows`` static rows,
@@ -179,6 +212,10 @@ class AttentionChoice:
                 "cudnn": self.ragged.state if self.ragged is not None else None,
                 "by_rows": dict(sorted(self.by_rows.items())),
                 "timings_ms": dict(sorted(self.timings.items())),
+                "full": {"triton_off": self.segment_off,
+                         "triton": self.segment.state if self.segment is not None else None,
+                         "by_rows": dict(sorted(self.full_by_rows.items())),
+                         "timings_ms": dict(sorted(self.full_timings.items()))},
                 "windows": {"short_off": self.short_off,
                             "short": self.short.state if self.short is not None else None,
                             "by_rows": dict(sorted(self.window_by_rows.items())),
@@ -212,6 +249,36 @@ class AttentionChoice:
                  "kernel %.3f ms)", rows, choice, ms["varlen"], ms["short"])
         return choice
 
+    def _choose_segment_kernel(self, rows: int, heads: int, head_dim: int, scale: float,
+                               frames: int, device: torch.device, dtype: torch.dtype,
+                               varlen: Callable[..., Any] | None) -> str:
+        """Time the Triton segment kernel against the one that serves otherwise (cuDNN, else
+        flash varlen) on the budget's full-attention layout, each replayed from a CUDA graph
+        (module docstring); ``"triton"`` where it was faster."""
+        if self.segment is None or varlen is None or not _timed_on(device):
+            return "varlen"
+        q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
+        total: dict[str, float] = {}
+        for layout in full_layouts(rows, frames):
+            segments = Segments(torch.tensor(layout, dtype=torch.int32, device=device), rows)
+            segment = self.segment
+            ms = _race(rows, "full attention", {
+                "varlen": lambda: varlen_attention(q, k, v, segments, scale, varlen,
+                                                   self.ragged),
+                "triton": lambda: segment(q, k, v, segments.offsets, rows, scale)},
+                rows, {})
+            if ms is None:
+                return "varlen"
+            for name, value in ms.items():
+                total[name] = total.get(name, 0.0) + value
+        self.full_timings[rows] = {key: round(value, 4) for key, value in total.items()}
+        choice = "triton" if total["triton"] < total["varlen"] else "varlen"
+        log.info("vitgraph: %d rows, full attention over segments: %s (%s %.3f ms, Triton "
+                 "segment kernel %.3f ms)", rows, choice,
+                 "cuDNN" if self.ragged is not None else "flash varlen", total["varlen"],
+                 total["triton"])
+        return choice
+
     def _measure(self, rows: int, heads: int, head_dim: int, scale: float,
                  device: torch.device, dtype: torch.dtype, varlen: Callable[..., Any]) -> str:
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
@@ -224,7 +291,7 @@ class AttentionChoice:
         ms = _race(rows, "full attention", {
             # segment attention: cuDNN where it serves, else flash varlen
             "varlen": lambda: varlen_attention(q, k, v, segments, scale, varlen,
-                                               self.graph_kernel()),
+                                               self.graph_kernel(rows)),
             "dense": lambda: dense_sdpa(wide, head_dim, scale)}, real, self.timings)
         if ms is None:
             return "varlen"
@@ -232,6 +299,40 @@ class AttentionChoice:
         log.info("vitgraph: %d rows, full attention: %s (segments %.3f ms, dense %.3f ms)",
                  rows, choice, ms["varlen"], ms["dense"])
         return choice
+
+
+def full_layouts(rows: int, frames: int) -> list[list[int]]:
+    """The full-attention offsets a budget of ``rows`` static rows and ``frames`` frame slots is
+    timed on: one image of all its rows and one of two thirds (the two ends of the budget's
+    range, module docstring), and with several slots also two images of a third each; then
+    the graph's empty frame slots and its padding segment."""
+    real = max(1, 2 * rows // 3)
+    images = [[rows], [real]] + ([[real // 2, real - real // 2]] if frames > 1 else [])
+    layouts = []
+    for lengths in images:
+        ends = [*lengths, *[0] * max(0, frames - len(lengths)), rows - sum(lengths)]
+        layouts.append([0, *itertools.accumulate(ends)])
+    return layouts
+
+
+def _timed_on(device: torch.device) -> bool:
+    """Kernels are timed against each other on CUDA only (CUDA-graph replays)."""
+    return torch.device(device).type == "cuda"
+
+
+class _FirstServing:
+    """The Triton segment kernel, then cuDNN's where it does not serve a call (``None`` from
+    both: flash varlen serves); called like ``RaggedAttention``."""
+
+    def __init__(self, first: SegmentFlashAttention | None, then: RaggedAttention | None
+                 ) -> None:
+        self.first, self.then = first, then
+
+    def __call__(self, *args: Any) -> torch.Tensor | None:
+        out = self.first(*args) if self.first is not None else None
+        if out is None and self.then is not None:
+            out = self.then(*args)
+        return out
 
 
 def _random_qkv(rows: int, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype

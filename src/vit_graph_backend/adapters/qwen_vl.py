@@ -184,7 +184,7 @@ class _QwenVisionAdapter(nn.Module):
         self.attention.prepare(
             values["pixel_values"].shape[0], attn.num_heads, attn.head_dim, attn.scaling,
             one_segment=slots.frames == 1, device=device, dtype=values["pixel_values"].dtype,
-            varlen=self._varlen, windows=windows)
+            varlen=self._varlen, windows=windows, frames=slots.frames)
         return values
 
     def prepare_encoder_cudagraph_replay_buffers(
@@ -260,7 +260,9 @@ class _QwenVisionAdapter(nn.Module):
         """The ``attention`` setting, the kernel of the graphs' full attention over segments
         (``"cudnn"`` or ``"flash varlen"``, with why cuDNN is off and the shapes it refused),
         the full-attention kernel chosen for each captured budget (by its static row count),
-        with the timings ``"auto"`` measured, and under ``"windows"`` the window layers' kernel
+        with the timings ``"auto"`` measured, under ``"full"`` whether the Triton segment
+        kernel serves each budget's full attention (``"triton"``) with its timings against
+        cuDNN or flash varlen, and under ``"windows"`` the window layers' kernel
         per budget (``"short"`` or ``"varlen"``) with its timings. Under
         ``inner_compiler="inductor"`` the compute is traced once for every budget and always
         runs flash varlen, whatever is recorded here."""
@@ -285,10 +287,11 @@ class _QwenVisionAdapter(nn.Module):
         # q and k rotated together: half the launches of rotating them one by one
         q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
         v = qkv[:, 2]
-        # in graphs, full attention tries cuDNN and window layers the short-segment kernel
-        # where it was timed faster for this budget (``_attention_choice``); cuDNN is slower
-        # than flash varlen on windows (``_cudnn_attention``)
-        kernel = (self.attention.graph_kernel() if full
+        # in graphs, full attention tries the Triton segment kernel where it was timed faster
+        # for this budget, else cuDNN, and window layers the short-segment kernel where it was
+        # (``_attention_choice``); cuDNN is slower than flash varlen on windows
+        # (``_cudnn_attention``)
+        kernel = (self.attention.graph_kernel(rows) if full
                   else self.attention.window_kernel(rows))
         out = packed_attention(q, k, v, segments, attn.scaling, self._varlen, kernel)
         return attn.proj(out.reshape(rows, -1))
