@@ -62,9 +62,18 @@ class GraphMemory:
 
     def resolve_limit(self, device: torch.device, held: int) -> int | None:
         """The byte bound, resolved once at the first capture: an int is bytes; a float is a
-        fraction of the device's free memory then, plus what these graphs already hold."""
+        fraction of the device's free memory then, plus what these graphs already hold.
+
+        Free memory is read after the allocator's cached blocks are released (as the warm-up
+        does next): blocks that the caller's earlier calls or the kernel timings before this
+        capture (``adapters/_attention_choice.py``) left cached would otherwise read as used,
+        and the bound would depend on them. Under a 1.5 GiB margin, the Triton segment
+        kernel's timings left enough cached to lower the bound so far that the budget of 768
+        rows no longer fit and the stress suite's memory part served 22 calls from graphs
+        instead of 442 (``benchmarks/results/stress_memory_part_cached_blocks_*``)."""
         if self.limit is None and self.limit_option is not None:
             if isinstance(self.limit_option, float):
+                torch.cuda.empty_cache()
                 free, _ = torch.cuda.mem_get_info(device)
                 self.limit = int(self.limit_option * (free + held))
             else:

@@ -132,3 +132,31 @@ def test_budgets_viewing_one_row_buffer_zero_their_whole_tails():
     assert not buffer[2:].any()
     alone = BudgetGraph(8, {"0": torch.zeros(8, 2)})
     assert not alone.aliased_keys() and not _aliased({8: alone})[8]
+
+
+def test_the_memory_bound_reads_free_memory_after_releasing_cached_blocks(monkeypatch):
+    """``max_graph_memory=0.6`` is 60 % of the free memory at the first capture, blocks the
+    allocator holds cached counted as free: they are released before the reading (the warm-up
+    releases them a moment later anyway), so kernel timings or earlier calls that left blocks
+    cached do not shrink the bound."""
+    from vit_graph_backend.graph_capture import GraphMemory
+
+    cached = {"bytes": 600}
+    events = []
+
+    def empty_cache():
+        events.append("empty_cache")
+        cached["bytes"] = 0
+
+    def mem_get_info(device=None):
+        events.append("mem_get_info")
+        return 1000 - cached["bytes"], 4000
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    memory = GraphMemory(limit_option=0.6)
+    assert memory.resolve_limit(torch.device("cuda"), held=100) == int(0.6 * (1000 + 100))
+    assert events == ["empty_cache", "mem_get_info"]
+    assert memory.resolve_limit(torch.device("cuda"), held=500) == 660  # resolved once
+    assert GraphMemory(limit_option=1 << 20).resolve_limit(torch.device("cuda"), 0) == 1 << 20
+    assert events == ["empty_cache", "mem_get_info"]  # a byte bound reads nothing
