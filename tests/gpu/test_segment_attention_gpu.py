@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_short_attention_gpu import _layout, _offsets, _reference
 
 from vit_graph_backend.adapters._attention_choice import AttentionChoice
 from vit_graph_backend.adapters._segment_attention import (
@@ -31,28 +31,6 @@ def _no_tma() -> str | None:
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_no_tma() is not None, reason=f"{_no_tma()}")]
-
-
-def _layout(rows, heads, dim, dtype, gen):
-    qk = torch.randn(rows, 2, heads, dim, device=DEV, dtype=dtype, generator=gen)
-    qkv = torch.randn(rows, 3, heads, dim, device=DEV, dtype=dtype, generator=gen)
-    return qk[:, 0], qk[:, 1], qkv[:, 2]
-
-
-def _offsets(lengths):
-    ends = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return F.pad(ends, (1, 0)).to(DEV)
-
-
-def _reference(q, k, v, lengths, scale):
-    out, start = torch.zeros(q.shape, device=DEV), 0
-    for n in lengths:
-        if n:
-            qs, ks, vs = (x[start:start + n].float().transpose(0, 1) for x in (q, k, v))
-            out[start:start + n] = F.scaled_dot_product_attention(
-                qs, ks, vs, scale=scale).transpose(0, 1)
-        start += n
-    return out
 
 
 def _lengths(seed, slots=12):
