@@ -429,6 +429,23 @@ def test_the_attention_note_names_the_kernel_and_why_not_cudnn():
     assert attention_note(SimpleNamespace()) is None  # a batched mode: no packed encoder
 
 
+def test_the_attention_note_counts_the_budgets_whose_full_attention_runs_the_triton_kernel():
+    from types import SimpleNamespace
+
+    from vit_graph_backend.adapters._attention_choice import AttentionChoice
+
+    state = AttentionChoice("varlen").state
+    state["full"]["by_rows"] = {256: "varlen", 512: "varlen"}
+    served = SimpleNamespace(encoder=SimpleNamespace(attention_state=state))
+    assert attention_note(served) == (
+        "full attention in the graphs: flash varlen (attention='varlen'), the Triton segment "
+        "kernel in 0 of 2 budgets (attention='varlen')")
+    state.update(segments="cudnn", cudnn_off=None)
+    state["full"].update(triton_off=None, by_rows={256: "triton", 512: "varlen", 768: "triton"})
+    assert attention_note(served) == ("full attention in the graphs: cudnn, the Triton segment "
+                                      "kernel in 2 of 3 budgets")
+
+
 def test_the_attention_note_counts_the_budgets_whose_window_layers_run_the_short_kernel():
     from types import SimpleNamespace
 

@@ -240,14 +240,21 @@ def _max_abs_error(out: Any, ref: Any) -> float | None:
 
 def attention_note(fn: Any) -> str | None:
     """What runs a served packed tower's full attention in its graphs (cuDNN or flash varlen,
-    and why not cuDNN) and, for a tower with window layers, in how many captured budgets the
-    short-segment kernel runs them (or why never), from ``served.encoder.attention_state``;
-    ``None`` for other modes."""
+    and why not cuDNN; in how many captured budgets the Triton segment kernel was timed faster
+    and runs instead, or why never) and, for a tower with window layers, in how many captured
+    budgets the short-segment kernel runs them (or why never), from
+    ``served.encoder.attention_state``; ``None`` for other modes."""
     state = getattr(getattr(fn, "encoder", None), "attention_state", None)
     if not isinstance(state, dict) or "segments" not in state:
         return None
     off = f" ({state['cudnn_off']})" if state.get("cudnn_off") else ""
     note = f"full attention in the graphs: {state['segments']}{off}"
+    full = state.get("full") or {}
+    if full.get("by_rows"):  # budgets captured: where the Triton segment kernel was faster
+        triton = sum(1 for kernel in full["by_rows"].values() if kernel == "triton")
+        why = f" ({full['triton_off']})" if full.get("triton_off") else ""
+        note += (f", the Triton segment kernel in {triton} of {len(full['by_rows'])} budgets"
+                 f"{why}")
     windows = state.get("windows") or {}
     chosen = windows.get("by_rows") or {}
     if chosen:  # a tower with window layers, budgets captured
