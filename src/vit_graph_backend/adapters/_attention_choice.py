@@ -35,8 +35,8 @@ when the adapter is built without it), ``"varlen"`` keeps flash varlen, and ``"a
 
 Where Triton imports and the GPU has TMA, full attention over segments has a third kernel: the
 Triton segment kernel (``_segment_attention``), which tiles heads of 80 and 72 as 64 + 16 columns
-where cuDNN runs them 128 wide. It was as fast as cuDNN to 11 % faster at the Qwen2.5-VL-3B
-tower's shapes, 7 % slower to 5 % faster at the Qwen3-VL-8B tower's
+where cuDNN runs them 128 wide. It was 5 % slower than cuDNN to 19 % faster on the
+Qwen2.5-VL-3B tower's layouts, 8 % slower to 7 % faster on the Qwen3-VL-8B tower's
 (``benchmarks/results/segment_attention_kernel_*``), so for each budget
 :meth:`AttentionChoice.prepare` times it against the segment kernel that serves otherwise
 (cuDNN, else flash varlen) on the budget's full-attention layouts (one image of all the rows and

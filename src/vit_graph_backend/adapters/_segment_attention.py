@@ -3,12 +3,14 @@ or 72 as 64 + 16 columns (``_segment_attention_kernel``).
 
 cuDNN's ragged kernel, which the packed graphs' full-attention layers run otherwise
 (``_cudnn_attention``), computes heads of 80 and 72 at the cost of 128. Timed from CUDA graphs
-on an H100 at the Qwen2.5-VL-3B tower's shapes (16 heads of 80), this kernel took 0.213 against
-0.238 ms for one image of 4,096 patches, 3.32 against 3.64 ms for 16,384, 0.121 against 0.136 ms
-for two images in a 4,096-row budget, 1.98 against 2.18 ms for an image of 12,000 patches and
-its padding in a budget of 16,384; as fast as cuDNN for an image of 2,730 patches in a budget of
-4,096 and for 16 frames of 1,024, and at the Qwen3-VL-8B tower's shapes (16 heads of 72) 7 %
-slower on one image of 6,724 patches, 5 % faster on one of 4,900 in 7,168 rows
+on an H100 at the Qwen2.5-VL-3B tower's shapes (16 heads of 80), in two runs, this kernel took
+0.213 against 0.238 ms for one image of 4,096 patches, 0.121 to 0.122 against 0.136 to 0.137 ms
+for two images in a 4,096-row budget, 0.028 to 0.029 against 0.036 ms for an image of 1,024 and
+its padding; as fast to 9 % faster for one image of 16,384 (3.32 to 3.43 against 3.42 to 3.64
+ms) and for an image of 12,000 and its padding; as fast for an image of 2,730 in a budget of
+4,096 and 5 % faster for 16 frames of 1,024, but 4 to 5 % slower for 64 frames of 256. At the
+Qwen3-VL-8B tower's shapes (16 heads of 72) it was 7 to 8 % slower on one image of 6,724
+patches and 5 to 7 % faster on one of 4,900 in 7,168 rows
 (``benchmarks/results/segment_attention_kernel_*``). Which one serves each budget is therefore
 measured at capture (``_attention_choice``).
 
