@@ -156,13 +156,12 @@ def test_the_chosen_budget_tries_triton_then_cudnn_then_flash_varlen(monkeypatch
     choice.full_by_rows = {256: "triton", 512: "varlen"}
     served, refused = torch.ones(1), None
     cudnn = _Kernel(torch.zeros(1))
-    choice.ragged = cudnn
-    choice._segment_first = _attention_choice._FirstServing(_Kernel(served), cudnn)
+    choice.ragged, choice.segment = cudnn, _Kernel(served)
     assert choice.graph_kernel(512) is cudnn
     assert choice.graph_kernel(256)(1, 2, 3) is served and cudnn.calls == 0
-    choice._segment_first.first = _Kernel(refused)  # the kernel does not serve this call
+    choice.segment = _Kernel(refused)  # the kernel does not serve this call
     assert choice.graph_kernel(256)(1, 2, 3) is cudnn.out and cudnn.calls == 1
-    choice._segment_first.then = None  # no cuDNN either: the caller runs flash varlen
+    choice.ragged = None  # no cuDNN either: the caller runs flash varlen
     assert choice.graph_kernel(256)(1, 2, 3) is None
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert choice.graph_kernel(256) is None

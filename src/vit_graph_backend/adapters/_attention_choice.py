@@ -154,7 +154,6 @@ class AttentionChoice:
         self.full_by_rows: dict[int, str] = {}
         #: static row count -> the full segment kernels' measured ms, for reports
         self.full_timings: dict[int, dict[str, float]] = {}
-        self._segment_first = _FirstServing(self.segment, self.ragged)
 
     def prepare(self, rows: int, heads: int, head_dim: int, scale: float, *, one_segment: bool,
                 device: torch.device, dtype: torch.dtype,
@@ -187,7 +186,9 @@ class AttentionChoice:
         varlen). Never while an inner compiler traces (these calls are opaque to it)."""
         if torch.compiler.is_compiling():
             return None
-        return self._segment_first if self.full_by_rows.get(rows) == "triton" else self.ragged
+        if self.full_by_rows.get(rows) == "triton":
+            return _FirstServing(self.segment, self.ragged)
+        return self.ragged
 
     def window_kernel(self, rows: int) -> ShortSegmentAttention | None:
         """The short-segment kernel where it was chosen for the budget of ``rows`` static rows,

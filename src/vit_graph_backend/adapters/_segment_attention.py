@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ._triton_calls import TritonKernelCalls
+from ._triton_calls import TritonKernelCalls, inputs_reason, layout_reason
 
 __all__ = ["MAX_HEAD_DIM", "MAX_SEGMENTS", "SegmentFlashAttention", "segment_unserved_reason"]
 
@@ -38,7 +38,6 @@ __all__ = ["MAX_HEAD_DIM", "MAX_SEGMENTS", "SegmentFlashAttention", "segment_uns
 MAX_HEAD_DIM = 256
 #: Most segment slots the kernel takes: each program scans every slot's offsets to find its own.
 MAX_SEGMENTS = 4096
-_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,21 +51,19 @@ def segment_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     at ``offsets``, or ``None`` if it can (on any device: the caller checks CUDA first, and the
     GPU's compute capability is checked on CUDA only)."""
     rows, heads, dim = q.shape
-    if offsets.dtype != torch.int32 or offsets.dim() != 1 or not offsets.is_contiguous():
-        return (f"offsets of dtype {offsets.dtype} and shape {tuple(offsets.shape)} (the kernel "
-                "takes a contiguous 1-D int32 tensor)")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtype {q.dtype} (the segment kernel takes float16/bfloat16)"
+    why = inputs_reason(q, k, v, offsets, "segment kernel")
+    if why is not None:
+        return why
     if offsets.numel() - 1 > MAX_SEGMENTS:
         return (f"{offsets.numel() - 1} segment slots (the kernel takes up to {MAX_SEGMENTS})")
     if dim % 8 or dim > MAX_HEAD_DIM:
         return f"head size {dim} (the kernel takes multiples of 8 up to {MAX_HEAD_DIM})"
     if rows >= 2 ** 31:
         return f"{rows} rows (TMA coordinates are 32-bit)"
+    why = layout_reason(q, k, v)
+    if why is not None:
+        return why
     for name, x in zip("qkv", (q, k, v), strict=True):
-        if x.shape != q.shape or x.stride(2) != 1 or x.stride(1) != dim:
-            return (f"{name} of shape {tuple(x.shape)} and strides {x.stride()} (the kernel "
-                    f"takes {tuple(q.shape)} with each row's heads contiguous)")
         if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
             return (f"{name} with row stride {x.stride(0)} at address {x.data_ptr():#x} (TMA "
                     "needs rows 16-byte aligned)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_calls import TritonKernelCalls, triton_reason
+from ._triton_calls import TritonKernelCalls, inputs_reason, layout_reason, triton_reason
 
 __all__ = ["MAX_HEAD_DIM", "MAX_ROWS", "ShortSegmentAttention", "short_unserved_reason",
            "triton_reason"]
@@ -32,7 +32,6 @@ __all__ = ["MAX_HEAD_DIM", "MAX_ROWS", "ShortSegmentAttention", "short_unserved_
 MAX_ROWS = 64
 #: Widest head the kernel takes (its tile is the next power of two, at most 128).
 MAX_HEAD_DIM = 128
-_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def short_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,21 +40,14 @@ def short_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     to ``max_seqlen`` rows at ``offsets``, or ``None`` if it can (on any device: the caller
     checks CUDA)."""
     dim = q.shape[-1]
-    if offsets.dtype != torch.int32 or offsets.dim() != 1 or not offsets.is_contiguous():
-        # the kernel reads offsets as packed int32: anything else would be misread
-        return (f"offsets of dtype {offsets.dtype} and shape {tuple(offsets.shape)} (the kernel "
-                "takes a contiguous 1-D int32 tensor)")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtype {q.dtype} (the short-segment kernel takes float16/bfloat16)"
+    why = inputs_reason(q, k, v, offsets, "short-segment kernel")
+    if why is not None:
+        return why
     if max_seqlen > MAX_ROWS:
         return f"segments of up to {max_seqlen} rows (the kernel takes up to {MAX_ROWS})"
     if dim > MAX_HEAD_DIM:
         return f"head size {dim} (the kernel takes up to {MAX_HEAD_DIM})"
-    for name, x in zip("qkv", (q, k, v), strict=True):
-        if x.shape != q.shape or x.stride(2) != 1 or x.stride(1) != dim:
-            return (f"{name} of shape {tuple(x.shape)} and strides {x.stride()} (the kernel "
-                    f"takes {tuple(q.shape)} with each row's heads contiguous)")
-    return None
+    return layout_reason(q, k, v)
 
 
 class ShortSegmentAttention(TritonKernelCalls):

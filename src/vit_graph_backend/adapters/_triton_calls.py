@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TritonKernelCalls", "triton_reason"]
+__all__ = ["TritonKernelCalls", "inputs_reason", "layout_reason", "triton_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,33 @@ def triton_reason() -> str | None:
         importlib.import_module("triton")
     except Exception as exc:  # ImportError, or a broken install
         return f"triton is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def inputs_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                  kernel: str) -> str | None:
+    """Why the Triton attention kernel named ``kernel`` cannot take these offsets or dtypes, or
+    ``None``: the kernels read offsets as packed int32 (anything else would be misread) and
+    q, k, v in float16/bfloat16."""
+    if offsets.dtype != torch.int32 or offsets.dim() != 1 or not offsets.is_contiguous():
+        return (f"offsets of dtype {offsets.dtype} and shape {tuple(offsets.shape)} (the kernel "
+                "takes a contiguous 1-D int32 tensor)")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (the {kernel} takes float16/bfloat16)"
+    return None
+
+
+def layout_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why ``(rows, heads, head_dim)`` q, k, v are not laid out as the Triton attention kernels
+    read them (same shape, each row's heads contiguous; any row stride), or ``None``."""
+    dim = q.shape[-1]
+    for name, x in zip("qkv", (q, k, v), strict=True):
+        if x.shape != q.shape or x.stride(2) != 1 or x.stride(1) != dim:
+            return (f"{name} of shape {tuple(x.shape)} and strides {x.stride()} (the kernel "
+                    f"takes {tuple(q.shape)} with each row's heads contiguous)")
     return None
 
 

@@ -249,20 +249,24 @@ def attention_note(fn: Any) -> str | None:
         return None
     off = f" ({state['cudnn_off']})" if state.get("cudnn_off") else ""
     note = f"full attention in the graphs: {state['segments']}{off}"
-    full = state.get("full") or {}
-    if full.get("by_rows"):  # budgets captured: where the Triton segment kernel was faster
-        triton = sum(1 for kernel in full["by_rows"].values() if kernel == "triton")
-        why = f" ({full['triton_off']})" if full.get("triton_off") else ""
-        note += (f", the Triton segment kernel in {triton} of {len(full['by_rows'])} budgets"
-                 f"{why}")
-    windows = state.get("windows") or {}
-    chosen = windows.get("by_rows") or {}
-    if chosen:  # a tower with window layers, budgets captured
-        short = sum(1 for kernel in chosen.values() if kernel == "short")
-        why = f" ({windows['short_off']})" if windows.get("short_off") else ""
-        note += (f"; window layers: short-segment kernel in {short} of {len(chosen)} budgets"
-                 f"{why}")
+    # budgets captured: where the Triton segment kernel was timed faster
+    note += _budgets_note(state.get("full"), "triton", "triton_off",
+                          ", the Triton segment kernel in")
+    # a tower with window layers, budgets captured
+    note += _budgets_note(state.get("windows"), "short", "short_off",
+                          "; window layers: short-segment kernel in")
     return note
+
+
+def _budgets_note(section: dict[str, Any] | None, kernel: str, off: str, label: str) -> str:
+    """``label N of M budgets (why never)``: in how many of a section's captured budgets
+    ``kernel`` was chosen; ``""`` where no budget was captured."""
+    chosen = (section or {}).get("by_rows") or {}
+    if not chosen:
+        return ""
+    count = sum(1 for name in chosen.values() if name == kernel)
+    why = f" ({section[off]})" if section.get(off) else ""
+    return f"{label} {count} of {len(chosen)} budgets{why}"
 
 
 def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]],
