@@ -13,7 +13,7 @@ difference from flash varlen's output (bf16 inputs of unit variance). TFLOP/s co
 real head size over the real segments (4 * sum(len^2) * heads * head).
 
 Usage: python benchmarks/segment_attention_kernel_probe.py [--configs all|best] [--cases TEXT]
-[--contiguous].
+[--config M,N,W,S ...] [--contiguous] [--once].
 Text to stdout
 and $OUT/segment_attention_kernel_probe.txt.
 """
@@ -56,6 +56,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", choices=("all", "best"), default="all")
     parser.add_argument("--cases", default="", help="only the cases whose name holds this")
+    parser.add_argument("--config", action="append", default=[], metavar="M,N,W,S",
+                        help="time this Triton configuration instead of CONFIGS (block of rows, "
+                        "block of keys, warps, stages); repeatable")
+    parser.add_argument("--once", action="store_true",
+                        help="run each kernel once per case, untimed (for a profiler such as "
+                        "Nsight Compute to attribute one launch of each)")
     parser.add_argument("--contiguous", action="store_true",
                         help="q, k, v as three contiguous tensors (as the capture-time timing "
                         "makes them) instead of views of one packed projection")
@@ -67,6 +73,8 @@ def main() -> None:
     dev = "cuda"
     ragged = RaggedAttention() if cudnn_frontend_reason() is None else None
     configs = CONFIGS if args.configs == "all" else CONFIGS[:1]
+    if args.config:
+        configs = [tuple(map(int, c.split(","))) for c in args.config]
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cuDNN "
              f"{torch.backends.cudnn.version()}; bf16; ms per call from CUDA-graph replays; "
              "TFLOP/s at the real head size over the real segments",
@@ -103,7 +111,7 @@ def main() -> None:
                     got = run()
                     if got is None:
                         raise RuntimeError("refused")
-                    ms = graph_ms(run)
+                    ms = float("nan") if args.once else graph_ms(run)
                 except Exception as exc:  # a config Triton cannot compile (shared memory)
                     lines.append(f"{name:<34}{kname:<22} failed: {type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0][:70] if str(exc) else ''}")
