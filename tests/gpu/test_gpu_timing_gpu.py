@@ -59,12 +59,18 @@ def test_short_work_reads_as_gpu_time_not_launch_time():
 
 def test_long_work_agrees_with_event_timing():
     # 8192^3: over a millisecond, so the host's tens of microseconds of dispatch fall within
-    # the tolerance (at 4096^3 an H100's 0.17 ms read as 0.20 launched singly)
+    # the tolerance (at 4096^3 an H100's 0.17 ms read as 0.20 launched singly). The two timers
+    # run in turn, three times: a shared card's clocks can move between two measurements
+    # (1.41 against 1.59 ms once, one after the other), which moves one round, not all three;
+    # a timer that is wrong misreads every round.
     a = torch.randn(8192, 8192, device=DEV, dtype=DT)
-    ms = graph_ms(lambda: a @ a, calls=3, reps=5)
-    events = _event_ms(lambda: a @ a)
-    print(f"8192^3 bf16 matmul: graph_ms {ms:.4f} ms, single launch {events:.4f} ms")
-    assert abs(ms - events) < 0.1 * events, (ms, events)
+    rounds = []
+    for _ in range(3):
+        ms = graph_ms(lambda: a @ a, calls=3, reps=5)
+        rounds.append((ms, _event_ms(lambda: a @ a)))
+    print("8192^3 bf16 matmul, graph_ms against single launches: "
+          + ", ".join(f"{ms:.4f} / {events:.4f} ms" for ms, events in rounds))
+    assert min(abs(ms - events) / events for ms, events in rounds) < 0.1, rounds
 
 
 def test_the_work_waits_for_the_callers_stream():

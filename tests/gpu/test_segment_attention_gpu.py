@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from test_short_attention_gpu import _layout, _offsets, _reference
+from test_short_attention_gpu import _layout, _offsets, _reference, _served_errors
 
 from vit_graph_backend.adapters._attention_choice import AttentionChoice
 from vit_graph_backend.adapters._segment_attention import (
@@ -155,19 +155,7 @@ def test_served_qwen2_5_full_layers_match_hf_and_flash_varlen(monkeypatch, chose
     tower = _qwen2_5_tower()
     default, flash = serve(tower, max_budget=1024), serve(tower, max_budget=1024,
                                                           attention="varlen")
-    rng = random.Random(5)
-    worst_hf = worst_flash = 0.0
-    for _ in range(6):
-        grids = [[1, 2 * rng.randint(4, 16), 2 * rng.randint(4, 16)]
-                 for _ in range(rng.randint(1, 3))]
-        grids = grids if sum(t * h * w for t, h, w in grids) <= 1024 else grids[:1]
-        rows = sum(t * h * w for t, h, w in grids)
-        pv = torch.randn(rows, 3 * 2 * 14 * 14, device=DEV, dtype=torch.bfloat16)
-        grid = torch.tensor(grids, device=DEV)
-        got, ref, other = default(pv, grid), tower(pv, grid).pooler_output, flash(pv, grid)
-        scale = max(ref.float().abs().max().item(), 1.0)
-        worst_hf = max(worst_hf, (got.float() - ref.float()).abs().max().item() / scale)
-        worst_flash = max(worst_flash, (got.float() - other.float()).abs().max().item() / scale)
+    worst_hf, worst_flash = _served_errors(tower, default, flash, max_rows=1024)
     full = default.encoder.attention_state["full"]
     print(f"served qwen2.5 ({chosen}), full-attention kernels {full['by_rows']}, timings ms "
           f"{full['timings_ms']}, Triton {full['triton']}; max relative error vs HF "

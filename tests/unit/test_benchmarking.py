@@ -429,35 +429,22 @@ def test_the_attention_note_names_the_kernel_and_why_not_cudnn():
     assert attention_note(SimpleNamespace()) is None  # a batched mode: no packed encoder
 
 
-def test_the_attention_note_counts_the_budgets_whose_full_attention_runs_the_triton_kernel():
+@pytest.mark.parametrize("section, kernel, off, counted", [
+    ("full", "triton", "triton_off", ", the Triton segment kernel in {} of {} budgets"),
+    ("windows", "short", "short_off", "; window layers: short-segment kernel in {} of {} budgets"),
+])
+def test_the_attention_note_counts_the_budgets_each_triton_kernel_serves(section, kernel, off,
+                                                                        counted):
     from types import SimpleNamespace
 
     from vit_graph_backend.adapters._attention_choice import AttentionChoice
 
     state = AttentionChoice("varlen").state
-    state["full"]["by_rows"] = {256: "varlen", 512: "varlen"}
+    state[section]["by_rows"] = {256: "varlen", 512: "varlen"}
     served = SimpleNamespace(encoder=SimpleNamespace(attention_state=state))
-    assert attention_note(served) == (
-        "full attention in the graphs: flash varlen (attention='varlen'), the Triton segment "
-        "kernel in 0 of 2 budgets (attention='varlen')")
+    assert attention_note(served) == ("full attention in the graphs: flash varlen "
+                                      "(attention='varlen')" + counted.format(0, 2)
+                                      + " (attention='varlen')")
     state.update(segments="cudnn", cudnn_off=None)
-    state["full"].update(triton_off=None, by_rows={256: "triton", 512: "varlen", 768: "triton"})
-    assert attention_note(served) == ("full attention in the graphs: cudnn, the Triton segment "
-                                      "kernel in 2 of 3 budgets")
-
-
-def test_the_attention_note_counts_the_budgets_whose_window_layers_run_the_short_kernel():
-    from types import SimpleNamespace
-
-    from vit_graph_backend.adapters._attention_choice import AttentionChoice
-
-    state = AttentionChoice("varlen").state
-    state["windows"]["by_rows"] = {256: "varlen", 512: "varlen"}
-    served = SimpleNamespace(encoder=SimpleNamespace(attention_state=state))
-    assert attention_note(served) == (
-        "full attention in the graphs: flash varlen (attention='varlen'); window layers: "
-        "short-segment kernel in 0 of 2 budgets (attention='varlen')")
-    state.update(segments="cudnn", cudnn_off=None)
-    state["windows"].update(short_off=None, by_rows={256: "short", 512: "varlen", 768: "short"})
-    assert attention_note(served) == ("full attention in the graphs: cudnn; window layers: "
-                                      "short-segment kernel in 2 of 3 budgets")
+    state[section].update({off: None, "by_rows": {256: kernel, 512: "varlen", 768: kernel}})
+    assert attention_note(served) == "full attention in the graphs: cudnn" + counted.format(2, 3)
