@@ -13,7 +13,7 @@ difference from flash varlen's output (bf16 inputs of unit variance). TFLOP/s co
 real head size over the real segments (4 * sum(len^2) * heads * head).
 
 Usage: python benchmarks/segment_attention_kernel_probe.py [--configs all|best] [--cases TEXT]
-[--config M,N,W,S ...] [--contiguous] [--once].
+[--config M,N,W,S[,R] ...] [--contiguous] [--once].
 Text to stdout
 and $OUT/segment_attention_kernel_probe.txt.
 """
@@ -56,9 +56,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", choices=("all", "best"), default="all")
     parser.add_argument("--cases", default="", help="only the cases whose name holds this")
-    parser.add_argument("--config", action="append", default=[], metavar="M,N,W,S",
+    parser.add_argument("--config", action="append", default=[], metavar="M,N,W,S[,R]",
                         help="time this Triton configuration instead of CONFIGS (block of rows, "
-                        "block of keys, warps, stages); repeatable")
+                        "block of keys, warps, stages, and optionally a cap on registers per "
+                        "thread, Triton's maxnreg); repeatable")
     parser.add_argument("--once", action="store_true",
                         help="run each kernel once per case, untimed (for a profiler such as "
                         "Nsight Compute to attribute one launch of each)")
@@ -72,9 +73,9 @@ def main() -> None:
 
     dev = "cuda"
     ragged = RaggedAttention() if cudnn_frontend_reason() is None else None
-    configs = CONFIGS if args.configs == "all" else CONFIGS[:1]
+    configs = [(*c, None) for c in (CONFIGS if args.configs == "all" else CONFIGS[:1])]
     if args.config:
-        configs = [tuple(map(int, c.split(","))) for c in args.config]
+        configs = [(*map(int, c.split(",")), None)[:5] for c in args.config]
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cuDNN "
              f"{torch.backends.cudnn.version()}; bf16; ms per call from CUDA-graph replays; "
              "TFLOP/s at the real head size over the real segments",
@@ -100,10 +101,10 @@ def main() -> None:
             dense = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
             kernels["sdpa"] = lambda: F.scaled_dot_product_attention(
                 *dense, scale=scale)[0].transpose(0, 1)
-        for bm, bn, warps, stages in configs:
-            kernels[f"triton {bm}x{bn} w{warps} s{stages}"] = (
-                lambda bm=bm, bn=bn, warps=warps, stages=stages: seg.attend(
-                    q, k, v, offsets, scale, bm, bn, warps, stages))
+        for bm, bn, warps, stages, regs in configs:
+            kernels[f"triton {bm}x{bn} w{warps} s{stages}{f' r{regs}' if regs else ''}"] = (
+                lambda bm=bm, bn=bn, warps=warps, stages=stages, regs=regs: seg.attend(
+                    q, k, v, offsets, scale, bm, bn, warps, stages, regs))
         ref = None
         with torch.no_grad():
             for kname, run in kernels.items():

@@ -22,7 +22,9 @@ Measured on an H100 (``benchmarks/results/segment_attention_kernel_*``):
 - 128 rows by 64 keys, 4 warps, 3 pipeline stages. Eight warps, 128 keys a step or 64 rows
   were slower; one pipeline stage made an illegal memory access (Triton 3.6), so the wrapper
   never asks for it. q, k and v read through TMA descriptors instead of pointers: 9 to 16 %
-  faster.
+  faster. 256 rows on 8 warps, registers capped for more CTAs an SM (``registers``: it
+  spills) and Triton's warp specialization of the key loop (it fails to compile with 4 warps)
+  were no faster.
 - Heads vary fastest in the grid. Cutting the rows into fixed blocks regardless of segments was
   5 % faster on one segment, but the block across a segment's end then walked both segments'
   keys and, started late, set the kernel's time: one image of 2,730 rows and its padding in a
@@ -130,10 +132,11 @@ def split_head(dim: int) -> tuple[int, int]:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
            scale: float, block_m: int = 128, block_n: int = 64, warps: int = 4,
-           stages: int = 3) -> torch.Tensor:
+           stages: int = 3, registers: int | None = None) -> torch.Tensor:
     """Attention of ``(rows, heads, head_dim)`` q, k, v (each row's heads contiguous, rows and
     heads 16-byte aligned) within the segments of int32 cumulative ``offsets`` (the last equal
-    to ``rows``: every row in some segment). Returns a fresh contiguous output."""
+    to ``rows``: every row in some segment). ``registers`` caps the registers per thread
+    (Triton's ``maxnreg``; the probe's, never the wrapper's). Returns a fresh contiguous output."""
     rows, heads, dim = q.shape
     out = torch.empty((rows, heads, dim), device=q.device, dtype=q.dtype)
     part, tail = split_head(dim)
@@ -148,5 +151,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Ten
         desc(k, block_n, width), desc(v, block_n, part), desc(v, block_n, width), out, offsets,
         segments, out.stride(0), scale * _LOG2E, HEAD_DIM=dim, HEAD=part, TAIL=tail,
         SLOTS=max(16, triton.next_power_of_2(segments)), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, maxnreg=registers)
     return out
