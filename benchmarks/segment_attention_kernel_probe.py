@@ -52,6 +52,12 @@ def _flop(lengths: list[int], padded: bool, heads: int, head: int) -> int:
     return 4 * sum(n * n for n in real) * heads * head
 
 
+def _config(text: str) -> tuple:
+    """``M,N,W,S[,R]`` as (block_m, block_n, warps, stages, registers or None)."""
+    numbers = [int(p) for p in text.split(",")]
+    return (*numbers[:4], numbers[4] if len(numbers) > 4 else None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", choices=("all", "best"), default="all")
@@ -75,7 +81,7 @@ def main() -> None:
     ragged = RaggedAttention() if cudnn_frontend_reason() is None else None
     configs = [(*c, None) for c in (CONFIGS if args.configs == "all" else CONFIGS[:1])]
     if args.config:
-        configs = [(*map(int, c.split(",")), None)[:5] for c in args.config]
+        configs = [_config(c) for c in args.config]
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cuDNN "
              f"{torch.backends.cudnn.version()}; bf16; ms per call from CUDA-graph replays; "
              "TFLOP/s at the real head size over the real segments",

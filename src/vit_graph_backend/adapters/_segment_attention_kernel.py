@@ -23,8 +23,9 @@ Measured on an H100 (``benchmarks/results/segment_attention_kernel_*``):
   were slower; one pipeline stage made an illegal memory access (Triton 3.6), so the wrapper
   never asks for it. q, k and v read through TMA descriptors instead of pointers: 9 to 16 %
   faster. 256 rows on 8 warps, registers capped for more CTAs an SM (``registers``: it
-  spills) and Triton's warp specialization of the key loop (it fails to compile with 4 warps)
-  were no faster.
+  spills), Triton's warp specialization of the key loop (it fails to compile with 4 warps)
+  and scoring the next block of keys before a block's softmax (two blocks of scores in
+  registers) were no faster.
 - Heads vary fastest in the grid. Cutting the rows into fixed blocks regardless of segments was
   5 % faster on one segment, but the block across a segment's end then walked both segments'
   keys and, started late, set the kernel's time: one image of 2,730 rows and its padding in a
