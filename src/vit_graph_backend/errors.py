@@ -16,6 +16,7 @@ __all__ = [
     "UnsupportedGraphError",
     "UnsupportedModelError",
     "VitGraphError",
+    "out_of_memory",
 ]
 
 
@@ -51,3 +52,18 @@ class UnsupportedGraphError(VitGraphError):
 class CaptureError(VitGraphError):
     """Deprecated, never raised: a failed capture falls back to eager, logged and reported in
     ``report()["skipped_budgets"]``. Goes in the next release."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says GPU memory ran out: PyTorch's ``OutOfMemoryError``, a CUDA error of
+    a failed allocation raised as a plain ``RuntimeError`` ("CUDA error: out of memory", from
+    a library's own allocation), or a cuDNN status of one in the frontend's message
+    (``CUDNN_STATUS_ALLOC_FAILED`` before cuDNN 9,
+    ``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`` and its host twin in 9). Such a
+    failure belongs to the moment's memory, not to the shape or the kernel: callers try again
+    later instead of refusing for good. Triton's "out of resources" (shared memory, registers)
+    is not one."""
+    # by class name: this module stays pure Python (tests/unit/test_architecture.py)
+    text = str(exc)
+    return (any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
+            or "out of memory" in text.lower() or ("ALLOC" in text and "FAILED" in text))

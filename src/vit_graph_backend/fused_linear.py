@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .errors import out_of_memory
 from .gpu_timing import graph_ms
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
@@ -304,7 +305,7 @@ class LinearActChoices:
                     calls=_GRAPH_CALLS, reps=_GRAPH_REPS)
             except Exception as exc:  # a kernel this GPU or Triton cannot build
                 reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-                if isinstance(exc, torch.OutOfMemoryError):
+                if out_of_memory(exc):
                     # the moment's memory, not the kernel: refused for no other shape
                     short_of_memory = True
                     log.warning("vitgraph: linear+%s at %d x %d -> %d: %s not timed (%s)",

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from .errors import out_of_memory
 from .graph_launch import device_index, launch_kind, make_launcher
 
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
@@ -157,7 +158,9 @@ def capture_budget_graph(
     limit = memory.resolve_limit(device, held)
     try:
         estimate, uses_rng = _warmup(forward, static, warmup_iters, device)
-    except torch.OutOfMemoryError as exc:
+    except Exception as exc:  # memory (errors.out_of_memory) skips the budget; the rest raise
+        if not out_of_memory(exc):
+            raise
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         return CaptureOutcome(skipped=f"warm-up ran out of memory ({mib(free)} free): "
@@ -186,7 +189,7 @@ def capture_budget_graph(
         _compat.end_failed_capture(pool, device)
         del graph
         torch.cuda.empty_cache()
-        oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
+        oom = out_of_memory(exc)
         return CaptureOutcome(failed=True, oom=oom,
                               skipped=f"capture failed: {type(exc).__name__}: {_first_line(exc)}")
     try:
@@ -353,7 +356,9 @@ class BudgetGraphs:
         held = self.pool_bytes() + storage_bytes(self._static_tensors(), held_storages)
         try:
             static = self.capture_inputs(budget)
-        except torch.OutOfMemoryError as exc:
+        except Exception as exc:  # as the warm-up: memory skips, the rest raise
+            if not out_of_memory(exc):
+                raise
             torch.cuda.empty_cache()
             return CaptureOutcome(skipped=f"static inputs ran out of memory: {_first_line(exc)}")
         outcome = capture_budget_graph(

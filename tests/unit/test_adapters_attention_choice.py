@@ -255,6 +255,7 @@ def as_if_on_cuda(monkeypatch):
 
 @pytest.mark.parametrize(("error", "refused"), [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), False),
+    (RuntimeError("CUDA error: out of memory"), False),
     (RuntimeError("out of resources: shared memory"), True)])
 def test_the_short_kernel_refuses_a_shape_for_a_failure_but_not_for_memory(
         as_if_on_cuda, caplog, error, refused):

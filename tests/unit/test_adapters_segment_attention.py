@@ -118,6 +118,7 @@ def test_too_many_segment_slots_are_refused():
 
 @pytest.mark.parametrize(("error", "refused"), [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), False),
+    (RuntimeError("CUDA error: out of memory"), False),
     (RuntimeError("illegal memory access"), True)])
 def test_a_failure_refuses_the_shape_but_memory_does_not(as_if_on_cuda, error, refused):
     kernel = SegmentFlashAttention()

@@ -61,7 +61,7 @@ LAYERS: dict[str, set[str]] = {
     "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear",
                  "gpu_timing", "weight_watch"},
     "stream_order": {"_compat"},
-    "graph_capture": {"_compat", "graph_launch"},
+    "graph_capture": {"_compat", "graph_launch", "errors"},
     # How a captured graph is instantiated and launched (the CUDA driver through ctypes).
     "graph_launch": {"_compat"},
     "replay_io": {"planner", "protocol"},
@@ -81,7 +81,7 @@ LAYERS: dict[str, set[str]] = {
     # epilogue_fusion="auto": linear + GELU (or a SiLU gate) as one op, called by the adapters
     # and by the graphs the rewrite below makes; its Triton kernels (imported only when a CUDA
     # graph uses them) are the private module below it.
-    "fused_linear": {"_linear_act_kernels", "gpu_timing"},
+    "fused_linear": {"_linear_act_kernels", "gpu_timing", "errors"},
     # The GPU time of a candidate kernel from a small CUDA graph's replays (the choices above).
     "gpu_timing": {"_compat"},
     # The backend's graph rewrites' walk over linear layers, and linear + GELU -> the op.

@@ -227,8 +227,10 @@ def _timed_with(monkeypatch, failure):
     return choices, choices._time(x, w, None, "gelu")
 
 
-def test_a_candidate_out_of_memory_while_timed_is_not_refused(monkeypatch):
-    choices, choice = _timed_with(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"))
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
+                                   RuntimeError("CUDA error: out of memory")])
+def test_a_candidate_out_of_memory_while_timed_is_not_refused(monkeypatch, error):
+    choices, choice = _timed_with(monkeypatch, error)
     assert choice == "cublas+activation"
     assert choices.state["refused"] == {}   # tried again at the next shape
 

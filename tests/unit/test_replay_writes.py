@@ -160,3 +160,34 @@ def test_the_memory_bound_reads_free_memory_after_releasing_cached_blocks(monkey
     assert memory.resolve_limit(torch.device("cuda"), held=500) == 660  # resolved once
     assert GraphMemory(limit_option=1 << 20).resolve_limit(torch.device("cuda"), 0) == 1 << 20
     assert events == ["empty_cache", "mem_get_info"]  # a byte bound reads nothing
+
+
+@pytest.mark.parametrize(("error", "skipped"), [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), True),
+    (RuntimeError("CUDA error: out of memory"), True),   # a library's own allocation
+    (RuntimeError("a host sync inside the forward"), False)])
+def test_a_warm_up_out_of_memory_skips_the_budget_whatever_class_says_so(monkeypatch, error,
+                                                                          skipped):
+    """Memory running out in the warm-up skips the budget with the reason (a later clear()
+    tries it again), whether PyTorch or a library's CUDA call raised it; any other failure
+    propagates (``errors.out_of_memory``)."""
+    from vit_graph_backend import graph_capture
+
+    def warmup(*args):
+        raise error
+
+    monkeypatch.setattr(graph_capture, "_warmup", warmup)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 20, 8 << 30))
+
+    def capture():
+        return graph_capture.capture_budget_graph(
+            64, lambda static: None, {}, pool=None, device=torch.device("cuda"),
+            warmup_iters=2, memory=graph_capture.GraphMemory(), held=0, new_static=0)
+
+    if skipped:
+        outcome = capture()
+        assert outcome.skipped.startswith("warm-up ran out of memory (3.0 MiB free)")
+    else:
+        with pytest.raises(RuntimeError, match="host sync"):
+            capture()

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from ..errors import out_of_memory
+
 __all__ = ["RaggedAttention", "cudnn_frontend_reason"]
 
 log = logging.getLogger(__name__)
@@ -52,15 +54,6 @@ def cudnn_frontend_reason() -> str | None:
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); pip install "
                 "'vit-graph-backend[cudnn]'")
     return None
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` says memory ran out: PyTorch's error, or a cuDNN status of a failed
-    allocation in the frontend's message (``CUDNN_STATUS_ALLOC_FAILED`` before cuDNN 9,
-    ``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`` and its host twin in 9)."""
-    text = str(exc)
-    return (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower()
-            or "ALLOC" in text and "FAILED" in text)
 
 
 def element_offsets(offsets: torch.Tensor, row_stride: int) -> torch.Tensor:
@@ -195,7 +188,7 @@ class RaggedAttention:
                     plan = _Plan(self._cudnn, handle, q, k, v, slots, max_len, scale)
             except Exception as exc:  # cuDNN refuses the shape, or the library is unusable
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                if _out_of_memory(exc):  # the moment's memory, not the shape: tried again
+                if out_of_memory(exc):  # the moment's memory, not the shape: tried again
                     log.warning("vitgraph: cuDNN ragged attention ran out of memory building "
                                 "%d segments of up to %d rows (%s); flash varlen serves this "
                                 "call", slots, max_len, reason)

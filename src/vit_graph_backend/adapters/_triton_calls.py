@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..errors import out_of_memory
+
 __all__ = ["TritonKernelCalls", "inputs_reason", "layout_reason", "triton_reason"]
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,7 @@ class TritonKernelCalls:
             except Exception as exc:  # Triton cannot compile or run it here
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 reason = f"{type(exc).__name__}: {first}"
-                if isinstance(exc, torch.OutOfMemoryError):
+                if out_of_memory(exc):
                     # the moment's memory, not the shape: the fallback serves this call only
                     log.warning("vitgraph: the %s ran out of memory for %s (%s); %s serves "
                                 "this call", self._what, key, reason, self._fallback)
