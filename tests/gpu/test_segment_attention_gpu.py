@@ -10,7 +10,13 @@ import random
 
 import pytest
 import torch
-from test_short_attention_gpu import _layout, _offsets, _reference, _served_errors
+from test_short_attention_gpu import (
+    _first_call_in_a_capture,
+    _layout,
+    _offsets,
+    _reference,
+    _served_errors,
+)
 
 from vit_graph_backend.adapters._attention_choice import AttentionChoice
 from vit_graph_backend.adapters._segment_attention import (
@@ -98,13 +104,8 @@ def test_a_captured_graph_follows_new_offsets_at_every_replay():
 
 @torch.no_grad()
 def test_a_shape_met_first_inside_a_capture_is_left_to_the_other_kernels():
-    gen = torch.Generator(device=DEV).manual_seed(4)
-    q, k, v = _layout(256, 2, 80, torch.bfloat16, gen)
-    offsets = _offsets([200, 56])
     kernel = SegmentFlashAttention()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kernel(q, k, v, offsets, 256, 80 ** -0.5)
+    out = _first_call_in_a_capture(kernel, 80, [200, 56], 256)
     assert out is None and kernel.state == {"compiled": 0, "refused": {}}
 
 

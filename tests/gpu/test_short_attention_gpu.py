@@ -127,15 +127,21 @@ def test_a_captured_graph_follows_new_offsets_at_every_replay():
         assert err < 2e-2, (seed, err)
 
 
-@torch.no_grad()
-def test_a_shape_met_first_inside_a_capture_is_left_to_flash_varlen():
+def _first_call_in_a_capture(kernel, dim, lengths, max_len):
+    """``kernel``'s output for a shape it first meets inside a CUDA-graph capture (2 heads of
+    ``dim``, segments of ``lengths``, bf16)."""
     gen = torch.Generator(device=DEV).manual_seed(4)
-    q, k, v = _layout(128, 2, 64, torch.bfloat16, gen)
-    offsets = _offsets([64, 64])
-    short = ShortSegmentAttention()
+    q, k, v = _layout(sum(lengths), 2, dim, torch.bfloat16, gen)
+    offsets = _offsets(lengths)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = short(q, k, v, offsets, 64, 0.125)
+        return kernel(q, k, v, offsets, max_len, dim ** -0.5)
+
+
+@torch.no_grad()
+def test_a_shape_met_first_inside_a_capture_is_left_to_flash_varlen():
+    short = ShortSegmentAttention()
+    out = _first_call_in_a_capture(short, 64, [64, 64], 64)
     assert out is None and short.state == {"compiled": 0, "refused": {}}
 
 

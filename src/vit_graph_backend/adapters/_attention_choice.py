@@ -173,8 +173,7 @@ class AttentionChoice:
         choice = "varlen"
         if one_segment and self.setting == "dense":  # any device: the CPU tests run it too
             choice = "dense"
-        elif (one_segment and self.setting == "auto" and varlen is not None
-              and torch.device(device).type == "cuda"):
+        elif one_segment and self.setting == "auto" and varlen is not None and _timed_on(device):
             choice = self._measure(rows, heads, head_dim, scale, device, dtype, varlen)
         self.by_rows[rows] = choice
         return choice
@@ -229,8 +228,7 @@ class AttentionChoice:
         (full windows over every row, then the slots left empty and the padding chunks the
         graph adds: ``_qwen_packing.QwenPacker.segments``), each replayed from a CUDA graph."""
         window, slots = windows
-        if (self.short is None or varlen is None or torch.device(device).type != "cuda"
-                or window < 1):
+        if self.short is None or varlen is None or not _timed_on(device) or window < 1:
             return "varlen"
         full, rest = divmod(rows, window)
         lengths = [window] * full + ([rest] if rest else [])
@@ -259,10 +257,10 @@ class AttentionChoice:
         if self.segment is None or varlen is None or not _timed_on(device):
             return "varlen"
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
+        segment = self.segment
         total: dict[str, float] = {}
         for layout in full_layouts(rows, frames):
             segments = Segments(torch.tensor(layout, dtype=torch.int32, device=device), rows)
-            segment = self.segment
             ms = _race(rows, "full attention", {
                 "varlen": lambda: varlen_attention(q, k, v, segments, scale, varlen,
                                                    self.ragged),
