@@ -8,7 +8,10 @@ backend's compile, Inductor's), the number of Dynamo compiles and the backend's 
 ``--profile N``: the first pass under cProfile (which slows it), then the N
 functions with the most cumulative time, to say where a warm first pass goes.
 
-Usage: python benchmarks/first_pass_cache_probe.py auto|off [--profile N]
+``--warmup-iters N``: that option (the default when not given: the package's); the line of
+results names it.
+
+Usage: python benchmarks/first_pass_cache_probe.py auto|off [--profile N] [--warmup-iters N]
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = transformers.CLIPVisionModel(cfg).cuda().eval().to(torch.bfloat16)
     x = torch.randn(48, 3, 336, 336, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(model, backend="vitgraph",
-                             options={"max_budget": 48, "epilogue_fusion": mode})
+    options = {"max_budget": 48, "epilogue_fusion": mode}
+    if "--warmup-iters" in sys.argv:
+        options["warmup_iters"] = int(sys.argv[sys.argv.index("--warmup-iters") + 1])
+    warmups = options.get("warmup_iters", vit_graph_backend.VitGraphOptions().warmup_iters)
+    compiled = torch.compile(model, backend="vitgraph", options=options)
     top = int(sys.argv[sys.argv.index("--profile") + 1]) if "--profile" in sys.argv else 0
     profiler = cProfile.Profile() if top else None
     start = time.perf_counter()
@@ -61,7 +67,8 @@ def main() -> None:
             profiler.disable()
     wall = time.perf_counter() - start
     inductor = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
-    print(f"epilogue_fusion={mode}: first pass {wall:.2f} s, of which timing fused shapes "
+    print(f"epilogue_fusion={mode}, warmup_iters={warmups}: first pass {wall:.2f} s, of which "
+          "timing fused shapes "
           f"{spent[0]:.2f} s ({len(fused_linear.CHOICES.state['chosen'])} shapes); "
           f"Inductor FX graph cache {inductor}")
     report = vit_graph_backend.report()

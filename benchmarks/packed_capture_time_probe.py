@@ -4,7 +4,8 @@ Qwen2.5-VL-3B-shaped tower's default ladder, in one process, then ``cProfile`` o
 The capture-time choices (``adapters/_attention_choice.py``) time kernels before each budget is
 captured: the window kernel against flash varlen, and with Triton the segment kernel against
 cuDNN (or flash varlen) on each budget's full-attention layouts. This probe times ``capture()``
-for ``attention="cudnn"`` (no segment-kernel race) and for the defaults, twice each in the
+for ``attention="cudnn"`` (no segment-kernel race), for the defaults and for ``warmup_iters=2``
+(the defaults with a second warm-up run per budget), twice each in the
 order given (the first capture in the process also pays the one-time costs: Triton's compiles
 and cuDNN's plans, Triton's disk cache permitting), and prints the top functions of the last
 capture by cumulative time.
@@ -31,7 +32,8 @@ from qwen_stream import tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
 
-MODES = {"default": {}, "cudnn": {"attention": "cudnn"}, "varlen": {"attention": "varlen"}}
+MODES = {"default": {}, "cudnn": {"attention": "cudnn"}, "varlen": {"attention": "varlen"},
+         "warmup2": {"warmup_iters": 2}}
 
 
 def main() -> None:

@@ -79,7 +79,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 _UNFUSED = "cublas+activation"  # cuBLAS, then one activation (or SiLU-mul) kernel
 _PYTORCH = "pytorch"  # what runs when neither Triton path does for a shape
 #: Calls per timing graph and replays timed (``gpu_timing.graph_ms``): every candidate of every
-#: shape runs ``1 + calls * (reps + 1)`` times, in the first pass of each new model.
+#: shape runs at most ``1 + calls * (reps + 1)`` times, in the first pass of each new model.
 _GRAPH_CALLS, _GRAPH_REPS = 3, 3
 #: Shapes timed at most: past this (an eager fallback meeting a new row count at every call,
 #: say), new shapes take cuBLAS + activation untimed, so no call keeps paying for timing.

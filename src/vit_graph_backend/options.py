@@ -91,7 +91,10 @@ class VitGraphOptions:
             to feed) and for packed towers (their adapters fuse their own kernels).
         capture: ``"all"`` captures every budget, largest first into one pool, at the first call
             of a shape; ``"lazy"`` captures a budget the first time a batch needs it.
-        warmup_iters: eager runs of each budget before its capture (cuBLAS/cuDNN set-up).
+        warmup_iters: eager runs of each budget before its capture. One does every lazy
+            set-up a capture must not meet (cuBLAS workspaces, cuDNN plans, Triton compiles,
+            the kernel choices timed per shape) and measures the budget's memory; each more
+            only lengthens the first pass (``README.md``, "First pass").
         max_graph_sets: graph sets kept for other dynamic dims (e.g. image height/width); the least
             recently used set is freed beyond this.
         static_graphs: serve Dynamo's static (first, and batch-1) compiles from one exact-shape
@@ -144,7 +147,7 @@ class VitGraphOptions:
     policy: str = "baseline"
     inner_compiler: str = "auto"
     capture: str = "all"
-    warmup_iters: int = 2
+    warmup_iters: int = 1
     max_graph_sets: int = 4
     static_graphs: bool = True
     backed_size_oblivious: bool = False

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from vit_graph_backend import fused_linear
+from vit_graph_backend import fused_linear, gpu_timing
 from vit_graph_backend.benchmarking.timing import CallTimer
 from vit_graph_backend.fused_linear import CHOICES
 from vit_graph_backend.gpu_timing import graph_ms
@@ -71,6 +71,32 @@ def test_long_work_agrees_with_event_timing():
     print("8192^3 bf16 matmul, graph_ms against single launches: "
           + ", ".join(f"{ms:.4f} / {events:.4f} ms" for ms, events in rounds))
     assert min(abs(ms - events) / events for ms, events in rounds) < 0.1, rounds
+
+
+@pytest.mark.parametrize("work", ["short", "long"])
+def test_long_work_is_replayed_fewer_times(monkeypatch, work):
+    """Each replay of a timing graph of long work costs the first pass its GPU time: past
+    ``LONG_REPLAY_MS`` a few replays time it as well as many. Short work keeps every replay
+    asked for, where the launch's jitter needs them."""
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted(self):
+        replays.append(1)
+        return replay(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
+    if work == "long":  # 8192^3 in bf16: over a millisecond a call on any GPU we serve
+        a = torch.randn(8192, 8192, device=DEV, dtype=DT)
+        ms = graph_ms(lambda: a @ a, calls=2, reps=10)
+        assert 2 * ms >= gpu_timing.LONG_REPLAY_MS, ms
+        expected = 1 + gpu_timing.LONG_REPS
+    else:
+        x = torch.zeros(8, device=DEV)
+        ms = graph_ms(lambda: x.add_(1), calls=5, reps=10)
+        expected = 1 + 10
+    print(f"{work} work: {ms:.4f} ms a call, {len(replays)} replays")
+    assert len(replays) == expected, (len(replays), expected)
 
 
 def test_the_work_waits_for_the_callers_stream():
