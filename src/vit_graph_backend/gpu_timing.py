@@ -26,7 +26,7 @@ import torch
 
 from . import _compat
 
-__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "timed_replays"]
+__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms"]
 
 
 #: One side stream per device for every timing, created on first use: cuBLAS keeps a workspace
@@ -43,11 +43,6 @@ _lock = threading.RLock()
 #: 3 s on an H100, ``benchmarks/results/first_pass_one_warm_up_run_*``).
 LONG_REPLAY_MS = 2.0
 LONG_REPS = 2
-
-
-def timed_replays(first_ms: float, reps: int) -> int:
-    """How many replays :func:`graph_ms` times after an untimed first replay of ``first_ms``."""
-    return min(reps, LONG_REPS) if first_ms >= LONG_REPLAY_MS else reps
 
 
 def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
@@ -82,10 +77,9 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
                         _compat.end_failed_capture(graph.pool(), caller.device)
                     raise
                 graph.capture_end()
-                first = _replay_ms(graph, side)
-                times = []
-                for _ in range(max(1, timed_replays(first, reps))):
-                    times.append(_replay_ms(graph, side) / calls)
+                if _replay_ms(graph, side) >= LONG_REPLAY_MS:
+                    reps = min(reps, LONG_REPS)
+                times = [_replay_ms(graph, side) / calls for _ in range(max(1, reps))]
         finally:
             caller.wait_stream(side)
     return statistics.median(times)

@@ -94,7 +94,8 @@ class VitGraphOptions:
         warmup_iters: eager runs of each budget before its capture. One does every lazy
             set-up a capture must not meet (cuBLAS workspaces, cuDNN plans, Triton compiles,
             the kernel choices timed per shape) and measures the budget's memory; each more
-            only lengthens the first pass (``README.md``, "First pass").
+            only lengthens the first pass
+            (``benchmarks/results/first_pass_one_warm_up_run_and_fewer_long_timing_replays_*``).
         max_graph_sets: graph sets kept for other dynamic dims (e.g. image height/width); the least
             recently used set is freed beyond this.
         static_graphs: serve Dynamo's static (first, and batch-1) compiles from one exact-shape
