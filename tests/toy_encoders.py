@@ -1,4 +1,5 @@
-"""A tiny packed encoder implementing ``SupportsEncoderCudaGraph``, for runtime tests.
+"""A tiny packed encoder implementing ``SupportsEncoderCudaGraph``, for runtime tests, and a
+wrapper tensor subclass to hold its weights in (``Wrapper``).
 
 Each row goes through a linear layer, then gets the mean of its own item's rows added (a stand-in
 for attention: rows of one item interact, rows of different items must not), then a second linear
@@ -107,3 +108,38 @@ def randomize_weights(model: nn.Module, seed: int) -> nn.Module:
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
     return model.eval()
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper tensor subclass holding one tensor, as quantized weights (torchao's) and
+    ``DTensor`` hold theirs: its own ``data_ptr()`` says nothing of where that tensor lives."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapper:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                   device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inners, ctx, size, stride) -> Wrapper:
+        return Wrapper(inners["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:  # nn.Parameter keeps the subclass
+            return type(args[0])(args[0].inner.detach())
+        unwrap = [a.inner if isinstance(a, Wrapper) else a for a in args]
+        return func(*unwrap, **(kwargs or {}))
+
+
+class Nested(Wrapper):
+    """A wrapper holding a wrapper (a DTensor of quantized shards, say)."""
+
+    @staticmethod
+    def __tensor_unflatten__(inners, ctx, size, stride) -> Nested:
+        return Nested(inners["inner"])

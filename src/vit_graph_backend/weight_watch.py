@@ -15,7 +15,11 @@ the Qwen2.5-VL-3B tower on an H100's host
 ``p.data = t`` or a table write, hence a look at every call (PEFT's ``merge(safe_merge=True)``
 of a LoRA adapter writes ``base_layer.weight.data``). Modules attached after the watch was
 made register their parameters, buffers or themselves, which a process-wide count of those
-registrations notices; the module tree is walked again only then.
+registrations notices; the module tree is walked again only then. A weight that is a wrapper
+tensor subclass (a quantized weight, a ``DTensor``) has no address of its own (its
+``data_ptr()`` reads 0 in torch 2.13, whatever it holds); the graph reads the tensors it holds
+(``__tensor_flatten__``), so those are watched in its place, looked up through the subclass at
+every call.
 
 :class:`~vit_graph_backend.runtime.EncoderCudaGraphManager` watches its encoder (or the module
 given as ``watch``) before every call: it captures again when the weights moved on the same device
@@ -74,12 +78,35 @@ def _readable(tensor: torch.Tensor) -> bool:
     return True
 
 
+def _held(tensor: Any) -> list[torch.Tensor] | None:
+    """The tensors with storage that a wrapper subclass holds (its ``__tensor_flatten__``
+    attributes, and theirs in turn), or ``None`` for a tensor that is not one."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    held: list[torch.Tensor] = []
+    for name in flatten()[0]:
+        inner = getattr(tensor, name)
+        nested = _held(inner)
+        held.extend(nested if nested is not None else [inner] if _readable(inner) else [])
+    return held
+
+
+def _held_addresses(tensor: Any) -> tuple[int, ...]:
+    held = _held(tensor)
+    if held is None:  # removed, or replaced by a tensor that is not a wrapper subclass
+        raise TypeError("not a wrapper subclass")
+    return tuple(map(_data_ptr, held))
+
+
 class WeightWatch:
     """Every parameter and buffer of a module and the address each had when the watch was made."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
         self._slots: tuple[list[dict[str, Any]], list[str]] = ([], [])
+        #: the same for weights that are wrapper subclasses (their held tensors are watched)
+        self._wrapped: tuple[list[dict[str, Any]], list[str]] = ([], [])
         self._at = -1
         self._first = 0     # the slot of the module's first parameter
         self._devices = self._read_slots()
@@ -91,41 +118,58 @@ class WeightWatch:
         if not isinstance(module, nn.Module) or next(module.parameters(), None) is None:
             return None
         watch = WeightWatch(module)
-        return watch if watch._slots[1] else None
+        return watch if watch._slots[1] or watch._wrapped[1] else None
 
     def _read_slots(self) -> set[torch.device]:
         self._at = registrations()
         tables: list[dict[str, Any]] = []
         names: list[str] = []
+        wrapped: tuple[list[dict[str, Any]], list[str]] = ([], [])
         first, devices = None, set()
         for module in self._module.modules():
             for table in (parameter_table(module), buffer_table(module)):
                 for name, tensor in table.items():
-                    if tensor is None or not _readable(tensor):
+                    if tensor is None:
+                        continue
+                    held = _held(tensor)  # a wrapper's own data_ptr() reads 0, whatever it holds
+                    if held is not None or not _readable(tensor):
+                        if held:
+                            wrapped[0].append(table)
+                            wrapped[1].append(name)
+                            devices.add(tensor.device)
                         continue
                     if first is None and isinstance(tensor, nn.Parameter):
                         first = len(names)
                     tables.append(table)
                     names.append(name)
                     devices.add(tensor.device)
-        self._slots, self._first = (tables, names), first or 0
+        self._slots, self._wrapped, self._first = (tables, names), wrapped, first or 0
         return devices
 
     def tensors(self) -> list[torch.Tensor | None]:
-        """Each watched tensor now, ``None`` where one was removed."""
+        """Each watched tensor now, ``None`` where one was removed (wrapper subclasses last)."""
         if self._at != _registrations[0]:
             self._read_slots()
-        return list(map(_lookup, *self._slots))
+        return list(map(_lookup, *self._slots)) + list(map(_lookup, *self._wrapped))
 
     def _addresses(self) -> tuple[int, ...] | None:
+        if self._at != _registrations[0]:
+            self._read_slots()
         try:
-            return tuple(map(_data_ptr, self.tensors()))
+            addresses = tuple(map(_data_ptr, map(_lookup, *self._slots)))
+            if self._wrapped[1]:
+                addresses += tuple(map(_held_addresses, map(_lookup, *self._wrapped)))
+            return addresses
         except (TypeError, RuntimeError):  # a tensor removed, or one without storage put in
             return None
 
     def param(self) -> torch.Tensor | None:
-        """The module's first parameter now (``None`` if it was removed)."""
+        """The module's first parameter with storage of its own now (``None`` if it was
+        removed)."""
         tables, names = self._slots
+        if not names:  # every weight is a wrapper subclass
+            return next((t for t in map(_lookup, *self._wrapped)
+                         if isinstance(t, nn.Parameter)), None)
         return tables[self._first].get(names[self._first])
 
     def devices_added(self) -> set[torch.device]:

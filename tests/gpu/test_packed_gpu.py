@@ -14,6 +14,8 @@ import torch
 pytestmark = pytest.mark.gpu
 tr = pytest.importorskip("transformers")
 
+from toy_encoders import Wrapper  # noqa: E402
+
 from vit_graph_backend import serve  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
@@ -295,23 +297,29 @@ def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly():
     torch.testing.assert_close(got, ref, atol=5e-2, rtol=0)
 
 
-@pytest.mark.parametrize("how", ["data", "table"])
+@pytest.mark.parametrize("how", ["data", "table", "wrapped"])
 @torch.no_grad()
 def test_one_weight_given_new_storage_is_followed(how):
     """One weight other than the first gets new storage, and its old storage is freed and
-    filled with NaN: by hand (``p.data = t``), or written to its module's table as accelerate's
-    ``set_module_tensor_to_device`` does. Neither fires a hook; replaying the old graphs would
-    read the freed memory. The merger's last weight, tripled, so a stale read cannot pass for a
-    small error. The served tower captures again and matches HF."""
+    filled with NaN: by hand (``p.data = t``), written to its module's table as accelerate's
+    ``set_module_tensor_to_device`` does, or, for a weight that is a wrapper tensor subclass (a
+    quantized weight, say), in the tensor it holds. None fires a hook; replaying the old graphs
+    would read the freed memory. The merger's last weight, tripled, so a stale read cannot pass
+    for a small error. The served tower captures again and matches HF."""
     tower = _tower("qwen2_5")
+    out = tower.merger.mlp[2]
+    if how == "wrapped":
+        out.weight = torch.nn.Parameter(Wrapper(out.weight.detach().clone()),
+                                        requires_grad=False)
     served = serve(tower, max_items_per_graph=4, max_budget=256)
     pv, grid = _call(random.Random(7), 2, PATCH)
     served(pv, grid)
-    out = tower.merger.mlp[2]
     if how == "data":
         out.weight.data = out.weight * 3.0
-    else:
+    elif how == "table":
         out._parameters["weight"] = torch.nn.Parameter(out.weight * 3.0)
+    else:
+        out.weight.inner = out.weight.inner * 3.0
     torch.cuda.empty_cache()
     junk = torch.full((64 << 20,), float("nan"), device=DEV, dtype=DT)  # over the freed storage
     got, ref = served(pv, grid), _hf(tower, pv, grid)[0]

@@ -23,6 +23,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
 import vit_graph_backend as vg  # noqa: E402
 from vit_graph_backend.backend import vitgraph  # noqa: E402
 from vit_graph_backend import packed as packed_mod  # noqa: E402
+from toy_encoders import Wrapper  # noqa: E402
 
 GRID = [[1, 4, 4], [1, 2, 4], [1, 2, 2]]
 
@@ -165,19 +166,26 @@ def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly(caplog):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("how", ["data", "table"])
+@pytest.mark.parametrize("how", ["data", "table", "wrapped"])
 def test_one_weight_given_new_storage_is_followed(how, caplog):
-    """One weight other than the first given new storage: by hand (``p.data = t``) or written to
-    its module's table as accelerate's ``set_module_tensor_to_device`` does. No registration hook
-    fires for either; the graphs would read the old address, so they are captured again."""
+    """One weight other than the first given new storage: by hand (``p.data = t``), written to
+    its module's table as accelerate's ``set_module_tensor_to_device`` does, or, for a weight
+    that is a wrapper tensor subclass, in the tensor it holds. No registration hook fires for
+    any; the graphs would read the old address, so they are captured again."""
     served, pixels = _served(), _pixels()
     tower = served.encoder.tower
-    served(pixels, GRID)
     proj = tower.blocks[0].attn.proj
+    if how == "wrapped":  # put in before the first call, whose watch then follows it
+        proj.weight = torch.nn.Parameter(Wrapper(proj.weight.detach().clone()),
+                                         requires_grad=False)
+    served(pixels, GRID)
+    caplog.clear()
     if how == "data":
         proj.weight.data = proj.weight * 2
-    else:
+    elif how == "table":
         proj._parameters["weight"] = torch.nn.Parameter(proj.weight * 2)
+    else:
+        proj.weight.inner = proj.weight.inner * 2
     with caplog.at_level("WARNING", logger="vit_graph_backend"):
         out = served(pixels, GRID)
     assert "captured again" in caplog.text

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toy_encoders import PaddedSegToyEncoder, run_alone, ToyPackedEncoder
+from toy_encoders import PaddedSegToyEncoder, run_alone, ToyPackedEncoder, Wrapper
 import logging
 
 from vit_graph_backend.errors import InvalidInputError, InvalidOptionError
@@ -202,6 +202,25 @@ def test_a_manager_follows_its_encoder_to_new_weight_storage(caplog):
     model.to(torch.float64)
     mgr.run({**call, "x": call["x"].double()})
     assert "moved to cpu, torch.float64" in mgr.memory_report()["graphs_off_reason"]
+
+
+@torch.no_grad()
+def test_a_manager_follows_a_wrapper_subclass_weight_to_new_storage(caplog):
+    """A weight that is a wrapper tensor subclass (a quantized weight, say): the graphs read the
+    tensor it holds, so new storage there captures again, though the weight itself, its table
+    and its own ``data_ptr()`` stay the same."""
+    model, mgr = _setup()
+    model.lin2.weight = torch.nn.Parameter(Wrapper(model.lin2.weight.detach().clone()),
+                                           requires_grad=False)
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    call = _call([5, 9])
+    mgr.run(call)
+    model.lin2.weight.inner = model.lin2.weight.inner * 2
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        out = mgr.run(call)
+    assert "captured again" in caplog.text
+    for got, ref in zip(out, run_alone(model, call), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()

@@ -7,10 +7,12 @@ replay over freed memory: the watch must say "moved" for it, and must not for an
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from toy_encoders import Nested, Wrapper
 
 from vit_graph_backend.weight_watch import WeightWatch, registrations
 
@@ -136,3 +138,60 @@ def test_moved_exactly_when_some_weight_has_another_address(ops):
         else:
             kept.append(nn.Linear(8, 8))  # registered elsewhere: no weight of the tower moved
     assert watch.moved() == (_addresses(tower) != before)
+
+
+def _wrapped_tower(nested: bool) -> tuple[_Tower, WeightWatch]:
+    tower, _ = _watched()
+    make = (lambda t: Nested(Wrapper(t))) if nested else Wrapper
+    with torch.no_grad():
+        tower.blocks[1].weight = nn.Parameter(make(torch.randn(8, 8)), requires_grad=False)
+        tower.register_buffer("codes", make(torch.zeros(8)))
+    watch = WeightWatch.of(tower)
+    assert watch is not None and not watch.moved()
+    return tower, watch
+
+
+def _innermost(t: torch.Tensor) -> torch.Tensor:
+    while isinstance(t, Wrapper):
+        t = t.inner
+    return t
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("where", ["parameter", "buffer"])
+def test_a_wrapper_subclass_weight_whose_held_tensor_moves_is_a_move(where, nested):
+    """The graph reads the tensor a wrapper holds: new storage there (a quantized weight
+    loaded again, say) must be seen, though no table and no registration changed."""
+    tower, watch = _wrapped_tower(nested)
+    wrapper = tower.blocks[1].weight if where == "parameter" else tower.codes
+    holder = wrapper.inner if nested else wrapper
+    old = _innermost(wrapper)
+    holder.inner = old * 2 if not nested else Wrapper(old * 2)
+    assert _innermost(wrapper).data_ptr() != old.data_ptr()
+    assert watch.moved()
+
+
+def test_a_wrapper_subclass_weight_written_in_place_is_not_a_move():
+    tower, watch = _wrapped_tower(nested=False)
+    with torch.no_grad():
+        tower.blocks[1].weight.inner.mul_(2.0)
+        tower.codes.inner.add_(1.0)
+    assert not watch.moved()
+    assert watch.devices_added() == set()
+
+
+def test_a_wrapper_subclass_put_in_a_plain_weights_place_is_a_move():
+    tower, watch = _watched()
+    tower.blocks[2]._parameters["weight"] = nn.Parameter(Wrapper(torch.randn(8, 8)),
+                                                         requires_grad=False)
+    assert watch.moved()
+
+
+def test_a_tower_of_wrapper_weights_only_is_watched():
+    module = nn.Linear(4, 4)
+    module.weight = nn.Parameter(Wrapper(torch.randn(4, 4)), requires_grad=False)
+    module.bias = nn.Parameter(Wrapper(torch.randn(4)), requires_grad=False)
+    watch = WeightWatch.of(module)
+    assert watch is not None and watch.param() is module.weight and not watch.moved()
+    module.bias.inner = torch.randn(4)
+    assert watch.moved()
