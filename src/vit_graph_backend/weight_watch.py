@@ -108,7 +108,9 @@ class WeightWatch:
         #: the same for weights that are wrapper subclasses (their held tensors are watched)
         self._wrapped: tuple[list[dict[str, Any]], list[str]] = ([], [])
         self._at = -1
-        self._first = 0     # the slot of the module's first parameter
+        #: the slot of the module's first parameter with storage of its own (``None``: every
+        #: parameter is a wrapper subclass)
+        self._first: int | None = None
         self._devices = self._read_slots()
         self._addresses_then = self._addresses()
 
@@ -143,7 +145,7 @@ class WeightWatch:
                     tables.append(table)
                     names.append(name)
                     devices.add(tensor.device)
-        self._slots, self._wrapped, self._first = (tables, names), wrapped, first or 0
+        self._slots, self._wrapped, self._first = (tables, names), wrapped, first
         return devices
 
     def tensors(self) -> list[torch.Tensor | None]:
@@ -164,12 +166,12 @@ class WeightWatch:
             return None
 
     def param(self) -> torch.Tensor | None:
-        """The module's first parameter with storage of its own now (``None`` if it was
-        removed)."""
-        tables, names = self._slots
-        if not names:  # every weight is a wrapper subclass
+        """The module's first parameter now (``None`` if it was removed): the first with storage
+        of its own, else the first wrapper subclass."""
+        if self._first is None:
             return next((t for t in map(_lookup, *self._wrapped)
                          if isinstance(t, nn.Parameter)), None)
+        tables, names = self._slots
         return tables[self._first].get(names[self._first])
 
     def devices_added(self) -> set[torch.device]:

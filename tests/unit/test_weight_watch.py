@@ -188,9 +188,12 @@ def test_a_wrapper_subclass_put_in_a_plain_weights_place_is_a_move():
 
 
 def test_a_tower_of_wrapper_weights_only_is_watched():
+    """Every parameter a wrapper subclass, a plain buffer beside them: the first parameter the
+    manager asks for (its device and dtype decide recapture or eager) is a parameter."""
     module = nn.Linear(4, 4)
     module.weight = nn.Parameter(Wrapper(torch.randn(4, 4)), requires_grad=False)
     module.bias = nn.Parameter(Wrapper(torch.randn(4)), requires_grad=False)
+    module.register_buffer("steps", torch.zeros(1, dtype=torch.int64))
     watch = WeightWatch.of(module)
     assert watch is not None and watch.param() is module.weight and not watch.moved()
     module.bias.inner = torch.randn(4)
