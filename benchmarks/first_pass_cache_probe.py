@@ -68,8 +68,8 @@ def main() -> None:
     wall = time.perf_counter() - start
     inductor = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
     print(f"epilogue_fusion={mode}, warmup_iters={warmups}: first pass {wall:.2f} s, of which "
-          "timing fused shapes "
-          f"{spent[0]:.2f} s ({len(fused_linear.CHOICES.state['chosen'])} shapes); "
+          f"timing fused shapes {spent[0]:.2f} s "
+          f"({len(fused_linear.CHOICES.state['chosen'])} shapes); "
           f"Inductor FX graph cache {inductor}")
     report = vit_graph_backend.report()
     print(f"Dynamo compiles {report['compiles']}; graphs captured {report['graphs_captured']} in "

@@ -135,15 +135,15 @@ class WeightWatch:
                         continue
                     held = _held(tensor)  # a wrapper's own data_ptr() reads 0, whatever it holds
                     if held is not None or not _readable(tensor):
-                        if held:
-                            wrapped[0].append(table)
-                            wrapped[1].append(name)
-                            devices.add(tensor.device)
-                        continue
-                    if first is None and isinstance(tensor, nn.Parameter):
-                        first = len(names)
-                    tables.append(table)
-                    names.append(name)
+                        if not held:
+                            continue
+                        wrapped[0].append(table)
+                        wrapped[1].append(name)
+                    else:
+                        if first is None and isinstance(tensor, nn.Parameter):
+                            first = len(names)
+                        tables.append(table)
+                        names.append(name)
                     devices.add(tensor.device)
         self._slots, self._wrapped, self._first = (tables, names), wrapped, first
         return devices
