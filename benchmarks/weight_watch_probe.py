@@ -1,8 +1,10 @@
 """Host time of the weight check before every packed call (``weight_watch.py``), in process.
 
 The Qwen2.5-VL-3B-shaped tower (random weights, bf16) served with the defaults and called once;
-then ``WeightWatch.moved()`` of its manager, timed when nothing changed, and the padded MLP
-copies' own check (``AlignedMLPs.refresh``) beside it. In process, so a change of a few
+then ``WeightWatch.moved()`` of its manager, timed when nothing changed, and beside it the
+adapter's own checks: the padded MLP copies' (``AlignedMLPs.refresh``), and where the tree has
+them, the lookup of every submodule inside ``moved()`` and the MLP modules' check of the kernel
+choices (``KernelChoices._follow``, ``adapters/_qwen_kernels.py``). In process, so a change of a few
 microseconds is not lost in the call-to-call spread of a whole packed call's host time between
 processes (``benchmarks/packed_host_overhead.py``). To compare two source trees, run it once per
 tree with ``PYTHONPATH=<tree>/src``.
@@ -39,14 +41,19 @@ def main() -> None:
     watched = len(slots[1]) if slots is not None else 1
     print(f"source {Path(vit_graph_backend.__file__).parent}; device "
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; tensors watched {watched}")
-    moved = _per_call_us(watch.moved)
-    print("WeightWatch.moved(), nothing changed: " + " / ".join(f"{us:.1f}" for us in moved)
-          + " us per call")
-    aligned = getattr(getattr(served.encoder, "kernels", None), "aligned", None)
-    if aligned is not None:
-        refresh = _per_call_us(aligned.refresh)
-        print("AlignedMLPs.refresh(), nothing changed: "
-              + " / ".join(f"{us:.1f}" for us in refresh) + " us per call")
+    kids = getattr(watch, "_kids", None)
+    kernels = getattr(served.encoder, "kernels", None)
+    checks = [("WeightWatch.moved()", watch.moved)]
+    if kids is not None:
+        checks.append((f"  of which the {len(kids[1])} submodule lookups",
+                       lambda: tuple(map(dict.get, *kids)) != watch._tree))
+    if getattr(kernels, "aligned", None) is not None:
+        checks.append(("AlignedMLPs.refresh()", kernels.aligned.refresh))
+    if hasattr(kernels, "_follow"):
+        checks.append(("KernelChoices._follow()", kernels._follow))
+    for name, fn in checks:
+        print(f"{name}, nothing changed: " + " / ".join(f"{us:.1f}" for us in _per_call_us(fn))
+              + " us per call")
 
 
 if __name__ == "__main__":

@@ -355,8 +355,8 @@ class EncoderCudaGraphManager:
         place = (None, None) if param is None else (param.device, param.dtype)
         added = self._watch.devices_added() if self._watch is not None else set()
         if place == (self.device, self.dtype) and not added:
-            log.warning("vitgraph: the encoder's parameters have new storage (replaced or moved "
-                        "after capture); its graphs are captured again")
+            log.warning("vitgraph: the encoder's parameters have new storage or its submodules "
+                        "were replaced after capture; its graphs are captured again")
             self.clear()
         else:
             where = (f"some of them to {', '.join(sorted(map(str, added)))}" if added

@@ -1,4 +1,5 @@
-"""`WeightWatch`: whether a module's weights still live where its graphs were captured.
+"""`WeightWatch`: whether a module's weights and submodules are still those its graphs were
+captured from.
 
 A captured graph reads every weight by address. ``.to()``, ``.half()`` or ``load_state_dict(...,
 assign=True)`` give a whole module new storage and free the old one; so does, for one tensor,
@@ -21,6 +22,15 @@ tensor subclass (a quantized weight, a ``DTensor``) has no address of its own (i
 (``__tensor_flatten__``), so those are watched in its place, looked up through the subclass at
 every call.
 
+A graph also replays the code of the modules it was captured from, so the watch keeps, for every
+submodule, the table it lives in (``module._modules``) and the module there, and looks each one
+up again too: a submodule replaced is a move, with weights of its own or without (an activation
+swapped). Assignment registers the new module, but torch.ao's ``convert`` and quantizers that
+swap linear layers write the table directly, and the old module's tables stay where the watch
+looks, its weights kept alive and stale. One ``dict.get`` per submodule: 12 to 14 us for the
+363 of the 3B tower on an H100's host
+(``benchmarks/results/module_replacement_followed_host_time_of_the_submodule_checks_*``).
+
 :class:`~vit_graph_backend.runtime.EncoderCudaGraphManager` watches its encoder (or the module
 given as ``watch``) before every call: it captures again when the weights moved on the same device
 and dtype, and turns its graphs off with the reason otherwise. Batched graphs check every tensor
@@ -36,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import buffer_table, parameter_table
+from ._compat import buffer_table, module_table, parameter_table
 
 __all__ = ["WeightWatch", "registrations"]
 
@@ -107,12 +117,16 @@ class WeightWatch:
         self._slots: tuple[list[dict[str, Any]], list[str]] = ([], [])
         #: the same for weights that are wrapper subclasses (their held tensors are watched)
         self._wrapped: tuple[list[dict[str, Any]], list[str]] = ([], [])
+        #: (module tables, names) of every submodule, and the modules there when last read
+        self._kids: tuple[list[dict[str, Any]], list[str]] = ([], [])
+        self._tree: tuple[Any, ...] = ()
         self._at = -1
         #: the slot of the module's first parameter with storage of its own (``None``: every
         #: parameter is a wrapper subclass)
         self._first: int | None = None
         self._devices = self._read_slots()
         self._addresses_then = self._addresses()
+        self._tree_then = self._tree
 
     @staticmethod
     def of(module: Any) -> WeightWatch | None:
@@ -127,8 +141,12 @@ class WeightWatch:
         tables: list[dict[str, Any]] = []
         names: list[str] = []
         wrapped: tuple[list[dict[str, Any]], list[str]] = ([], [])
+        kids: tuple[list[dict[str, Any]], list[str]] = ([], [])
         first, devices = None, set()
         for module in self._module.modules():
+            table = module_table(module)
+            kids[0].extend([table] * len(table))
+            kids[1].extend(table)
             for table in (parameter_table(module), buffer_table(module)):
                 for name, tensor in table.items():
                     if tensor is None:
@@ -146,17 +164,22 @@ class WeightWatch:
                         names.append(name)
                     devices.add(tensor.device)
         self._slots, self._wrapped, self._first = (tables, names), wrapped, first
+        self._kids, self._tree = kids, tuple(map(_lookup, *kids))
         return devices
+
+    def _refresh(self) -> None:
+        # the tables read are the module tree's while nothing registered and no module table
+        # holds another module than it did
+        if self._at != _registrations[0] or tuple(map(_lookup, *self._kids)) != self._tree:
+            self._read_slots()
 
     def tensors(self) -> list[torch.Tensor | None]:
         """Each watched tensor now, ``None`` where one was removed (wrapper subclasses last)."""
-        if self._at != _registrations[0]:
-            self._read_slots()
+        self._refresh()
         return list(map(_lookup, *self._slots)) + list(map(_lookup, *self._wrapped))
 
     def _addresses(self) -> tuple[int, ...] | None:
-        if self._at != _registrations[0]:
-            self._read_slots()
+        self._refresh()
         try:
             addresses = tuple(map(_data_ptr, map(_lookup, *self._slots)))
             if self._wrapped[1]:
@@ -179,5 +202,7 @@ class WeightWatch:
         return {t.device for t in self.tensors() if t is not None} - self._devices
 
     def moved(self) -> bool:
-        """Whether any watched tensor is gone or has other storage than when watched."""
-        return self._addresses() != self._addresses_then
+        """Whether any watched tensor is gone or has other storage than when watched, or any
+        submodule is another module."""
+        return (self._addresses() != self._addresses_then
+                or self._tree is not self._tree_then and self._tree != self._tree_then)

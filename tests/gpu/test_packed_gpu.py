@@ -331,6 +331,36 @@ def test_one_weight_given_new_storage_is_followed(how):
     assert torch.isfinite(got).all() and err < 5e-2 and mgr.num_graphs == len(mgr.token_budgets)
 
 
+@pytest.mark.parametrize("how", ["mlp", "block table", "activation table"])
+@torch.no_grad()
+def test_a_replaced_mlp_block_or_activation_is_followed(how):
+    """A module of the tower replaced after capture: a block's MLP by assignment, a block by a
+    write to its module table (no hook fires; torch.ao's ``convert`` writes this way), or a
+    block's activation, SiLU to GELU, in its table. The padded MLP copies and the fused gated
+    op were made from the old modules, and the graphs replay their code: the served tower
+    chooses its MLP kernels again, captures again and matches HF."""
+    tower, other = _tower("qwen2_5"), _tower("qwen2_5")
+    other.blocks[1].mlp.down_proj.weight.mul_(3.0)   # the new modules compute something else
+    served = serve(tower, max_items_per_graph=4, max_budget=256)
+    pv, grid = _call(random.Random(8), 2, PATCH)
+    before = served(pv, grid).clone()
+    replays = served.manager.stats.graph_replays
+    if how == "mlp":
+        tower.blocks[1].mlp = other.blocks[1].mlp
+    elif how == "block table":
+        tower.blocks._modules["1"] = other.blocks[1]
+    else:
+        tower.blocks[2].mlp._modules["act_fn"] = torch.nn.GELU()
+    got, ref = served(pv, grid), _hf(tower, pv, grid)[0]
+    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1)).item()
+    mgr = served.manager
+    print(f"a module replaced ({how}): max relative error vs HF {err:.3g}; fused MLP op "
+          f"{served.encoder.kernels.epilogue}; graphs {mgr.num_graphs}")
+    assert torch.isfinite(got).all() and err < 5e-2 and not torch.allclose(got, before)
+    assert mgr.num_graphs == len(mgr.token_budgets) and mgr.stats.graph_replays > replays
+    assert served.encoder.kernels.epilogue == (None if how == "activation table" else "silu_mul")
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2_5", "qwen3"])
 @torch.no_grad()
 def test_fused_graphs_equal_unfused_graphs(kind, monkeypatch):

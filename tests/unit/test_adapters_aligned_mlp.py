@@ -194,6 +194,68 @@ def test_served_graph_path_uses_the_padded_weights_and_follows_new_weights():
     assert not torch.allclose(served(pv, grid), hf(pv, grid).pooler_output, atol=1e-2)
 
 
+def _replace(hf: torch.nn.Module, other: torch.nn.Module, how: str) -> None:
+    """Put ``other``'s modules (made before the adapter, so only assignment registers them) into
+    ``hf``'s place, one way ``how``."""
+    if how == "mlp":                       # assignment: a registration
+        hf.blocks[1].mlp = other.blocks[1].mlp
+    elif how == "block":
+        hf.blocks[1] = other.blocks[1]
+    elif how == "block table":             # no hook fires (torch.ao's convert writes this way)
+        hf.blocks._modules["1"] = other.blocks[1]
+    elif how == "linear table":
+        hf.blocks[0].mlp._modules["up_proj"] = other.blocks[0].mlp.up_proj
+    elif how == "activation":              # SiLU to GELU in one block: no more silu(gate) * up
+        hf.blocks[1].mlp.act_fn = torch.nn.GELU()
+    else:
+        hf.blocks[0].mlp._modules["act_fn"] = torch.nn.Tanh()
+
+
+SWAPS = ["mlp", "block", "block table", "linear table", "activation", "activation table"]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("served", [False, True], ids=["adapter", "served"])
+@pytest.mark.parametrize("epilogue_fusion", ["auto", "off"])
+@pytest.mark.parametrize("how", SWAPS)
+def test_a_replaced_mlp_block_linear_or_activation_is_followed(how, epilogue_fusion, served):
+    """The copies and the MLP's fused op are made from the MLP modules: a module replaced after
+    the adapter was built, by assignment or by a write to a module table, is what the next call
+    computes with, on the adapter's own path and on the served graph path (PyTorch's ops here;
+    the manager captures again: ``weight_watch.py`` sees the submodule replaced)."""
+    hf, other = _tower(), _tower(seed=1)
+    adapter = adapt(hf, align_mlp=True, fuse=True, epilogue_fusion=epilogue_fusion)
+    run = (PackedGraphEncoder(adapter, max_items_per_graph=2, budgets=[16, 64]) if served
+           else adapter)
+    pv, grid = _call(GRIDS)
+    torch.testing.assert_close(run(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    _replace(hf, other, how)
+    want = hf(pv, grid).pooler_output
+    torch.testing.assert_close(run(pv, grid), want, atol=ATOL, rtol=0)
+    if how.startswith("activation"):  # no longer one SiLU-gated kind: the fused op is off
+        assert adapter.kernels.epilogue is None
+
+
+@torch.no_grad()
+def test_a_replay_keeps_the_copies_of_its_capture_and_a_capture_makes_them_again():
+    """A captured graph reads the padded copies made at its capture: preparing a replay after
+    an MLP was replaced must not drop them (the manager captures again first), a capture must
+    make them from the new MLP."""
+    hf, other = _tower(), _tower(seed=1)
+    adapter = adapt(hf, align_mlp=True, fuse=True)
+    cpu = torch.device("cpu")
+    adapter.prepare_encoder_cudagraph_capture_inputs(64, 2, None, cpu, torch.float32)
+    copies = adapter.kernels.aligned
+    hf.blocks[1].mlp = other.blocks[1].mlp
+    pv, grid = _call(GRIDS[:1])
+    adapter.prepare_encoder_cudagraph_replay_buffers({"pixel_values": pv, "grid_thw": grid}, [0],
+                                                     64)
+    assert adapter.kernels.aligned is copies
+    adapter.prepare_encoder_cudagraph_capture_inputs(64, 2, None, cpu, torch.float32)
+    assert adapter.kernels.aligned is not copies
+    assert adapter.kernels.aligned.mlps[1] is other.blocks[1].mlp
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["fc1/fc2 (Qwen2-VL)", "linear_fc1/fc2 (Qwen3-VL)"])
 def test_plain_mlp_shapes_pad_to_the_same_numbers(kind):

@@ -1,8 +1,11 @@
-"""`WeightWatch` sees every way a weight can get new storage (``weight_watch.py``).
+"""`WeightWatch` sees every way a weight can get new storage, and every submodule replaced
+(``weight_watch.py``).
 
 A captured graph reads each weight by address, so each case below is one that would otherwise
 replay over freed memory: the watch must say "moved" for it, and must not for an in-place write
-(the graph reads the new values where they are) or for modules made elsewhere in the process.
+(the graph reads the new values where they are) or for modules made elsewhere in the process. A
+graph also replays the code of the modules it was captured from, so a submodule replaced, with or
+without weights of its own, is a move too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class _Tower(nn.Module):
         super().__init__()
         self.embed = nn.Linear(4, 8)
         self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.act = nn.ReLU()  # no weights: a graph replays its code all the same
         self.register_buffer("scale", torch.ones(8))
 
 
@@ -77,6 +81,28 @@ def test_a_replaced_submodule_is_a_move():
 
 
 @torch.no_grad()
+def test_a_write_to_a_module_table_is_a_move():
+    """``module._modules[name] = m`` fires no registration hook (torch.ao's ``convert`` and
+    quantizers that swap linear layers write the table this way)."""
+    made = nn.Linear(8, 8)  # made before the watch: its registrations are counted already
+    tower, watch = _watched()
+    tower.blocks._modules["1"] = made
+    assert watch.moved()
+    assert any(t is made.weight for t in watch.tensors())  # the new tree is what it reads
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("how", ["attribute", "table"])
+def test_a_submodule_without_weights_replaced_is_a_move(how):
+    tower, watch = _watched()
+    if how == "attribute":  # a registration
+        tower.act = nn.Tanh()
+    else:
+        tower._modules["act"] = nn.Tanh()
+    assert watch.moved()
+
+
+@torch.no_grad()
 def test_a_removed_parameter_is_a_move():
     tower, watch = _watched()
     tower.blocks[0].bias = None
@@ -97,22 +123,28 @@ def test_no_watch_without_parameters():
     assert WeightWatch.of(nn.ReLU()) is None and WeightWatch.of(object()) is None
 
 
-def _addresses(module: nn.Module) -> list[tuple[str, int]]:
-    """Every parameter and buffer by name and address, read through ``named_parameters`` and
-    ``named_buffers``: an oracle that shares nothing with the watch's table lookups."""
+def _addresses(module: nn.Module) -> list[tuple[str, object]]:
+    """Every parameter and buffer by name and address, and every submodule by name and
+    identity, read through ``named_parameters``, ``named_buffers`` and ``named_modules``: an
+    oracle that shares nothing with the watch's table lookups."""
     tensors = [*module.named_parameters(remove_duplicate=False),
                *module.named_buffers(remove_duplicate=False)]
-    return sorted((name, t.data_ptr()) for name, t in tensors)
+    modules = [(name, id(m)) for name, m in module.named_modules(remove_duplicate=False)]
+    return sorted((name, t.data_ptr()) for name, t in tensors) + modules
 
 
-_OPS = ("in_place", "data", "table", "buffer", "submodule", "remove_bias", "elsewhere")
+_OPS = ("in_place", "data", "table", "buffer", "submodule", "module_table", "activation",
+        "remove_bias", "elsewhere")
 
 
 @given(ops=st.lists(st.tuples(st.sampled_from(_OPS), st.integers(0, 2)), max_size=6))
 @torch.no_grad()
 def test_moved_exactly_when_some_weight_has_another_address(ops):
-    """Any sequence of weight changes: the watch says "moved" exactly when some parameter or
-    buffer now has another address than when it was made, or is gone, or is new."""
+    """Any sequence of weight and module changes: the watch says "moved" exactly when some
+    parameter or buffer now has another address than when it was made, or is gone, or is new,
+    or some submodule is another module."""
+    # made before the watch, so putting one in a module table is seen by the tables alone
+    spares = [nn.Linear(8, 8) for _ in ops]
     tower, watch = _watched()
     before = _addresses(tower)
     kept = []  # old tensors held alive, so a freed address cannot be reused by the next op
@@ -132,6 +164,12 @@ def test_moved_exactly_when_some_weight_has_another_address(ops):
         elif op == "submodule":
             kept.append(block)
             tower.blocks[i] = nn.Linear(8, 8)
+        elif op == "module_table":
+            kept.append(block)
+            tower.blocks._modules[str(i)] = spares.pop()
+        elif op == "activation":
+            kept.append(tower.act)
+            tower.act = (nn.Tanh, nn.ReLU, nn.GELU)[i]()
         elif op == "remove_bias":
             kept.append(block.bias)
             block.bias = None

@@ -4,16 +4,27 @@ One of the three parts of the adapter (``qwen_vl.py``): this one decides kernels
 lays out inputs and metadata, the adapter class runs the blocks. The choices are made outside the
 graph, before every capture, replay and eager batch, so a captured graph always reads weights that
 are up to date (see ``_aligned_mlp``) and never holds Python state that Dynamo would guard on.
+
+The choices are made for the MLP modules the tower holds, and made again when one of them, one
+of their linear layers or activations, or a block is another module than before: by assignment
+or by a write to a module table, which no hook sees, so the tables are read before every call
+(about 200 ``dict.get`` for the 3B tower's 32 blocks, through C-level ``map``): before every
+capture and eager batch, not before a replay. New choices may mean new padded copies, and a graph
+reads the copies of its capture: it must replay the choices made then (the old copies stay alive
+with them), and the manager's weight watch, which sees every submodule of the tower replaced
+(``weight_watch.py``), captures again before such a call replays anything.
 """
 
 from __future__ import annotations
 
 import logging
+from itertools import chain, repeat
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._compat import module_table
 from ..errors import InvalidOptionError
 from ..fused_linear import GATED, activation_of, linear_act
 from ..options import EPILOGUE_FUSIONS
@@ -24,12 +35,31 @@ __all__ = ["KernelChoices"]
 
 log = logging.getLogger(__name__)
 
+_lookup = dict.get
+
+
+def _mlps(tower: nn.Module) -> tuple[nn.Module | None, ...]:
+    """Each block's MLP module as the tower's module tables hold it now (``None`` for a block
+    without one)."""
+    blocks = module_table(tower).get("blocks")
+    if blocks is None:
+        return ()
+    return tuple(map(_lookup, map(module_table, module_table(blocks).values()), repeat("mlp")))
+
+
+def _parts(mlps: tuple[nn.Module | None, ...]) -> tuple[Any, ...]:
+    """The MLPs and every module they hold: what the choices were made from."""
+    try:
+        return (*mlps, *chain.from_iterable(map(dict.values, map(module_table, mlps))))
+    except AttributeError:  # a block without an MLP
+        return mlps
+
 
 class KernelChoices:
     """The ``align_mlp`` and ``fuse`` settings of one adapter, and what they resolve to per device.
 
     Args:
-        mlps: the tower's MLP modules, one per block.
+        tower: the vision tower; its blocks' MLP modules are read before every call.
         align_mlp: ``None`` uses padded (or packed) MLP weight copies on CUDA only; ``True``
             everywhere; ``False`` never.
         fuse: ``None`` fuses the graph path's elementwise ops where Triton is available;
@@ -47,7 +77,7 @@ class KernelChoices:
         InvalidOptionError: for a value other than ``True``, ``False`` or ``None``.
     """
 
-    def __init__(self, mlps: list[nn.Module], align_mlp: bool | None, fuse: bool | None,
+    def __init__(self, tower: nn.Module, align_mlp: bool | None, fuse: bool | None,
                  epilogue_fusion: str = "auto") -> None:
         if align_mlp is not None and not isinstance(align_mlp, bool):
             raise InvalidOptionError(
@@ -61,23 +91,48 @@ class KernelChoices:
             raise InvalidOptionError(f"epilogue_fusion={epilogue_fusion!r} is invalid: must be "
                                      f"one of {EPILOGUE_FUSIONS}")
         self.align_mlp, self.fuse = align_mlp, fuse
+        self._tower, self._epilogue_fusion = tower, epilogue_fusion
         #: what the MLP's first half runs through ``fused_linear``'s ops: the GELU of an fc1/fc2
         #: MLP (``fused_linear.ACTIVATIONS``), ``fused_linear.GATED`` for a SiLU-gated one (from
-        #: the packed copies, so only where those are in use), or ``None`` (another MLP, or
-        #: ``epilogue_fusion="off"``)
-        self.epilogue = _epilogue_of(mlps[0]) if mlps and epilogue_fusion == "auto" else None
-        gated = self.epilogue == GATED
+        #: the packed copies, so only where those are in use), or ``None`` (other MLPs, MLPs of
+        #: more than one kind, or ``epilogue_fusion="off"``)
+        self.epilogue: str | None = None
         #: the zero-padded (for the gated op: packed) weight copies, or ``None`` when every MLP
         #: width is aligned already and no packed copy is wanted
-        self.aligned = AlignedMLPs(mlps, gated) if AlignedMLPs.needed(mlps, gated) else None
+        self.aligned: AlignedMLPs | None = None
         self.use_aligned = False
         #: why the padded copies are off although asked for (inference-tensor weights), or None
         self.untracked: str | None = None
         self._fusion_reason: dict[str, str | None] = {}
+        self._parts: tuple[Any, ...] | None = None
+        self._follow()
 
-    def sync(self, device: torch.device) -> None:
+    def _follow(self) -> None:
+        """Make the MLP choices again if the tower's MLP modules are not those they were made
+        for."""
+        mlps = _mlps(self._tower)
+        parts = _parts(mlps)
+        if parts == self._parts:
+            return
+        if self._parts is not None:
+            log.info("vitgraph: the tower's MLP modules were replaced; its MLP kernels are "
+                     "chosen again")
+        self._parts = parts
+        kinds = ({_epilogue_of(m) for m in mlps} if mlps and self._epilogue_fusion == "auto"
+                 else {None})
+        self.epilogue = kinds.pop() if len(kinds) == 1 else None
+        gated = self.epilogue == GATED
+        self.aligned = (AlignedMLPs(mlps, gated) if None not in mlps
+                        and AlignedMLPs.needed(mlps, gated) else None)
+        self.use_aligned, self.untracked = False, None
+
+    def sync(self, device: torch.device, follow: bool = True) -> None:
         """Decide whether the padded MLP weights are used on ``device`` and bring them up to
-        date (a copy only after the tower's MLP parameters changed)."""
+        date (a copy only after the tower's MLP parameters changed). With ``follow``, first
+        make the choices again if one of the tower's MLP modules was replaced; a graph's replay
+        passes ``False``: it replays the choices made at its capture."""
+        if follow:
+            self._follow()
         if self.aligned is None:
             return
         use = self.align_mlp if self.align_mlp is not None else torch.device(device).type == "cuda"

@@ -122,8 +122,7 @@ class _QwenVisionAdapter(nn.Module):
         #: inputs -> graph buffers and attention segments (``_qwen_packing``)
         self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
         #: which kernels the blocks run (``_qwen_kernels``)
-        self.kernels = KernelChoices([block.mlp for block in model.blocks], align_mlp, fuse,
-                                     epilogue_fusion)
+        self.kernels = KernelChoices(model, align_mlp, fuse, epilogue_fusion)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
         #: the full-attention kernel per captured budget (``_attention_choice``)
         self.attention = AttentionChoice(attention)
@@ -194,7 +193,9 @@ class _QwenVisionAdapter(nn.Module):
         into the head of its static buffer and zeroes the tail (zero-length segments, zero
         pixels); the graph gives the padding rows their own segments."""
         values = self.packer.replay_values(inputs, item_indices, budget)
-        self.kernels.sync(values["pixel_values"].device)
+        # the choices of the graph's capture: a replaced module is the manager's weight watch's
+        # to see, which captures again first (``_qwen_kernels``)
+        self.kernels.sync(values["pixel_values"].device, follow=False)
         return values
 
     def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
