@@ -34,7 +34,8 @@ def main() -> None:
     hf = tower()
     served = vit_graph_backend.serve(hf)
     pixels = torch.randn(32 * 32, 3 * 2 * 14 * 14, device="cuda", dtype=torch.bfloat16)
-    served(pixels, [[1, 32, 32]])
+    with torch.no_grad():
+        served(pixels, [[1, 32, 32]])
     torch.cuda.synchronize()
     watch = served.manager._watch
     slots = getattr(watch, "_slots", None)
@@ -47,6 +48,9 @@ def main() -> None:
     if kids is not None:
         checks.append((f"  of which the {len(kids[1])} submodule lookups",
                        lambda: tuple(map(dict.get, *kids)) != watch._tree))
+    if hasattr(watch, "hooked"):
+        checks.append((f"WeightWatch.hooked(refresh=False), {len(watch._hooks)} hook tables",
+                       lambda: watch.hooked(refresh=False)))
     if getattr(kernels, "aligned", None) is not None:
         checks.append(("AlignedMLPs.refresh()", kernels.aligned.refresh))
     if hasattr(kernels, "_follow"):

@@ -26,7 +26,9 @@ __all__ = [
     "enable_backed_size_oblivious",
     "end_failed_capture",
     "example_value",
+    "forward_hook_tables",
     "get_varlen_attn",
+    "global_forward_hook_tables",
     "graph_pool_bytes",
     "maybe_mark_dynamic",
     "module_table",
@@ -165,6 +167,20 @@ def buffer_table(module: torch.nn.Module) -> dict[str, Any]:
     registering a buffer writes to (torch/nn/modules/module.py); read like
     :func:`parameter_table`."""
     return module._buffers
+
+
+def forward_hook_tables(module: torch.nn.Module) -> tuple[dict[int, Any], dict[int, Any]]:
+    """``(module._forward_pre_hooks, module._forward_hooks)``: the dicts
+    ``register_forward_pre_hook`` and ``register_forward_hook`` write to, which ``nn.Module``'s
+    call reads (torch/nn/modules/module.py)."""
+    return module._forward_pre_hooks, module._forward_hooks
+
+
+def global_forward_hook_tables() -> tuple[dict[int, Any], dict[int, Any]]:
+    """The dicts ``register_module_forward_pre_hook`` and ``register_module_forward_hook`` write
+    to: hooks every module's call runs (torch/nn/modules/module.py)."""
+    module = torch.nn.modules.module
+    return module._global_forward_pre_hooks, module._global_forward_hooks
 
 
 #: ``module_table(module)`` is ``module._modules``: the dict ``nn.Module`` keeps its submodules

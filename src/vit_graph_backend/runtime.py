@@ -226,7 +226,7 @@ class EncoderCudaGraphManager:
             if self._watch is not None and self._watch.moved():
                 self._follow_moved_weights()
             self.stats.record_call()
-            reason = self._off_reason or self._grad_reason(inputs)
+            reason = self._off_reason or self._grad_reason(inputs) or self._hooks_reason()
             pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
             stream = self.order.enter()
             try:
@@ -371,6 +371,15 @@ class EncoderCudaGraphManager:
         if not torch.is_grad_enabled() or not needs_grad(self.model, inputs):
             return None
         reason = "grad required (graphs serve inference; use torch.no_grad())"
+        self._log_once("vitgraph: " + reason + "; running eagerly")
+        return reason
+
+    def _hooks_reason(self) -> str | None:
+        # the tables were read by moved() in this call
+        hooked = self._watch.hooked(refresh=False) if self._watch is not None else None
+        if hooked is None:
+            return None
+        reason = f"forward hooks on {hooked} (graphs replay without them)"
         self._log_once("vitgraph: " + reason + "; running eagerly")
         return reason
 

@@ -361,6 +361,32 @@ def test_a_replaced_mlp_block_or_activation_is_followed(how):
     assert served.encoder.kernels.epilogue == (None if how == "activation table" else "silu_mul")
 
 
+@torch.no_grad()
+def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_it():
+    """Graphs replay without hooks: while a block has a forward hook, the served tower's calls
+    run its own forward (the hook's effect is in the output), and replay again once removed."""
+    tower = _tower("qwen2_5")
+    served = serve(tower, max_items_per_graph=4, max_budget=256)
+    pv, grid = _call(random.Random(9), 2, PATCH)
+    served(pv, grid)
+    stats = served.manager.stats
+    replays = stats.graph_replays
+    shift = torch.linspace(-1.0, 1.0, tower.config.hidden_size, device=DEV, dtype=DT)
+    handle = tower.blocks[1].register_forward_hook(lambda m, a, o: o + shift)
+    try:
+        got, ref = served(pv, grid), _hf(tower, pv, grid)[0]
+    finally:
+        handle.remove()
+    assert stats.graph_replays == replays and stats.eager_batches == 1
+    after, plain = served(pv, grid), _hf(tower, pv, grid)[0]
+    errs = [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1)).item()
+            for a, b in ((got, ref), (after, plain))]
+    print(f"a block's forward hook: max relative error vs HF {errs[0]:.3g} (tower's own "
+          f"forward), after its removal {errs[1]:.3g} (graphs)")
+    assert max(errs) < 5e-2 and stats.graph_replays > replays
+    assert not torch.allclose(ref, plain, atol=1e-2)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2_5", "qwen3"])
 @torch.no_grad()
 def test_fused_graphs_equal_unfused_graphs(kind, monkeypatch):

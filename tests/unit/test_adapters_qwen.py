@@ -241,6 +241,35 @@ def test_forward_matches_hf(towers, family, grids):
     _assert_close(actual, expected, EAGER_ATOL)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_forward_hook_inside_the_tower_runs_through_its_own_forward(towers, family):
+    """The adapter runs a block's parts itself, so a block's forward hook would not run: with one
+    registered, the adapter's eager path is the tower's own forward, its output in the
+    adapter's layout, for all items or some of them in any order."""
+    hf, adapter = towers[family]
+    inputs = _inputs(GRID_SETS["mixed"], seed=3)
+
+    def hook(module, args, output):  # a shift that differs across features
+        return output + torch.linspace(-1.0, 1.0, output.shape[-1])
+
+    with torch.no_grad():
+        plain = _hf(hf, inputs["pixel_values"], inputs["grid_thw"])
+        handle = hf.blocks[0].register_forward_hook(hook)
+        try:
+            expected = _hf(hf, inputs["pixel_values"], inputs["grid_thw"])
+            actual = _as_tuple(adapter(inputs["pixel_values"], inputs["grid_thw"]))
+            per_item = _hf_per_item(hf, inputs)
+            some = _as_tuple(adapter.encoder_eager_forward(inputs, [2, 0]))
+        finally:
+            handle.remove()
+        after = _as_tuple(adapter(inputs["pixel_values"], inputs["grid_thw"]))
+    assert not torch.allclose(expected[0], plain[0], atol=1e-3)
+    _assert_close(actual, expected, EAGER_ATOL)
+    _assert_close(some, tuple(torch.cat([per_item[i][k] for i in (2, 0)])
+                              for k in range(len(expected))), EAGER_ATOL)
+    _assert_close(after, plain, EAGER_ATOL)
+
+
 grid_lists = st.lists(image_grids(patch=PATCH, merge=MERGE, max_side=PATCH * MERGE * 6,
                                   max_frames=3), min_size=1, max_size=5)
 

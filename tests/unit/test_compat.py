@@ -163,3 +163,19 @@ def test_module_table_is_where_modules_keep_their_submodules():
     seq[1] = torch.nn.Tanh()  # assignment writes the same table
     seq.add_module("2", torch.nn.GELU())
     assert table["1"] is seq[1] and table["2"] is seq[2]
+
+
+def test_forward_hook_tables_are_where_hooks_are_registered():
+    lin = torch.nn.Linear(2, 2)
+    pre, post = _compat.forward_hook_tables(lin)
+    assert not pre and not post
+    handles = [lin.register_forward_pre_hook(lambda m, a: None),
+               lin.register_forward_hook(lambda m, a, o: None)]
+    assert len(pre) == 1 and len(post) == 1
+    everywhere = _compat.global_forward_hook_tables()
+    assert not any(everywhere)
+    handles.append(torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None))
+    assert len(everywhere[1]) == 1
+    for handle in handles:
+        handle.remove()
+    assert not pre and not post and not any(everywhere)

@@ -87,6 +87,30 @@ def test_tower_call_returns_the_hf_output_type(family):
     assert hidden.last_hidden_state is not None and hidden.hidden_states is not None
 
 
+def test_forward_hooks_on_the_served_tower_and_inside_it_run_as_without_serving():
+    """A hook on the tower runs around its call, graphs or not; a hook inside it (a block's)
+    makes the call run the tower's own forward, so the hook's effect is in the output."""
+    torch.manual_seed(0)
+    model = hf_models.PACKED["qwen2_5"]().eval()
+    prompt = hf_models.packed_prompt("qwen2_5", model)
+    visual, pixels, grid = model.model.visual, prompt["pixel_values"], prompt["image_grid_thw"]
+    seen = []
+    visual.register_forward_hook(lambda m, a, o: seen.append("tower"))
+    inside = visual.blocks[0].register_forward_hook(
+        lambda m, a, o: o + torch.linspace(-1.0, 1.0, o.shape[-1]))
+    with torch.no_grad():
+        ref = visual(pixels, grid_thw=grid).pooler_output
+        vg.serve_vision_(model)
+        got = visual(pixels, grid_thw=grid).pooler_output
+        inside.remove()
+        plain = visual(pixels, grid_thw=grid).pooler_output
+    assert seen == ["tower"] * 3
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert not torch.allclose(plain, ref, atol=1e-3)
+    stats = served_towers(model)["model.visual"].report()["stats"]
+    assert stats["eager_batches"] == 1 and stats["calls"] == 2, stats
+
+
 def test_save_pretrained_writes_the_same_weights(tmp_path):
     torch.manual_seed(0)
     model = hf_models.qwen2_5().eval()

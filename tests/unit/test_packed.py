@@ -193,3 +193,54 @@ def test_one_weight_given_new_storage_is_followed(how, caplog):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     served(pixels, GRID)
     assert caplog.text.count("captured again") == 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("where", ["block", "attention", "linear", "global"])
+def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, caplog):
+    """The adapter runs a block's parts itself and a graph replays without any hook, so a
+    forward hook inside the tower (a block's, its attention's, a linear layer's, or a global
+    one) would not run, or not at every call: while one is registered the call runs the tower's
+    own forward, saying why once, and the hook's effect and calls are HF's."""
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    want_plain = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(served(pixels, GRID), want_plain, atol=1e-5, rtol=1e-5)
+    seen = []
+    module = {"block": tower.blocks[0], "attention": tower.blocks[0].attn,
+              "linear": tower.blocks[0].mlp.fc2, "global": None}[where]
+    target = tower.blocks[0].mlp.fc2 if module is None else module
+
+    def hook(called, args, output):  # a global hook sees every module's call, served's too
+        seen.append(type(called).__name__)
+        # a shift that differs across features: a LayerNorm after it does not undo it
+        shift = torch.linspace(-1.0, 1.0, output.shape[-1]) if called is target else None
+        return output + shift if shift is not None else output
+
+    handle = (torch.nn.modules.module.register_module_forward_hook(hook) if module is None
+              else module.register_forward_hook(hook))
+    try:
+        want = tower(pixels, torch.tensor(GRID)).pooler_output
+        calls_in_forward = len(seen)
+        with caplog.at_level("WARNING", logger="vit_graph_backend"):
+            got = served(pixels, GRID)
+        assert len(seen) == 2 * calls_in_forward  # once more, as HF's forward runs them
+        assert "forward hooks on" in caplog.text and "running eagerly" in caplog.text
+    finally:
+        handle.remove()
+    assert not torch.allclose(want, want_plain, atol=1e-3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    eager = served.manager.stats.eager_batches
+    torch.testing.assert_close(served(pixels, GRID), want_plain, atol=1e-5, rtol=1e-5)
+    assert served.manager.stats.eager_batches == eager  # hook removed: the graph path again
+
+
+@torch.no_grad()
+def test_a_hook_on_the_tower_itself_runs_around_the_call_and_keeps_the_graphs():
+    served, pixels = _served(), _pixels()
+    handle = served.encoder.tower.register_forward_hook(lambda m, a, o: None)
+    try:
+        served(pixels, GRID)
+        assert served.manager.stats.eager_batches == 0
+    finally:
+        handle.remove()

@@ -236,3 +236,40 @@ def test_a_tower_of_wrapper_weights_only_is_watched():
     assert watch is not None and watch.param() is module.weight and not watch.moved()
     module.bias.inner = torch.randn(4)
     assert watch.moved()
+
+
+def test_forward_hooks_inside_the_module_are_named_and_those_around_it_are_not():
+    """A graph replays without the hooks of the modules it runs; hooks of the watched module and
+    of the module it wraps alone (a served tower in its adapter) run around the whole call."""
+    tower = _Tower()
+    wrapper = nn.Sequential(tower)
+    watch = WeightWatch.of(wrapper)
+    assert watch is not None and watch.hooked() is None
+    around = [wrapper.register_forward_hook(lambda m, a, o: None),
+              tower.register_forward_pre_hook(lambda m, a: None)]
+    assert watch.hooked() is None
+    inside = tower.blocks[1].register_forward_hook(lambda m, a, o: o * 2)
+    assert watch.hooked() == "0.blocks.1"
+    inside.remove()
+    pre = tower.act.register_forward_pre_hook(lambda m, a: None)
+    assert watch.hooked() == "0.act"
+    pre.remove()
+    assert watch.hooked() is None
+    for handle in around:
+        handle.remove()
+
+
+def test_a_global_forward_hook_and_a_hooked_module_put_in_by_table_are_seen():
+    made = nn.Linear(8, 8)
+    made.register_forward_hook(lambda m, a, o: o + 1)
+    tower, watch = _watched()
+    tower.blocks._modules["2"] = made  # no registration: the watch finds it in the table
+    assert watch.hooked() == "blocks.2"
+    tower.blocks._modules["2"] = nn.Linear(8, 8)
+    assert watch.hooked() is None
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert watch.hooked() == "every module (a global forward hook)"
+    finally:
+        handle.remove()
+    assert watch.hooked() is None

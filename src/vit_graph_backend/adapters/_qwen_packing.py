@@ -285,6 +285,14 @@ class QwenPacker:
         meta, pixels = self.batch(inputs, item_indices)
         return self._on_device(meta, pixels), meta
 
+    def rows(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
+             ) -> tuple[torch.Tensor, list[Grid]]:
+        """The items' pixel rows back to back in the caller's layout, and their grids."""
+        checked = self.check(inputs)
+        grids = checked.grids
+        return (_pixels(_parts(grids, item_indices), checked.pixel_values),
+                [grids[i] for i in item_indices])
+
     def batch(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
               ) -> tuple[PackedMetadata, torch.Tensor]:
         """The items' metadata and their pixel rows in graph order (a view when contiguous)."""

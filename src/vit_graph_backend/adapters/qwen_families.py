@@ -104,6 +104,9 @@ class Qwen3VLVisionAdapter(_QwenVisionAdapter):
               features: list[torch.Tensor]) -> Any:
         return (self.tower.merger(hidden), *features)
 
+    def _from_tower(self, out: Any) -> Any:
+        return (out.pooler_output, *out.deepstack_features)
+
 
 class Qwen3VLMoeVisionAdapter(Qwen3VLVisionAdapter):
     """Qwen3-VL-MoE's ``Qwen3VLMoeVisionModel``: Qwen3-VL's tower under another class name."""
@@ -126,6 +129,9 @@ class Qwen3_5VisionAdapter(Qwen3VLVisionAdapter):
     def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
               features: list[torch.Tensor]) -> Any:
         return self.tower.merger(hidden)
+
+    def _from_tower(self, out: Any) -> Any:
+        return out.pooler_output
 
 
 class Qwen3_5MoeVisionAdapter(Qwen3_5VisionAdapter):

@@ -42,6 +42,7 @@ from torch import nn
 from .. import _compat
 from ..errors import InvalidOptionError
 from ..specs import EncoderItemSpec, check_positive_int
+from ..weight_watch import WeightWatch
 from ._attention_choice import AttentionChoice
 from ._fused import Ops
 from ._packed_attention import Segments, dense_sdpa, packed_attention, varlen_supported
@@ -133,6 +134,8 @@ class _QwenVisionAdapter(nn.Module):
         if low > high:
             raise InvalidOptionError(f"min_budget={low} is larger than max_budget={high}")
         self._budget_range = (low, high)
+        #: finds forward hooks inside the tower (made at the first eager batch)
+        self._hook_watch: WeightWatch | None = None
 
     # ------------------------------------------------------------------ family hooks
     def _window_tokens(self) -> int:
@@ -153,6 +156,10 @@ class _QwenVisionAdapter(nn.Module):
 
     def _collect(self, layer: int, hidden: torch.Tensor, features: list[torch.Tensor]) -> None:
         pass
+
+    def _from_tower(self, out: Any) -> Any:
+        """This adapter's output from the output of the tower's own forward."""
+        return out.pooler_output
 
     # ------------------------------------------------------------------ protocol
     def get_encoder_cudagraph_item_specs(self, inputs: Mapping[str, torch.Tensor]
@@ -205,7 +212,16 @@ class _QwenVisionAdapter(nn.Module):
 
     def encoder_eager_forward(self, inputs: Mapping[str, torch.Tensor],
                               item_indices: Sequence[int]) -> Any:
-        """``item_indices`` packed back to back without padding, exact segment lengths."""
+        """``item_indices`` packed back to back without padding, exact segment lengths; through
+        the tower's own forward while a module inside it has forward hooks, which the adapter's
+        code, calling the blocks' parts, would not run."""
+        if self._hook_watch is None:
+            self._hook_watch = WeightWatch(self)
+        if self._hook_watch.hooked() is not None:
+            pixels, grids = self.packer.rows(inputs, item_indices)
+            grid = torch.tensor(grids, dtype=torch.int64, device=pixels.device)
+            # the class's forward: served in place (``hf.py``), the instance's is the graphs'
+            return self._from_tower(type(self.tower).forward(self.tower, pixels, grid_thw=grid))
         values, meta = self.packer.eager_values(inputs, item_indices)
         self.kernels.sync(values["pixel_values"].device)
         return self._run(values, meta)
