@@ -49,8 +49,10 @@ def main() -> None:
         checks.append((f"  of which the {len(kids[1])} submodule lookups",
                        lambda: tuple(map(dict.get, *kids)) != watch._tree))
     if hasattr(watch, "hooked"):
-        checks.append((f"WeightWatch.hooked(refresh=False), {len(watch._hooks)} hook tables",
+        checks.append((f"WeightWatch.hooked(refresh=False), {len(watch._dicts)} instance dicts",
                        lambda: watch.hooked(refresh=False)))
+        checks.append((f"  and the {len(watch._hooks)} hook tables, after a hook registration",
+                       lambda: any(watch._hooks)))
     if getattr(kernels, "aligned", None) is not None:
         checks.append(("AlignedMLPs.refresh()", kernels.aligned.refresh))
     if hasattr(kernels, "_follow"):

@@ -30,6 +30,7 @@ __all__ = [
     "get_varlen_attn",
     "global_forward_hook_tables",
     "graph_pool_bytes",
+    "hook_handles_made",
     "maybe_mark_dynamic",
     "module_table",
     "parameter_table",
@@ -181,6 +182,13 @@ def global_forward_hook_tables() -> tuple[dict[int, Any], dict[int, Any]]:
     to: hooks every module's call runs (torch/nn/modules/module.py)."""
     module = torch.nn.modules.module
     return module._global_forward_pre_hooks, module._global_forward_hooks
+
+
+def hook_handles_made() -> int:
+    """How many hook handles this process has made: ``RemovableHandle.next_id``, which every
+    hook registration (forward hooks, global ones, state-dict hooks, ...) advances
+    (torch/utils/hooks.py). While it stands still no hook was added anywhere."""
+    return torch.utils.hooks.RemovableHandle.next_id
 
 
 #: ``module_table(module)`` is ``module._modules``: the dict ``nn.Module`` keeps its submodules

@@ -379,7 +379,7 @@ class EncoderCudaGraphManager:
         hooked = self._watch.hooked(refresh=False) if self._watch is not None else None
         if hooked is None:
             return None
-        reason = f"forward hooks on {hooked} (graphs replay without them)"
+        reason = f"{hooked}, which graphs do not run"
         self._log_once("vitgraph: " + reason + "; running eagerly")
         return reason
 

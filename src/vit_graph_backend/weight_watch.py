@@ -31,12 +31,17 @@ looks, its weights kept alive and stale. One ``dict.get`` per submodule: 12 to 1
 363 of the 3B tower on an H100's host
 (``benchmarks/results/module_replacement_followed_host_time_of_the_submodule_checks_*``).
 
-Nor does a graph run forward hooks: :meth:`WeightWatch.hooked` names a module inside the watched
-one that has forward hooks or pre-hooks (or a global forward hook), so the call can run eagerly
-where they fire. The watched module and the modules it wraps alone (an adapter around its tower)
-are not counted: their hooks run around the whole call, graphs or not. One truth test per hook
-table, two per module: 8.4 to 8.7 us for the 724 of the 3B tower on an H100's host
-(``benchmarks/results/forward_hooks_inside_served_towers_*``).
+Nor does a graph run forward hooks, or a ``forward`` replaced on a module instance (how
+accelerate's hooks, offloading among them, and hand-patched attention that records its maps
+work). :meth:`WeightWatch.hooked` says which module inside the watched one has either (or that
+a global forward hook is registered), so the call can run eagerly where they run. The watched
+module and the modules it wraps alone (an adapter around its tower) are not counted: their hooks
+run around the whole call, graphs or not. A truth test per hook table and a key test per
+instance dict, three per module (8.4 to 8.7 us for the 724 hook tables of the 3B tower on an
+H100's host: ``benchmarks/results/forward_hooks_inside_served_towers_*``). The hook tables are
+tested only after a hook was registered somewhere in the process (PyTorch numbers every hook
+handle it makes) or the tree was read again; the ``forward`` keys, which nothing announces, at
+every call.
 
 :class:`~vit_graph_backend.runtime.EncoderCudaGraphManager` watches its encoder (or the module
 given as ``watch``) before every call: it captures again when the weights moved on the same device
@@ -57,6 +62,7 @@ from ._compat import (
     buffer_table,
     forward_hook_tables,
     global_forward_hook_tables,
+    hook_handles_made,
     module_table,
     parameter_table,
 )
@@ -65,6 +71,7 @@ __all__ = ["WeightWatch", "registrations"]
 
 _data_ptr = torch.Tensor.data_ptr
 _lookup = dict.get
+_has = dict.__contains__
 
 #: Parameters, buffers and submodules registered anywhere in this process: a module tree walked
 #: at one count is still the same tree while the count has not moved (table writes that bypass
@@ -143,8 +150,15 @@ class WeightWatch:
         #: (module tables, names) of every submodule, and the modules there when last read
         self._kids: tuple[list[dict[str, Any]], list[str]] = ([], [])
         self._tree: tuple[Any, ...] = ()
-        #: the forward hook tables of the modules inside (see :func:`_inside`)
+        #: the forward hook tables and the instance dicts of the modules inside (:func:`_inside`)
         self._hooks: tuple[dict[int, Any], ...] = ()
+        self._dicts: tuple[dict[str, Any], ...] = ()
+        self._forward: tuple[str, ...] = ()
+        #: the hook handle count at which the hook tables were found empty twice running (so a
+        #: registration under way in another thread at the first look had written its table by
+        #: the second), and at the last look
+        self._clear_at: int | None = None
+        self._looked_at = -1
         self._at = -1
         #: the slot of the module's first parameter with storage of its own (``None``: every
         #: parameter is a wrapper subclass)
@@ -190,7 +204,11 @@ class WeightWatch:
                     devices.add(tensor.device)
         self._slots, self._wrapped, self._first = (tables, names), wrapped, first
         self._kids, self._tree = kids, tuple(map(_lookup, *kids))
-        self._hooks = tuple(t for _, m in _inside(self._module) for t in forward_hook_tables(m))
+        inside = [m for _, m in _inside(self._module)]
+        self._hooks = tuple(t for m in inside for t in forward_hook_tables(m))
+        self._dicts = tuple(m.__dict__ for m in inside)
+        self._forward = ("forward",) * len(inside)
+        self._clear_at = None
         return devices
 
     def _refresh(self) -> None:
@@ -215,16 +233,28 @@ class WeightWatch:
             return None
 
     def hooked(self, refresh: bool = True) -> str | None:
-        """The name of the first module inside the watched one with forward hooks or pre-hooks,
-        ``"every module (a global forward hook)"`` for a hook registered for all modules, or
-        ``None``. ``refresh=False`` right after :meth:`moved`, which read the tables already."""
+        """What inside the watched module a graph would not run: ``"forward hooks on NAME"``,
+        ``"NAME's forward, replaced on the instance"``, ``"a global forward hook"``; or ``None``.
+        ``refresh=False`` right after :meth:`moved`, which read the tables already."""
         if refresh:
             self._refresh()
-        if any(global_forward_hook_tables()):
-            return "every module (a global forward hook)"
-        if not any(self._hooks):
-            return None
-        return next(name for name, m in _inside(self._module) if any(forward_hook_tables(m)))
+        made = hook_handles_made()
+        if made != self._clear_at:
+            if any(global_forward_hook_tables()):
+                return "a global forward hook"
+            if any(self._hooks):
+                return self._name_hooked()
+            self._clear_at = made if made == self._looked_at else None
+            self._looked_at = made
+        return self._name_hooked() if any(map(_has, self._dicts, self._forward)) else None
+
+    def _name_hooked(self) -> str | None:
+        for name, module in _inside(self._module):
+            if any(forward_hook_tables(module)):
+                return f"forward hooks on {name}"
+            if "forward" in module.__dict__:
+                return f"{name}'s forward, replaced on the instance"
+        return None  # removed by another thread since
 
     def param(self) -> torch.Tensor | None:
         """The module's first parameter now (``None`` if it was removed): the first with storage

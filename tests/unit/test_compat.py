@@ -179,3 +179,14 @@ def test_forward_hook_tables_are_where_hooks_are_registered():
     for handle in handles:
         handle.remove()
     assert not pre and not post and not any(everywhere)
+
+
+def test_hook_handles_made_counts_every_hook_registration():
+    lin = torch.nn.Linear(2, 2)
+    before = _compat.hook_handles_made()
+    handles = [lin.register_forward_hook(lambda m, a, o: None),
+               torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None)]
+    assert _compat.hook_handles_made() == before + 2
+    for handle in handles:
+        handle.remove()
+    assert _compat.hook_handles_made() == before + 2  # removing one makes none

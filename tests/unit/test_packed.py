@@ -225,7 +225,8 @@ def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, caplog)
         with caplog.at_level("WARNING", logger="vit_graph_backend"):
             got = served(pixels, GRID)
         assert len(seen) == 2 * calls_in_forward  # once more, as HF's forward runs them
-        assert "forward hooks on" in caplog.text and "running eagerly" in caplog.text
+        assert "which graphs do not run; running eagerly" in caplog.text
+        assert ("a global forward hook" if module is None else "forward hooks on") in caplog.text
     finally:
         handle.remove()
     assert not torch.allclose(want, want_plain, atol=1e-3)
@@ -233,6 +234,33 @@ def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, caplog)
     eager = served.manager.stats.eager_batches
     torch.testing.assert_close(served(pixels, GRID), want_plain, atol=1e-5, rtol=1e-5)
     assert served.manager.stats.eager_batches == eager  # hook removed: the graph path again
+
+
+@torch.no_grad()
+def test_a_forward_replaced_on_an_attention_instance_runs_as_in_the_towers_own_forward():
+    """Hand-patched attention (to record its maps, say) and accelerate's hooks replace
+    ``forward`` on the instance; the adapter calls the attention's parts, not its forward."""
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    served(pixels, GRID)
+    attn = tower.blocks[0].attn
+    original, maps = attn.forward, []
+
+    def patched(hidden_states, *args, **kwargs):
+        out = original(hidden_states, *args, **kwargs)
+        maps.append(out.shape)
+        return out * 0.5
+
+    attn.forward = patched
+    try:
+        want = tower(pixels, torch.tensor(GRID)).pooler_output
+        got = served(pixels, GRID)
+    finally:
+        del attn.forward
+    assert len(maps) == 2
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(served(pixels, GRID), tower(pixels, torch.tensor(GRID)).pooler_output,
+                               atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()

@@ -249,10 +249,10 @@ def test_forward_hooks_inside_the_module_are_named_and_those_around_it_are_not()
               tower.register_forward_pre_hook(lambda m, a: None)]
     assert watch.hooked() is None
     inside = tower.blocks[1].register_forward_hook(lambda m, a, o: o * 2)
-    assert watch.hooked() == "0.blocks.1"
+    assert watch.hooked() == "forward hooks on 0.blocks.1"
     inside.remove()
     pre = tower.act.register_forward_pre_hook(lambda m, a: None)
-    assert watch.hooked() == "0.act"
+    assert watch.hooked() == "forward hooks on 0.act"
     pre.remove()
     assert watch.hooked() is None
     for handle in around:
@@ -264,12 +264,23 @@ def test_a_global_forward_hook_and_a_hooked_module_put_in_by_table_are_seen():
     made.register_forward_hook(lambda m, a, o: o + 1)
     tower, watch = _watched()
     tower.blocks._modules["2"] = made  # no registration: the watch finds it in the table
-    assert watch.hooked() == "blocks.2"
+    assert watch.hooked() == "forward hooks on blocks.2"
     tower.blocks._modules["2"] = nn.Linear(8, 8)
     assert watch.hooked() is None
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
     try:
-        assert watch.hooked() == "every module (a global forward hook)"
+        assert watch.hooked() == "a global forward hook"
     finally:
         handle.remove()
+    assert watch.hooked() is None
+
+
+def test_a_forward_replaced_on_an_instance_inside_is_named():
+    """accelerate's hooks (``add_hook_to_module``: offloading, device maps) and hand-patched
+    attention replace ``forward`` on the instance, which a graph would not call."""
+    tower, watch = _watched()
+    original = tower.blocks[0].forward
+    tower.blocks[0].forward = lambda x: original(x) * 2
+    assert watch.hooked() == "blocks.0's forward, replaced on the instance"
+    del tower.blocks[0].forward
     assert watch.hooked() is None

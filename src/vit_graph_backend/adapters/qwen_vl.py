@@ -213,8 +213,9 @@ class _QwenVisionAdapter(nn.Module):
     def encoder_eager_forward(self, inputs: Mapping[str, torch.Tensor],
                               item_indices: Sequence[int]) -> Any:
         """``item_indices`` packed back to back without padding, exact segment lengths; through
-        the tower's own forward while a module inside it has forward hooks, which the adapter's
-        code, calling the blocks' parts, would not run."""
+        the tower's own forward while a module inside it has forward hooks or a forward replaced
+        on the instance (``weight_watch.WeightWatch.hooked``), which the adapter's code, calling
+        the blocks' parts, would not run."""
         if self._hook_watch is None:
             self._hook_watch = WeightWatch(self)
         if self._hook_watch.hooked() is not None:
