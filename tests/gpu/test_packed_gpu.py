@@ -361,10 +361,12 @@ def test_a_replaced_mlp_block_or_activation_is_followed(how):
     assert served.encoder.kernels.epilogue == (None if how == "activation table" else "silu_mul")
 
 
+@pytest.mark.parametrize("how", ["hook", "instance forward"])
 @torch.no_grad()
-def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_it():
-    """Graphs replay without hooks: while a block has a forward hook, the served tower's calls
-    run its own forward (the hook's effect is in the output), and replay again once removed."""
+def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_it(how):
+    """Graphs replay without hooks: while a block has a forward hook, or a forward replaced on
+    its instance (as accelerate's hooks do), the served tower's calls run its own forward (the
+    change is in the output), and replay again once it is gone."""
     tower = _tower("qwen2_5")
     served = serve(tower, max_items_per_graph=4, max_budget=256)
     pv, grid = _call(random.Random(9), 2, PATCH)
@@ -372,16 +374,24 @@ def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_i
     stats = served.manager.stats
     replays = stats.graph_replays
     shift = torch.linspace(-1.0, 1.0, tower.config.hidden_size, device=DEV, dtype=DT)
-    handle = tower.blocks[1].register_forward_hook(lambda m, a, o: o + shift)
+    block = tower.blocks[1]
+    if how == "hook":
+        handle = block.register_forward_hook(lambda m, a, o: o + shift)
+    else:
+        own = block.forward
+        block.forward = lambda *args, **kwargs: own(*args, **kwargs) + shift
     try:
         got, ref = served(pv, grid), _hf(tower, pv, grid)[0]
     finally:
-        handle.remove()
+        if how == "hook":
+            handle.remove()
+        else:
+            del block.forward
     assert stats.graph_replays == replays and stats.eager_batches == 1
     after, plain = served(pv, grid), _hf(tower, pv, grid)[0]
     errs = [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1)).item()
             for a, b in ((got, ref), (after, plain))]
-    print(f"a block's forward hook: max relative error vs HF {errs[0]:.3g} (tower's own "
+    print(f"a block's {how}: max relative error vs HF {errs[0]:.3g} (tower's own "
           f"forward), after its removal {errs[1]:.3g} (graphs)")
     assert max(errs) < 5e-2 and stats.graph_replays > replays
     assert not torch.allclose(ref, plain, atol=1e-2)
