@@ -140,7 +140,9 @@ def _held_addresses(tensor: Any) -> tuple[int, ...]:
 
 
 class WeightWatch:
-    """Every parameter and buffer of a module and the address each had when the watch was made."""
+    """Every parameter and buffer of a module and the address each had when the watch was made,
+    every submodule and the module it was, and the forward hook tables and instance dicts of
+    the modules inside."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
