@@ -6,9 +6,7 @@
 # Usage (CUDA machine, repo root): bash scripts/attention_choice_check.sh [parts...]
 #   parts: tests stream peak stress (default: all)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
 source scripts/optional_wheels.sh
 for part in ${*:-tests stream peak stress}; do
   case $part in

@@ -10,9 +10,8 @@
 #   BASELINE=dir: a checkout of the code to compare against (its src/ goes on PYTHONPATH), e.g.
 #   made with: mkdir -p baseline && git archive <commit> src | tar -x -C baseline
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/json"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
+mkdir -p "$OUT/json"
 source scripts/optional_wheels.sh
 site=${PYTHONPATH:-}  # the optional wheels, kept beside each tree's src/
 trees="${BASELINE:+$BASELINE} $PWD"

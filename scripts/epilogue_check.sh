@@ -9,9 +9,8 @@
 #   parts: tests probe fixed profile vitb gated qwen-peak qwen-profile qwen-stream
 #   (default: all but the gated ones, which the qwen parts cover)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/json"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
+mkdir -p "$OUT/json"
 source scripts/optional_wheels.sh
 bench() { vitgraph bench --no-progress "$@" 2>&1 | grep -vE "^WARNING|^\[rank|UserWarning|warnings.warn"; }
 for part in ${*:-tests probe fixed profile vitb}; do

@@ -5,9 +5,7 @@
 #   VITGRAPH_STRESS_CALLS=5000            checked calls per stress part (0: no stress run)
 #   VITGRAPH_BENCHES="benchmarks/a.py"    extra benchmark scripts to run after
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
 source scripts/optional_wheels.sh
 python3 - <<'PY'
 import torch

@@ -7,9 +7,7 @@
 #   [firstpass] [probe]
 #   BENCH_MODES=eager,vitgraph-torch-launch,vitgraph  the bench parts' modes, in this order
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
 source scripts/optional_wheels.sh
 parts=${*:-qwen vit probe}
 for part in $parts; do

@@ -9,9 +9,8 @@
 #   every compiled mode alike; firstpass-profile: benchmarks/first_pass_cache_probe.py cold, then
 #   warm under cProfile (where a warm first pass goes), then warm again without it
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/json"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
+mkdir -p "$OUT/json"
 parts=${*:-firstpass fixed vitb host}
 bench() { vitgraph bench --no-progress "$@" 2>&1 | grep -vE "^WARNING|^\[rank|UserWarning|warnings.warn"; }
 for part in $parts; do

@@ -7,10 +7,8 @@
 #   BASELINE_TREE: a checkout of the code to compare against (its src/ goes on PYTHONPATH), e.g.
 #   made with: mkdir -p baseline && git archive <commit> src | tar -x -C baseline
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT"
+source scripts/device_setup.sh
 base=${1:-}
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch; print('torch', torch.__version__, 'device', torch.cuda.get_device_name(0))"
 if [ -n "$base" ]; then
   echo "== host time, baseline tree $base"

@@ -8,9 +8,7 @@
 #   package's default ladder (49 .. 4,096 tokens, each doubling in 2 steps), with 4 steps from
 #   1,024 tokens up and with 4 steps throughout, eager beside each (not in the default parts)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
 source scripts/optional_wheels.sh
 for part in ${*:-peak qwen3 stream}; do
   case $part in

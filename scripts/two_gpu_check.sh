@@ -6,9 +6,8 @@
 # Usage (repo root, 2 GPUs): bash scripts/two_gpu_check.sh      VITGRAPH_DP_CALLS=8 calls per run;
 #   VITGRAPH_SECOND_GPU_ONLY=1: the tests only
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT/dp"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
+mkdir -p "$OUT/dp"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pytest tests/gpu/test_parallel_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 \
   | tee "$OUT/parallel_gpu_tests.log" | grep -E "data_parallel on CUDA|passed|failed|Error" | tail -8

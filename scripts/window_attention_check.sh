@@ -8,9 +8,7 @@
 # Usage (CUDA machine, repo root): bash scripts/window_attention_check.sh [parts...]
 #   parts: tests probe peak profile stream (default: tests peak profile)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/vitgraph_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/device_setup.sh
 source scripts/optional_wheels.sh
 for part in ${*:-tests peak profile}; do
   case $part in

@@ -9,7 +9,6 @@ Supported: torch 2.11 through 2.14 (checked on CPU with 2.13/2.14 in CI, on CUDA
 
 from __future__ import annotations
 
-import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -191,12 +190,11 @@ def hook_handles_made() -> int:
     return torch.utils.hooks.RemovableHandle.next_id
 
 
-#: ``module_table(module)`` is ``module._modules``: the dict ``nn.Module`` keeps its submodules
-#: in, which assigning or registering a submodule writes to (torch/nn/modules/module.py), and
-#: which quantizers that swap layers (torch.ao's ``convert``) write directly. A C-level getter:
-#: ``map`` runs it over a tower's blocks before every packed call (``adapters/_qwen_kernels.py``)
-#: at a fifth of a Python function's cost.
-module_table: Callable[[torch.nn.Module], dict[str, Any]] = operator.attrgetter("_modules")
+def module_table(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._modules``: the dict ``nn.Module`` keeps its submodules in, which assigning or
+    registering a submodule writes to (torch/nn/modules/module.py), and which quantizers that
+    swap layers (torch.ao's ``convert``) write directly; read like :func:`parameter_table`."""
+    return module._modules
 
 
 def end_failed_capture(pool: Any, device: torch.device) -> bool:

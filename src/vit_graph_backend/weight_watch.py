@@ -122,10 +122,9 @@ def _held(tensor: Any) -> list[torch.Tensor] | None:
     return held
 
 
-def _inside(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every module under ``module`` by name, less ``module`` and the chain of modules that each
+def _inside(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Of a module's ``named_modules()``, those under it, less the chain of modules that each
     wrap a single child from it down (their hooks run around the whole call)."""
-    named = list(module.named_modules())
     skip = 1
     while skip < len(named) and len(module_table(named[skip - 1][1])) == 1:
         skip += 1
@@ -184,7 +183,8 @@ class WeightWatch:
         wrapped: tuple[list[dict[str, Any]], list[str]] = ([], [])
         kids: tuple[list[dict[str, Any]], list[str]] = ([], [])
         first, devices = None, set()
-        for module in self._module.modules():
+        named = list(self._module.named_modules())
+        for _, module in named:
             table = module_table(module)
             kids[0].extend([table] * len(table))
             kids[1].extend(table)
@@ -206,7 +206,7 @@ class WeightWatch:
                     devices.add(tensor.device)
         self._slots, self._wrapped, self._first = (tables, names), wrapped, first
         self._kids, self._tree = kids, tuple(map(_lookup, *kids))
-        inside = [m for _, m in _inside(self._module)]
+        inside = [m for _, m in _inside(named)]
         self._hooks = tuple(t for m in inside for t in forward_hook_tables(m))
         self._dicts = tuple(m.__dict__ for m in inside)
         self._forward = ("forward",) * len(inside)
@@ -234,6 +234,12 @@ class WeightWatch:
         except (TypeError, RuntimeError):  # a tensor removed, or one without storage put in
             return None
 
+    def modules(self) -> tuple[Any, ...]:
+        """Every submodule, as the module tables hold it now: the same tuple object until the
+        tables are read again (compare with ``is`` first)."""
+        self._refresh()
+        return self._tree
+
     def hooked(self, refresh: bool = True) -> str | None:
         """What inside the watched module a graph would not run: ``"forward hooks on NAME"``,
         ``"NAME's forward, replaced on the instance"``, ``"a global forward hook"``; or ``None``.
@@ -251,7 +257,7 @@ class WeightWatch:
         return self._name_hooked() if any(map(_has, self._dicts, self._forward)) else None
 
     def _name_hooked(self) -> str | None:
-        for name, module in _inside(self._module):
+        for name, module in _inside(list(self._module.named_modules())):
             if any(forward_hook_tables(module)):
                 return f"forward hooks on {name}"
             if "forward" in module.__dict__:

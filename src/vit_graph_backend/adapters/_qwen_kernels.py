@@ -7,27 +7,27 @@ are up to date (see ``_aligned_mlp``) and never holds Python state that Dynamo w
 
 The choices are made for the MLP modules the tower holds, and made again when one of them, one
 of their linear layers or activations, or a block is another module than before: by assignment
-or by a write to a module table, which no hook sees, so the tables are read before every call
-(about 200 ``dict.get`` for the 3B tower's 32 blocks, through C-level ``map``): before every
-capture and eager batch, not before a replay. New choices may mean new padded copies, and a graph
-reads the copies of its capture: it must replay the choices made then (the old copies stay alive
-with them), and the manager's weight watch, which sees every submodule of the tower replaced
-(``weight_watch.py``), captures again before such a call replays anything.
+or by a write to a module table, which no hook sees. The adapter's weight watch on the tower
+(``weight_watch.py``) reads the module tables; the MLPs are looked at again only after it found
+the tree changed, before a capture or an eager batch, not before a replay. New choices may mean
+new padded copies, and a graph reads the copies of its capture: it must replay the choices made
+then (the old copies stay alive with them), and the manager's weight watch, which sees every
+submodule of the tower replaced, captures again before such a call replays anything.
 """
 
 from __future__ import annotations
 
 import logging
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._compat import module_table
 from ..errors import InvalidOptionError
 from ..fused_linear import GATED, activation_of, linear_act
 from ..options import EPILOGUE_FUSIONS
+from ..weight_watch import WeightWatch
 from ._aligned_mlp import AlignedMLPs, UntrackedWeights, is_silu, mlp_linears
 from ._fused import Ops, fusion_available, ops
 
@@ -35,31 +35,12 @@ __all__ = ["KernelChoices"]
 
 log = logging.getLogger(__name__)
 
-_lookup = dict.get
-
-
-def _mlps(tower: nn.Module) -> tuple[nn.Module | None, ...]:
-    """Each block's MLP module as the tower's module tables hold it now (``None`` for a block
-    without one)."""
-    blocks = module_table(tower).get("blocks")
-    if blocks is None:
-        return ()
-    return tuple(map(_lookup, map(module_table, module_table(blocks).values()), repeat("mlp")))
-
-
-def _parts(mlps: tuple[nn.Module | None, ...]) -> tuple[Any, ...]:
-    """The MLPs and every module they hold: what the choices were made from."""
-    try:
-        return (*mlps, *chain.from_iterable(map(dict.values, map(module_table, mlps))))
-    except AttributeError:  # a block without an MLP
-        return mlps
-
-
 class KernelChoices:
     """The ``align_mlp`` and ``fuse`` settings of one adapter, and what they resolve to per device.
 
     Args:
-        tower: the vision tower; its blocks' MLP modules are read before every call.
+        tower: the vision tower; its blocks' MLP modules are what the choices are made for.
+        watch: a weight watch on ``tower``: it says when the module tree changed.
         align_mlp: ``None`` uses padded (or packed) MLP weight copies on CUDA only; ``True``
             everywhere; ``False`` never.
         fuse: ``None`` fuses the graph path's elementwise ops where Triton is available;
@@ -77,8 +58,8 @@ class KernelChoices:
         InvalidOptionError: for a value other than ``True``, ``False`` or ``None``.
     """
 
-    def __init__(self, tower: nn.Module, align_mlp: bool | None, fuse: bool | None,
-                 epilogue_fusion: str = "auto") -> None:
+    def __init__(self, tower: nn.Module, watch: WeightWatch, align_mlp: bool | None,
+                 fuse: bool | None, epilogue_fusion: str = "auto") -> None:
         if align_mlp is not None and not isinstance(align_mlp, bool):
             raise InvalidOptionError(
                 f"align_mlp={align_mlp!r} is invalid: must be True, False or None (auto: pad on "
@@ -91,7 +72,7 @@ class KernelChoices:
             raise InvalidOptionError(f"epilogue_fusion={epilogue_fusion!r} is invalid: must be "
                                      f"one of {EPILOGUE_FUSIONS}")
         self.align_mlp, self.fuse = align_mlp, fuse
-        self._tower, self._epilogue_fusion = tower, epilogue_fusion
+        self._tower, self._watch, self._epilogue_fusion = tower, watch, epilogue_fusion
         #: what the MLP's first half runs through ``fused_linear``'s ops: the GELU of an fc1/fc2
         #: MLP (``fused_linear.ACTIVATIONS``), ``fused_linear.GATED`` for a SiLU-gated one (from
         #: the packed copies, so only where those are in use), or ``None`` (other MLPs, MLPs of
@@ -104,14 +85,21 @@ class KernelChoices:
         #: why the padded copies are off although asked for (inference-tensor weights), or None
         self.untracked: str | None = None
         self._fusion_reason: dict[str, str | None] = {}
+        #: the watch's module tree, and the MLPs and their modules, the choices were made for
+        self._tree: tuple[Any, ...] | None = None
         self._parts: tuple[Any, ...] | None = None
         self._follow()
 
     def _follow(self) -> None:
         """Make the MLP choices again if the tower's MLP modules are not those they were made
         for."""
-        mlps = _mlps(self._tower)
-        parts = _parts(mlps)
+        tree = self._watch.modules()
+        if tree is self._tree:
+            return
+        self._tree = tree
+        mlps = tuple(getattr(block, "mlp", None) for block in getattr(self._tower, "blocks", ()))
+        parts = tuple(chain.from_iterable((m,) if m is None else (m, *m.children())
+                                          for m in mlps))
         if parts == self._parts:
             return
         if self._parts is not None:

@@ -123,7 +123,10 @@ class _QwenVisionAdapter(nn.Module):
         #: inputs -> graph buffers and attention segments (``_qwen_packing``)
         self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
         #: which kernels the blocks run (``_qwen_kernels``)
-        self.kernels = KernelChoices(model, align_mlp, fuse, epilogue_fusion)
+        #: the tower's module tree and hooks (``weight_watch.py``): the MLP kernel choices
+        #: follow replaced modules through it, the eager path finds hooks with it
+        self.watch = WeightWatch(model)
+        self.kernels = KernelChoices(model, self.watch, align_mlp, fuse, epilogue_fusion)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
         #: the full-attention kernel per captured budget (``_attention_choice``)
         self.attention = AttentionChoice(attention)
@@ -134,8 +137,6 @@ class _QwenVisionAdapter(nn.Module):
         if low > high:
             raise InvalidOptionError(f"min_budget={low} is larger than max_budget={high}")
         self._budget_range = (low, high)
-        #: finds forward hooks inside the tower (made at the first eager batch)
-        self._hook_watch: WeightWatch | None = None
 
     # ------------------------------------------------------------------ family hooks
     def _window_tokens(self) -> int:
@@ -216,9 +217,7 @@ class _QwenVisionAdapter(nn.Module):
         the tower's own forward while a module inside it has forward hooks or a forward replaced
         on the instance (``weight_watch.WeightWatch.hooked``), which the adapter's code, calling
         the blocks' parts, would not run."""
-        if self._hook_watch is None:
-            self._hook_watch = WeightWatch(self)
-        if self._hook_watch.hooked() is not None:
+        if self.watch.hooked() is not None:
             pixels, grids = self.packer.rows(inputs, item_indices)
             grid = torch.tensor(grids, dtype=torch.int64, device=pixels.device)
             # the class's forward: served in place (``hf.py``), the instance's is the graphs'
