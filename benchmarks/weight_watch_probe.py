@@ -4,7 +4,8 @@ The Qwen2.5-VL-3B-shaped tower (random weights, bf16) served with the defaults a
 then ``WeightWatch.moved()`` of its manager, timed when nothing changed, and beside it the
 adapter's own checks: the padded MLP copies' (``AlignedMLPs.refresh``), and where the tree has
 them, the lookup of every submodule inside ``moved()`` and the MLP modules' check of the kernel
-choices (``KernelChoices._follow``, ``adapters/_qwen_kernels.py``). In process, so a change of a few
+choices (``KernelChoices._follow``, ``adapters/_qwen_kernels.py``), and the check of the
+classes' code inside ``hooked()`` (``code_watch.py``). In process, so a change of a few
 microseconds is not lost in the call-to-call spread of a whole packed call's host time between
 processes (``benchmarks/packed_host_overhead.py``). To compare two source trees, run it once per
 tree with ``PYTHONPATH=<tree>/src``.
@@ -53,6 +54,10 @@ def main() -> None:
                        lambda: watch.hooked(refresh=False)))
         checks.append((f"  and the {len(watch._hooks)} hook tables, after a hook registration",
                        lambda: any(watch._hooks)))
+    code = getattr(watch, "_code", None)
+    if code is not None:
+        checks.append((f"  of which the code check ({len(code._state())} objects)",
+                       code.replaced))
     if getattr(kernels, "aligned", None) is not None:
         checks.append(("AlignedMLPs.refresh()", kernels.aligned.refresh))
     if hasattr(kernels, "_follow"):

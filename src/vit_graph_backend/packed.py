@@ -111,7 +111,8 @@ class PackedGraphEncoder(nn.Module):
         compute = encoder if inner == "eager" else _CompiledCompute(encoder, options)
         # the encoder's weights are watched, not the compiled wrapper's (``weight_watch.py``)
         self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype,
-                                               watch=encoder)
+                                               watch=encoder,
+                                               watch_code=getattr(encoder, "watch_code", False))
         #: grid tensors of recent list grids, by their rows (see _grid_of)
         self._grids: dict[tuple, torch.Tensor] = {}
         self._grids_lock = threading.Lock()

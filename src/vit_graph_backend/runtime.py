@@ -70,6 +70,8 @@ class EncoderCudaGraphManager:
             the call's real rows, counted in ``stats`` instead of a budget of 1.
         watch: the module whose weights the graphs read, watched for new storage before every
             call (``weight_watch.py``); ``None`` for ``model`` itself.
+        watch_code: also check that the watched module's classes run their libraries' code
+            (``code_watch.py``; the Qwen adapters' ``watch_code``, which run their own).
 
     Example::
 
@@ -88,6 +90,7 @@ class EncoderCudaGraphManager:
         budget_config: BudgetConfig | None = None,
         exact_rows: int | None = None,
         watch: Any = None,
+        watch_code: bool = False,
     ) -> None:
         self.model = model
         self.options = options if options is not None else VitGraphOptions()
@@ -113,8 +116,8 @@ class EncoderCudaGraphManager:
         self._all_budgets_failed = False   # graphs off only because every budget was disabled
         self._logged: set[str] = set()
         self._lock = threading.RLock()
-        self._watch_module = model if watch is None else watch
-        self._watch = WeightWatch.of(self._watch_module)
+        self._watch_module, self._watch_code = model if watch is None else watch, watch_code
+        self._watch = WeightWatch.of(self._watch_module, watch_code)
         #: orders this call's GPU work after the previous call's, on any stream (one per device)
         self.order = order_for(self.device)
         if self.device.type != "cuda":
@@ -365,7 +368,7 @@ class EncoderCudaGraphManager:
                 f"the encoder's parameters moved {where} after graphs were captured for "
                 f"{self.device}, {self.dtype}; build it again (serve() or a new manager) to have "
                 "graphs there")
-        self._watch = WeightWatch.of(self._watch_module)
+        self._watch = WeightWatch.of(self._watch_module, self._watch_code)
 
     def _grad_reason(self, inputs: Any) -> str | None:
         if not torch.is_grad_enabled() or not needs_grad(self.model, inputs):

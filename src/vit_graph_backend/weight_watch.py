@@ -41,7 +41,9 @@ instance dict, three per module (8.4 to 8.7 us for the 724 hook tables of the 3B
 H100's host: ``benchmarks/results/forward_hooks_inside_served_towers_*``). The hook tables are
 tested only after a hook was registered somewhere in the process (PyTorch numbers every hook
 handle it makes) or the tree was read again; the ``forward`` keys, which nothing announces, at
-every call.
+every call. A watch made with ``code=True`` (those of the Qwen adapters, which run their own code
+for the tower's modules) also reports a module class, or its modeling module, that runs code
+from outside the tower's libraries, a patched ``forward`` say (``code_watch.py``).
 
 :class:`~vit_graph_backend.runtime.EncoderCudaGraphManager` watches its encoder (or the module
 given as ``watch``) before every call: it captures again when the weights moved on the same device
@@ -66,6 +68,7 @@ from ._compat import (
     module_table,
     parameter_table,
 )
+from .code_watch import CodeWatch
 
 __all__ = ["WeightWatch", "registrations"]
 
@@ -143,8 +146,11 @@ class WeightWatch:
     every submodule and the module it was, and the forward hook tables and instance dicts of
     the modules inside."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, code: bool = False) -> None:
         self._module = module
+        #: with ``code``: whether the module classes run their libraries' code (``code_watch``)
+        self._code: CodeWatch | None = None
+        self._watch_code = code
         self._slots: tuple[list[dict[str, Any]], list[str]] = ([], [])
         #: the same for weights that are wrapper subclasses (their held tensors are watched)
         self._wrapped: tuple[list[dict[str, Any]], list[str]] = ([], [])
@@ -169,11 +175,11 @@ class WeightWatch:
         self._tree_then = self._tree
 
     @staticmethod
-    def of(module: Any) -> WeightWatch | None:
+    def of(module: Any, code: bool = False) -> WeightWatch | None:
         """A watch on ``module``'s weights (``None`` for no module or no parameter)."""
         if not isinstance(module, nn.Module) or next(module.parameters(), None) is None:
             return None
-        watch = WeightWatch(module)
+        watch = WeightWatch(module, code)
         return watch if watch._slots[1] or watch._wrapped[1] else None
 
     def _read_slots(self) -> set[torch.device]:
@@ -211,6 +217,8 @@ class WeightWatch:
         self._dicts = tuple(m.__dict__ for m in inside)
         self._forward = ("forward",) * len(inside)
         self._clear_at = None
+        if self._watch_code:
+            self._code = CodeWatch(type(m) for _, m in named)
         return devices
 
     def _refresh(self) -> None:
@@ -242,7 +250,8 @@ class WeightWatch:
 
     def hooked(self, refresh: bool = True) -> str | None:
         """What inside the watched module a graph would not run: ``"forward hooks on NAME"``,
-        ``"NAME's forward, replaced on the instance"``, ``"a global forward hook"``; or ``None``.
+        ``"NAME's forward, replaced on the instance"``, ``"a global forward hook"``, with
+        ``code``: ``"CLASS.NAME set to FUNCTION (file:line)"`` (``code_watch``); or ``None``.
         ``refresh=False`` right after :meth:`moved`, which read the tables already."""
         if refresh:
             self._refresh()
@@ -254,7 +263,8 @@ class WeightWatch:
                 return self._name_hooked()
             self._clear_at = made if made == self._looked_at else None
             self._looked_at = made
-        return self._name_hooked() if any(map(_has, self._dicts, self._forward)) else None
+        found = self._name_hooked() if any(map(_has, self._dicts, self._forward)) else None
+        return found if found is not None or self._code is None else self._code.replaced()
 
     def _name_hooked(self) -> str | None:
         for name, module in _inside(list(self._module.named_modules())):

@@ -361,12 +361,13 @@ def test_a_replaced_mlp_block_or_activation_is_followed(how):
     assert served.encoder.kernels.epilogue == (None if how == "activation table" else "silu_mul")
 
 
-@pytest.mark.parametrize("how", ["hook", "instance forward"])
+@pytest.mark.parametrize("how", ["hook", "instance forward", "class forward"])
 @torch.no_grad()
 def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_it(how):
-    """Graphs replay without hooks: while a block has a forward hook, or a forward replaced on
-    its instance (as accelerate's hooks do), the served tower's calls run its own forward (the
-    change is in the output), and replay again once it is gone."""
+    """Graphs replay without hooks: while a block has a forward hook, a forward replaced on its
+    instance (as accelerate's hooks do) or on its class (``code_watch.py``), the served tower's
+    calls run its own forward (the change is in the output), and replay again once it is
+    gone."""
     tower = _tower("qwen2_5")
     served = serve(tower, max_items_per_graph=4, max_budget=256)
     pv, grid = _call(random.Random(9), 2, PATCH)
@@ -375,16 +376,21 @@ def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_i
     replays = stats.graph_replays
     shift = torch.linspace(-1.0, 1.0, tower.config.hidden_size, device=DEV, dtype=DT)
     block = tower.blocks[1]
+    cls, own = type(block), type(block).forward
     if how == "hook":
         handle = block.register_forward_hook(lambda m, a, o: o + shift)
+    elif how == "class forward":  # every block of the class
+        cls.forward = lambda self, *args, **kwargs: own(self, *args, **kwargs) + shift
     else:
-        own = block.forward
-        block.forward = lambda *args, **kwargs: own(*args, **kwargs) + shift
+        bound = block.forward
+        block.forward = lambda *args, **kwargs: bound(*args, **kwargs) + shift
     try:
         got, ref = served(pv, grid), _hf(tower, pv, grid)[0]
     finally:
         if how == "hook":
             handle.remove()
+        elif how == "class forward":
+            cls.forward = own
         else:
             del block.forward
     assert stats.graph_replays == replays and stats.eager_batches == 1

@@ -270,6 +270,34 @@ def test_a_forward_hook_inside_the_tower_runs_through_its_own_forward(towers, fa
     _assert_close(after, plain, EAGER_ATOL)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_forward_patched_on_a_block_class_runs_through_the_towers_own_forward(towers, family):
+    """A block class's ``forward`` patched (to record or change its output) is code the
+    adapter's own would skip: the adapter's eager path is then the tower's own forward
+    (``code_watch.py``), and its own code again once the patch is undone."""
+    hf, adapter = towers[family]
+    inputs = _inputs(GRID_SETS["mixed"], seed=4)
+    block = type(hf.blocks[0])
+    original = block.forward
+
+    def patch(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return out + torch.linspace(-1.0, 1.0, out.shape[-1])
+
+    with torch.no_grad():
+        plain = _hf(hf, inputs["pixel_values"], inputs["grid_thw"])
+        block.forward = patch
+        try:
+            expected = _hf(hf, inputs["pixel_values"], inputs["grid_thw"])
+            actual = _as_tuple(adapter(inputs["pixel_values"], inputs["grid_thw"]))
+        finally:
+            block.forward = original
+        after = _as_tuple(adapter(inputs["pixel_values"], inputs["grid_thw"]))
+    assert not torch.allclose(expected[0], plain[0], atol=1e-3)
+    _assert_close(actual, expected, EAGER_ATOL)
+    _assert_close(after, plain, EAGER_ATOL)
+
+
 grid_lists = st.lists(image_grids(patch=PATCH, merge=MERGE, max_side=PATCH * MERGE * 6,
                                   max_frames=3), min_size=1, max_size=5)
 
@@ -536,6 +564,31 @@ def test_register_adapter_for_a_subclass():
         register_adapter(MyTower, "no_colon")
     with pytest.raises(InvalidOptionError, match="wraps .*Qwen2VisionTransformerPretrainedModel"):
         Qwen2VLVisionAdapter(tower)
+
+
+def test_a_registered_subclass_runs_on_its_own_code_and_a_later_patch_is_found():
+    """Registering a subclass says the adapter's code is its own: its ``forward`` override is
+    the user's code but not a patch (the adapter serves it, no eager batch); a function set on
+    it afterwards is one (``code_watch.vouch``)."""
+    import vit_graph_backend as vg
+
+    class LoggingTower(Qwen2_5_VisionTransformerPretrainedModel):
+        def forward(self, *args, **kwargs):  # the same math, in the user's code
+            return super().forward(*args, **kwargs)
+
+    hf = randomize_weights(LoggingTower(_qwen2_5().config), seed=0)
+    register_adapter(LoggingTower, Qwen2_5_VLVisionAdapter)
+    served = vg.serve(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET)
+    inputs = _inputs(GRID_SETS["images of several sizes"], seed=5)
+    with torch.no_grad():
+        _assert_close(_as_tuple(served(inputs["pixel_values"], inputs["grid_thw"])),
+                      _hf(hf, inputs["pixel_values"], inputs["grid_thw"]), GRAPH_ATOL)
+    assert served.manager.stats.eager_batches == 0
+    own = LoggingTower.forward
+    LoggingTower.forward = lambda self, *args, **kwargs: own(self, *args, **kwargs)
+    assert served.encoder.watch.hooked().startswith("LoggingTower.forward set to <lambda> (")
+    LoggingTower.forward = own
+    assert served.encoder.watch.hooked() is None
 
 
 def test_importing_adapters_does_not_import_transformers():

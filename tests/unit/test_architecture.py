@@ -33,7 +33,7 @@ _CORE = {"errors", "specs", "budgets", "stats", "planner", "plan_preview", "assi
 #: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
 #: its memory book, the book of served budgets and their plans, and the tensor helpers of a replay.
 _GRAPH_PARTS = {"stream_order", "graph_capture", "graph_launch", "replay_io", "graph_report",
-                "served_budgets", "weight_watch"}
+                "served_budgets", "weight_watch", "code_watch"}
 _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
@@ -59,7 +59,7 @@ LAYERS: dict[str, set[str]] = {
     "_compat": set(),
     # fused_linear's op: the Qwen-VL adapters run fc1 + GELU through it (it imports nothing above)
     "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear",
-                 "gpu_timing", "weight_watch"},
+                 "gpu_timing", "weight_watch", "code_watch"},
     "stream_order": {"_compat"},
     "graph_capture": {"_compat", "graph_launch", "errors"},
     # How a captured graph is instantiated and launched (the CUDA driver through ctypes).
@@ -67,7 +67,9 @@ LAYERS: dict[str, set[str]] = {
     "replay_io": {"planner", "protocol"},
     "graph_report": {"stats"},
     # Whether a module's weights still live where its graphs were captured.
-    "weight_watch": {"_compat"},
+    "weight_watch": {"_compat", "code_watch"},
+    # Whether a module tree's classes run their libraries' code (no patched forward).
+    "code_watch": set(),
     "served_budgets": {"budgets", "planner", "specs"},
     "runtime": _RUNTIME_DEPS,
     # The batched [B, C, H, W] layout: pads the batch axis and drives the runtime's graphs.

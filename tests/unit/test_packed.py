@@ -264,6 +264,55 @@ def test_a_forward_replaced_on_an_attention_instance_runs_as_in_the_towers_own_f
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("where", ["attention", "block", "norm", "module function",
+                                   "before serving"])
+def test_code_patched_into_the_towers_classes_runs_as_in_its_own_forward(where, caplog):
+    """The adapter runs its own code for the blocks, so a ``forward`` patched on a class of the
+    tower (or its modeling module's rotary helper) would change HF's output and not the served
+    one: the call runs the tower's own forward, saying why, and the graph path comes back once
+    the patch is undone (``code_watch.py``)."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as mq
+
+    owner, name = {"attention": (mq.VisionAttention, "forward"),
+                   "block": (mq.Qwen2VLVisionBlock, "forward"),
+                   "norm": (torch.nn.LayerNorm, "forward"),
+                   "module function": (mq, "apply_rotary_pos_emb_vision"),
+                   "before serving": (mq.VisionAttention, "forward")}[where]
+    original = getattr(owner, name)
+    if owner is mq:
+        def patch(*args, **kwargs):
+            q, k = original(*args, **kwargs)
+            return q * 100.0, k  # sharper attention (the random weights' is nearly uniform)
+    else:
+        def patch(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            return out + torch.linspace(-1.0, 1.0, out.shape[-1])
+
+    pixels = _pixels()
+    if where == "before serving":
+        setattr(owner, name, patch)
+    try:
+        served = _served()
+        tower = served.encoder.tower
+        if where != "before serving":
+            want_plain = tower(pixels, torch.tensor(GRID)).pooler_output
+            torch.testing.assert_close(served(pixels, GRID), want_plain, atol=1e-5, rtol=1e-5)
+            setattr(owner, name, patch)
+        want = tower(pixels, torch.tensor(GRID)).pooler_output
+        with caplog.at_level("WARNING", logger="vit_graph_backend"):
+            got = served(pixels, GRID)
+    finally:
+        setattr(owner, name, original)
+    assert f"{name} set to patch (" in caplog.text and "which graphs do not run" in caplog.text
+    plain = tower(pixels, torch.tensor(GRID)).pooler_output
+    assert not torch.allclose(want, plain, atol=1e-3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    eager = served.manager.stats.eager_batches
+    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
+    assert served.manager.stats.eager_batches == eager  # patch undone: the graph path again
+
+
+@torch.no_grad()
 def test_a_hook_on_the_tower_itself_runs_around_the_call_and_keeps_the_graphs():
     served, pixels = _served(), _pixels()
     handle = served.encoder.tower.register_forward_hook(lambda m, a, o: None)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from ..code_watch import LIBRARIES, vouch
 from ..errors import InvalidOptionError
 from ..specs import EncoderItemSpec, check_positive_int
 from ..weight_watch import WeightWatch
@@ -100,6 +101,9 @@ class _QwenVisionAdapter(nn.Module):
 
     #: fully qualified name of the wrapped class (checked at construction).
     wrapped_class: str = ""
+    #: the adapter runs its own code for the tower's modules, so code patched into their classes
+    #: or modeling module would not run: watched before every call (``code_watch.py``)
+    watch_code = True
 
     def __init__(self, model: nn.Module, *, min_budget: int | None = None,
                  max_budget: int | None = None, align_mlp: bool | None = None,
@@ -125,7 +129,11 @@ class _QwenVisionAdapter(nn.Module):
         #: which kernels the blocks run (``_qwen_kernels``)
         #: the tower's module tree and hooks (``weight_watch.py``): the MLP kernel choices
         #: follow replaced modules through it, the eager path finds hooks with it
-        self.watch = WeightWatch(model)
+        if type(model).__module__.split(".")[0] not in LIBRARIES:
+            # a subclass its user adapts with this adapter (registered, or given to it): its
+            # own code, as it is now, is what the adapter's stands for (``code_watch.vouch``)
+            vouch(type(model))
+        self.watch = WeightWatch(model, code=True)
         self.kernels = KernelChoices(model, self.watch, align_mlp, fuse, epilogue_fusion)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
         #: the full-attention kernel per captured budget (``_attention_choice``)
@@ -215,8 +223,9 @@ class _QwenVisionAdapter(nn.Module):
                               item_indices: Sequence[int]) -> Any:
         """``item_indices`` packed back to back without padding, exact segment lengths; through
         the tower's own forward while a module inside it has forward hooks or a forward replaced
-        on the instance (``weight_watch.WeightWatch.hooked``), which the adapter's code, calling
-        the blocks' parts, would not run."""
+        on the instance, or its classes run code from outside their libraries
+        (``weight_watch.WeightWatch.hooked``), which the adapter's code, calling the blocks'
+        parts, would not run."""
         if self.watch.hooked() is not None:
             pixels, grids = self.packer.rows(inputs, item_indices)
             grid = torch.tensor(grids, dtype=torch.int64, device=pixels.device)

@@ -1,0 +1,239 @@
+"""`CodeWatch`: whether the code of a module tree's classes is still its libraries' own.
+
+The Qwen-VL adapters (``adapters/qwen_vl.py``) run their own code for a Hugging Face tower: they
+read the blocks' weights and call their parts, never a block's or an attention's ``forward``,
+and a graph replays no Python at all. So a method patched on a class of the tower (an
+attention's ``forward`` replaced to record its maps or to change its math, a block's
+``forward``, the tower's ``rot_pos_emb``), or a function of its modeling module replaced (its
+rotary helper, say), changes what Hugging Face's forward returns and not what the adapter
+returns: a wrong number without an error (on a CPU, a tiny Qwen2-VL tower whose attention
+class's ``forward`` scaled its output by a half: 0.0018 off HF's own output;
+``tests/unit/test_packed.py``, ``test_code_patched_into_the_towers_classes_*``).
+
+The watch keeps, for a module tree, its module classes, the classes they derive from in the
+same modules, and the namespaces of those modules that belong to the libraries (the modeling
+modules), and tells whether any function there (or a module class's ``forward``, wherever it is
+defined) comes from outside the libraries the tower is built from: PyTorch, transformers, this
+package, their kernels and the standard library. It goes by the file a function's code is
+written in, for the function and every function it wraps (``functools.wraps`` copies a
+module's name, not the code). That is a property of the code, not of when it was set: a patch
+made before the tower was served counts as one made after, and a watch made again later sees it
+too. The adapter then runs the tower's own forward, eagerly, where the patched code runs
+(``weight_watch.WeightWatch.hooked``).
+
+Cost: before every call, one lookup of each module class's ``forward`` and of every function
+of the watched classes and modeling modules, compared by identity with the last look (53 for
+the Qwen2.5-VL-3B tower: about 2 us on a CPU); the functions are examined again only after one
+of them changed. A function added under a new name is not looked up: the code that would call
+it is what changes, and that is looked up.
+
+Not covered: a module's class swapped on its instance after the watch was made
+(``module.__class__ = Other``), and code the tower reaches through other modules
+(``torch.nn.functional``, transformers' attention registry).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from functools import partial, partialmethod
+from itertools import repeat
+from types import ModuleType
+from typing import Any
+
+__all__ = ["CodeWatch", "foreign_code", "vouch"]
+
+#: Top-level packages whose code is the tower's own libraries: a function whose code lives
+#: elsewhere (``__main__``, a user's package, a patching library) on a watched class or module is
+#: code the adapter does not run. The standard library counts too (by module name: its folder
+#: may hold ``site-packages``).
+LIBRARIES = frozenset({"torch", "transformers", "vit_graph_backend", "triton", "numpy",
+                       "flash_attn", "flash_attn_interface", "kernels", "einops", "accelerate",
+                       "safetensors", "huggingface_hub"})
+_STDLIB = frozenset(sys.stdlib_module_names)
+
+#: Class attributes that do not take part in a forward pass.
+_NOT_RUN = frozenset({"__init__", "__repr__", "__str__", "extra_repr", "__init_subclass__",
+                      "_init_weights", "__getstate__", "__setstate__"})
+
+_FORWARD = "forward"
+
+#: Functions taken for the libraries' own (:func:`vouch`), and the classes they came from.
+_vouched: weakref.WeakSet[Any] = weakref.WeakSet()
+_vouched_classes: weakref.WeakSet[type] = weakref.WeakSet()
+_vouch_lock = threading.Lock()
+
+
+def vouch(cls: type) -> None:
+    """Take the functions ``cls`` defines itself, as they are now, for its libraries' own: a
+    tower class outside them that its user registered for an adapter
+    (``adapters.register_adapter``), saying the adapter's code is the class's. Once per class,
+    so a function set on it later is still found."""
+    with _vouch_lock:
+        if cls in _vouched_classes:
+            return
+        _vouched_classes.add(cls)
+        for value in vars(cls).values():
+            fn = _callable_of(value)
+            try:
+                if fn is not None:
+                    _vouched.add(fn)
+            except TypeError:  # no weak reference to it (a builtin): not Python code anyway
+                pass
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def _callable_of(value: Any) -> Any:
+    """What a class attribute or module global calls (a static or class method's function, a
+    property's getter), or ``None`` for data, classes and modules."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    elif isinstance(value, partialmethod):
+        value = value.func
+    if value is None or isinstance(value, (type, ModuleType)) or not callable(value):
+        return None
+    return value
+
+
+def _levels(fn: Any) -> Iterator[Any]:
+    """``fn``, then what it wraps (``functools.wraps``' ``__wrapped__``, a partial's ``func``):
+    a wrapper from a library around a user's function is the user's code, and a user's
+    wrapper around a library's function too (``wraps`` copies ``__module__``, not the code)."""
+    for _ in range(16):
+        yield fn
+        try:
+            inner = fn.func if isinstance(fn, partial) else getattr(fn, "__wrapped__", None)
+        except Exception:  # an object whose attribute lookup itself fails: nothing wrapped
+            return
+        if inner is None or inner is fn or not callable(inner):
+            return
+        fn = inner
+
+
+def _library_folders() -> tuple[str, ...]:
+    folders = []
+    for name in LIBRARIES:
+        module = sys.modules.get(name)
+        for path in getattr(module, "__path__", ()) or ():
+            folders.append(os.path.join(os.path.realpath(path), ""))
+    return tuple(folders)
+
+
+def _outside(fn: Any, folders: tuple[str, ...]) -> bool:
+    code = getattr(fn, "__code__", None)
+    path = getattr(code, "co_filename", None)
+    module = getattr(fn, "__module__", None)
+    root = module.split(".")[0] if isinstance(module, str) else None
+    if isinstance(path, str) and not path.startswith("<"):  # Python code: where it lives
+        path = os.path.realpath(path)
+        if path.startswith(folders):
+            return False
+        return not (root in _STDLIB and not any(p in path for p in _INSTALLED))
+    return root is not None and root not in LIBRARIES and root not in _STDLIB
+
+
+def _short(qualname: str) -> str:
+    """A qualified name without the function it was made in (``f.<locals>.g`` -> ``g``)."""
+    return qualname.rsplit("<locals>.", 1)[-1]
+
+
+def foreign_code(value: Any, folders: tuple[str, ...] | None = None) -> str | None:
+    """``"qualname (file:line)"`` (``"module.qualname"`` for code not written in Python) of the
+    first function ``value`` runs, itself or one it wraps, whose code comes from outside
+    :data:`LIBRARIES` and the standard library; ``None`` for data and a library's own code."""
+    fn = _callable_of(value)
+    try:
+        if fn is None or fn in _vouched:
+            return None
+    except TypeError:  # unhashable: not a function of a class or module
+        pass
+    folders = _library_folders() if folders is None else folders
+    outside = [level for level in _levels(fn) if _outside(level, folders)]
+    if not outside:
+        return None
+    # where it is written, if in Python (``wraps`` may have copied a module's name)
+    level = next((f for f in outside if hasattr(f, "__code__")), outside[0])
+    name = _short(getattr(level, "__qualname__", None) or getattr(level, "__name__", "?"))
+    code = getattr(level, "__code__", None)
+    if code is not None:
+        return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+    return f"{getattr(level, '__module__', '?')}.{name}"
+
+
+class CodeWatch:
+    """The code of a module tree's classes (see the module docstring).
+
+    Args:
+        types: the classes of the tree's modules.
+    """
+
+    def __init__(self, types: Iterable[type]) -> None:
+        self._types = tuple(dict.fromkeys(types))
+        # the modeling modules: those of the module classes outside torch and this package
+        modules = {t.__module__ for t in self._types
+                   if t.__module__.split(".")[0] not in ("torch", "vit_graph_backend")}
+        self._classes = tuple(dict.fromkeys(c for t in self._types for c in t.__mro__
+                                            if c.__module__ in modules))
+        # the namespaces of the library modules among them (a user's module holds the user's
+        # own functions, which its classes, checked themselves, may not call)
+        self._modules = tuple((name, vars(sys.modules[name])) for name in sorted(modules)
+                              if name in sys.modules and name.split(".")[0] in LIBRARIES)
+        # looked up before every call: each module class's forward, and every function (not
+        # a class method: a new bound method at each lookup) of the watched classes and the
+        # modeling modules; through the module classes, where a function set on one shadows
+        # its base's
+        pairs = [(t, _FORWARD) for t in self._types]
+        pairs += [(t, name) for t in self._types for c in t.__mro__ if c.__module__ in modules
+                  for name, value in vars(c).items()
+                  if name not in _NOT_RUN and not isinstance(value, classmethod)
+                  and _callable_of(value) is not None]
+        pairs = list(dict.fromkeys(pairs))
+        self._owners = tuple(owner for owner, _ in pairs)
+        self._names = tuple(name for _, name in pairs)
+        globals_ = [(namespace, name) for _, namespace in self._modules
+                    for name, value in namespace.items() if _callable_of(value) is not None]
+        self._namespaces = tuple(namespace for namespace, _ in globals_)
+        self._globals = tuple(name for _, name in globals_)
+        self._seen: tuple[Any, ...] = ()
+        self._reason: str | None = None
+        self.replaced()
+
+    def _state(self) -> tuple[Any, ...]:
+        return (*map(getattr, self._owners, self._names, repeat(None)),
+                *map(dict.get, self._namespaces, self._globals))
+
+    def replaced(self) -> str | None:
+        """``"CLASS.NAME set to FUNCTION (file:line)"`` (or ``"MODULE.NAME set to ..."``) for
+        the first function found from outside :data:`LIBRARIES`, else ``None``."""
+        state = self._state()
+        try:  # equal objects are identical ones unless something was set
+            same = state == self._seen
+        except Exception:  # set to something without a truth value for ==
+            same = False
+        if not same:
+            self._reason = self._look()
+            self._seen = state
+        return self._reason
+
+    def _look(self) -> str | None:
+        folders = _library_folders()
+        for t in self._types:
+            where = foreign_code(getattr(t, _FORWARD, None), folders)
+            if where is not None:
+                return f"{_short(t.__qualname__)}.forward set to {where}"
+        for c in self._classes:
+            for name, value in list(vars(c).items()):
+                where = None if name in _NOT_RUN else foreign_code(value, folders)
+                if where is not None:
+                    return f"{_short(c.__qualname__)}.{name} set to {where}"
+        for module, namespace in self._modules:
+            for name, value in list(namespace.items()):
+                where = foreign_code(value, folders)
+                if where is not None:
+                    return f"{module}.{name} set to {where}"
+        return None
