@@ -39,7 +39,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from functools import partial, partialmethod
+from functools import lru_cache, partial, partialmethod
 from itertools import repeat
 from types import ModuleType
 from typing import Any
@@ -124,13 +124,16 @@ def _library_folders() -> tuple[str, ...]:
     return tuple(folders)
 
 
+_real_path = lru_cache(maxsize=4096)(os.path.realpath)  # a file system lookup per part
+
+
 def _outside(fn: Any, folders: tuple[str, ...]) -> bool:
     code = getattr(fn, "__code__", None)
     path = getattr(code, "co_filename", None)
     module = getattr(fn, "__module__", None)
     root = module.split(".")[0] if isinstance(module, str) else None
     if isinstance(path, str) and not path.startswith("<"):  # Python code: where it lives
-        path = os.path.realpath(path)
+        path = _real_path(path)
         if path.startswith(folders):
             return False
         return not (root in _STDLIB and not any(p in path for p in _INSTALLED))
@@ -146,6 +149,13 @@ def foreign_code(value: Any, folders: tuple[str, ...] | None = None) -> str | No
     """``"qualname (file:line)"`` (``"module.qualname"`` for code not written in Python) of the
     first function ``value`` runs, itself or one it wraps, whose code comes from outside
     :data:`LIBRARIES` and the standard library; ``None`` for data and a library's own code."""
+    try:
+        return _foreign(value, folders)
+    except Exception:  # an object whose attributes cannot be read: nothing this can place
+        return None
+
+
+def _foreign(value: Any, folders: tuple[str, ...] | None) -> str | None:
     fn = _callable_of(value)
     try:
         if fn is None or fn in _vouched:
@@ -199,7 +209,7 @@ class CodeWatch:
                     for name, value in namespace.items() if _callable_of(value) is not None]
         self._namespaces = tuple(namespace for namespace, _ in globals_)
         self._globals = tuple(name for _, name in globals_)
-        self._seen: tuple[Any, ...] = ()
+        self._seen: tuple[Any, ...] | None = ()
         self._reason: str | None = None
         self.replaced()
 
@@ -210,11 +220,11 @@ class CodeWatch:
     def replaced(self) -> str | None:
         """``"CLASS.NAME set to FUNCTION (file:line)"`` (or ``"MODULE.NAME set to ..."``) for
         the first function found from outside :data:`LIBRARIES`, else ``None``."""
-        state = self._state()
-        try:  # equal objects are identical ones unless something was set
-            same = state == self._seen
-        except Exception:  # set to something without a truth value for ==
-            same = False
+        try:
+            state: tuple[Any, ...] | None = self._state()
+            same = state == self._seen  # equal objects are identical ones unless one was set
+        except Exception:  # a lookup that failed, or something without a truth value for ==
+            state, same = None, False
         if not same:
             self._reason = self._look()
             self._seen = state

@@ -179,3 +179,25 @@ def test_a_deleted_function_and_a_tensor_set_in_its_place_are_changes_not_errors
     finally:
         mq.apply_rotary_pos_emb_vision = original
     assert watch.replaced() is None
+
+
+def test_an_object_whose_attributes_raise_never_breaks_a_call():
+    """A callable whose attribute lookups raise (as some lazy namespaces do) set on the modeling
+    module: the check says nothing instead of raising inside a user's call."""
+    class Lazy:
+        def __call__(self, *args):
+            return None
+
+        def __getattr__(self, name):
+            raise RuntimeError(f"no {name}")
+
+    tower = _tower()
+    watch = _watch(tower)
+    original = mq.rotate_half
+    mq.rotate_half = Lazy()
+    try:
+        assert foreign_code(Lazy()) is None
+        assert watch.replaced() is None
+    finally:
+        mq.rotate_half = original
+    assert watch.replaced() is None
