@@ -6,9 +6,8 @@ and a graph replays no Python at all. So a method patched on a class of the towe
 attention's ``forward`` replaced to record its maps or to change its math, a block's
 ``forward``, the tower's ``rot_pos_emb``), or a function of its modeling module replaced (its
 rotary helper, say), changes what Hugging Face's forward returns and not what the adapter
-returns: a wrong number without an error (on a CPU, a tiny Qwen2-VL tower whose attention
-class's ``forward`` scaled its output by a half: 0.0018 off HF's own output;
-``tests/unit/test_packed.py``, ``test_code_patched_into_the_towers_classes_*``).
+returns: a wrong number without an error (each case of ``tests/unit/test_packed.py``'s
+``test_code_patched_into_the_towers_classes_*`` fails without this watch).
 
 The watch keeps, for a module tree, its module classes, the classes they derive from in the
 same modules, and the namespaces of those modules that belong to the libraries (the modeling
@@ -21,16 +20,21 @@ made before the tower was served counts as one made after, and a watch made agai
 too. The adapter then runs the tower's own forward, eagerly, where the patched code runs
 (``weight_watch.WeightWatch.hooked``).
 
-Cost: before every call, one lookup of each module class's ``forward`` and of every function
-of the watched classes and modeling modules, compared by identity with the last look (53 to 55
-for the Qwen2.5-VL-3B tower, as transformers' release goes: 2.5 to 3.2 us on an H100's host,
+The same goes for the attention function a transformers config names
+(``config._attn_implementation``, looked up in transformers' registry): one a user registered
+and set (``AttentionInterface.register``, ``set_attn_implementation``) is code the adapter,
+which runs its own attention kernels, does not run.
+
+Cost: before every call, one lookup of each module class's ``forward``, of every function of
+the watched classes and modeling modules, and of each config's attention function, compared by
+identity with the last look (56 for the Qwen2.5-VL-3B tower with transformers 5.17:
 ``benchmarks/results/code_patched_into_tower_classes_*``); the functions are examined again
 only after one of them changed. A function added under a new name is not looked up: the code
 that would call it is what changes, and that is looked up.
 
 Not covered: a module's class swapped on its instance after the watch was made
 (``module.__class__ = Other``), and code the tower reaches through other modules
-(``torch.nn.functional``, transformers' attention registry).
+(``torch.nn.functional``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache, partial, partialmethod
 from itertools import repeat
 from types import ModuleType
@@ -143,6 +147,45 @@ def _outside(fn: Any, folders: tuple[str, ...]) -> bool:
     return root is not None and root not in LIBRARIES and root not in _STDLIB
 
 
+def _registry() -> Any:
+    """transformers' registry of attention functions, if transformers is loaded."""
+    return getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS",
+                   None)
+
+
+def _attention_of(config: Any) -> Any:
+    """The attention function ``config``'s ``_attn_implementation`` names in transformers'
+    registry (``None`` for ``"eager"``, the modeling module's own, or none)."""
+    return _lookup(_registry(), getattr(config, "_attn_implementation", None))
+
+
+def _lookup(registry: Any, name: Any) -> Any:
+    if registry is None or not isinstance(name, str):
+        return None
+    try:
+        return registry.get(name)
+    except Exception:  # a name the registry cannot give: transformers' own call says why
+        return None
+
+
+#: Where transformers keeps a config's ``_attn_implementation`` (a property over it): read
+#: from the instance dict it is 30 ns, through the config's ``__getattribute__`` 2 us.
+_ATTENTION_KEY = "_attn_implementation_internal"
+
+
+def _name_reader(config: Any) -> Callable[[], Any]:
+    """A call that reads ``config._attn_implementation``: from the instance dict where this
+    transformers keeps it there, else through the attribute."""
+    try:
+        own = object.__getattribute__(config, "__dict__")
+        if _ATTENTION_KEY in own and own[_ATTENTION_KEY] == getattr(config,
+                                                                    "_attn_implementation"):
+            return partial(own.get, _ATTENTION_KEY, None)
+    except Exception:  # no instance dict, or an attribute that cannot be read
+        pass
+    return partial(getattr, config, "_attn_implementation", None)
+
+
 def _short(qualname: str) -> str:
     """A qualified name without the function it was made in (``f.<locals>.g`` -> ``g``)."""
     return qualname.rsplit("<locals>.", 1)[-1]
@@ -183,10 +226,16 @@ class CodeWatch:
 
     Args:
         types: the classes of the tree's modules.
+        configs: the tree's model configs: a transformers attention module runs the function
+            its config's ``_attn_implementation`` names in transformers' registry of them, one
+            a user may have registered (``AttentionInterface.register``).
     """
 
-    def __init__(self, types: Iterable[type]) -> None:
+    def __init__(self, types: Iterable[type], configs: Iterable[Any] = ()) -> None:
         self._types = tuple(dict.fromkeys(types))
+        self._configs = tuple({id(c): c for c in configs if c is not None}.values())
+        self._readers = tuple(map(_name_reader, self._configs))
+        self._registry = _registry()
         # the modeling modules: those of the module classes outside torch and this package
         modules = {t.__module__ for t in self._types
                    if t.__module__.split(".")[0] not in ("torch", "vit_graph_backend")}
@@ -218,7 +267,8 @@ class CodeWatch:
 
     def _state(self) -> tuple[Any, ...]:
         return (*map(getattr, self._owners, self._names, repeat(None)),
-                *map(dict.get, self._namespaces, self._globals))
+                *map(dict.get, self._namespaces, self._globals),
+                *map(_lookup, repeat(self._registry), (read() for read in self._readers)))
 
     def replaced(self) -> str | None:
         """``"CLASS.NAME set to FUNCTION (file:line)"`` (or ``"MODULE.NAME set to ..."``) for
@@ -249,4 +299,9 @@ class CodeWatch:
                 where = foreign_code(value, folders)
                 if where is not None:
                     return f"{module}.{name} set to {where}"
+        for config in self._configs:
+            where = foreign_code(_attention_of(config), folders)
+            if where is not None:
+                name = getattr(config, "_attn_implementation", None)
+                return f"attention implementation {name!r} set to {where}"
         return None

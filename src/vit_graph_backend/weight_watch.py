@@ -217,8 +217,9 @@ class WeightWatch:
         self._dicts = tuple(m.__dict__ for m in inside)
         self._forward = ("forward",) * len(inside)
         self._clear_at = None
-        if self._watch_code:
-            self._code = CodeWatch(type(m) for _, m in named)
+        if self._watch_code:  # a model config is an instance attribute (transformers')
+            self._code = CodeWatch((type(m) for _, m in named),
+                                   (m.__dict__.get("config") for _, m in named))
         return devices
 
     def _refresh(self) -> None:

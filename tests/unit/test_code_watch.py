@@ -201,3 +201,35 @@ def test_an_object_whose_attributes_raise_never_breaks_a_call():
     finally:
         mq.rotate_half = original
     assert watch.replaced() is None
+
+
+def test_a_users_function_registered_under_the_configs_attention_name_is_found():
+    """The config's name is looked up in transformers' registry at every call: a user's
+    function registered under the name in use ("sdpa") counts as much as a new name set, and a
+    config without transformers' own field for the name is read through its attribute."""
+    from types import SimpleNamespace
+
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    tower = _tower()
+    tower.set_attn_implementation("sdpa")
+    plain = SimpleNamespace(_attn_implementation="sdpa")
+    watches = (CodeWatch((type(m) for m in tower.modules()), [tower.config]),
+               CodeWatch([type(tower)], [plain]))
+    assert [w.replaced() for w in watches] == [None, None]
+    library_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def mine(module, *args, **kwargs):
+        return library_sdpa(module, *args, **kwargs)
+
+    AttentionInterface.register("sdpa", mine)
+    try:
+        found = [w.replaced() for w in watches]
+    finally:
+        AttentionInterface.register("sdpa", library_sdpa)
+    assert all(f is not None and f.startswith("attention implementation 'sdpa' set to mine (")
+               for f in found)
+    assert [w.replaced() for w in watches] == [None, None]
+    plain._attn_implementation = "flex_attention"  # a library's: nothing to say
+    assert watches[1].replaced() is None

@@ -313,6 +313,38 @@ def test_code_patched_into_the_towers_classes_runs_as_in_its_own_forward(where, 
 
 
 @torch.no_grad()
+def test_an_attention_implementation_a_user_registered_runs_as_in_the_towers_own_forward(caplog):
+    """transformers runs the attention function its config names (``AttentionInterface``); one
+    a user registered and set is code the adapter's own attention would skip: the calls run
+    the tower's own forward until the config names a library's again."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def sharper(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query * 100.0, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("vitgraph_test_sharper", sharper)
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    before = tower.config._attn_implementation
+    plain = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
+    tower.set_attn_implementation("vitgraph_test_sharper")
+    try:
+        want = tower(pixels, torch.tensor(GRID)).pooler_output
+        with caplog.at_level("WARNING", logger="vit_graph_backend"):
+            got = served(pixels, GRID)
+    finally:
+        tower.set_attn_implementation(before)
+    assert "attention implementation 'vitgraph_test_sharper' set to sharper (" in caplog.text
+    assert not torch.allclose(want, plain, atol=1e-3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    eager = served.manager.stats.eager_batches
+    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
+    assert served.manager.stats.eager_batches == eager
+
+
+@torch.no_grad()
 def test_a_hook_on_the_tower_itself_runs_around_the_call_and_keeps_the_graphs():
     served, pixels = _served(), _pixels()
     handle = served.encoder.tower.register_forward_hook(lambda m, a, o: None)
