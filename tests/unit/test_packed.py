@@ -195,6 +195,17 @@ def test_one_weight_given_new_storage_is_followed(how, caplog):
     assert caplog.text.count("captured again") == 1
 
 
+def _as_hf_then_graphs_again(served, pixels, got, want, plain):
+    """``got`` (served while something the graphs skip was there) is HF's ``want``, which that
+    changed; once it is gone, the served output is HF's ``plain`` again, on the graph path (no
+    eager batch more)."""
+    assert not torch.allclose(want, plain, atol=1e-3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    eager = served.manager.stats.eager_batches
+    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
+    assert served.manager.stats.eager_batches == eager
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("where", ["block", "attention", "linear", "global"])
 def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, caplog):
@@ -229,11 +240,7 @@ def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, caplog)
         assert ("a global forward hook" if module is None else "forward hooks on") in caplog.text
     finally:
         handle.remove()
-    assert not torch.allclose(want, want_plain, atol=1e-3)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    eager = served.manager.stats.eager_batches
-    torch.testing.assert_close(served(pixels, GRID), want_plain, atol=1e-5, rtol=1e-5)
-    assert served.manager.stats.eager_batches == eager  # hook removed: the graph path again
+    _as_hf_then_graphs_again(served, pixels, got, want, want_plain)  # the hook removed
 
 
 @torch.no_grad()
@@ -305,11 +312,7 @@ def test_code_patched_into_the_towers_classes_runs_as_in_its_own_forward(where, 
         setattr(owner, name, original)
     assert f"{name} set to patch (" in caplog.text and "which graphs do not run" in caplog.text
     plain = tower(pixels, torch.tensor(GRID)).pooler_output
-    assert not torch.allclose(want, plain, atol=1e-3)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    eager = served.manager.stats.eager_batches
-    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
-    assert served.manager.stats.eager_batches == eager  # patch undone: the graph path again
+    _as_hf_then_graphs_again(served, pixels, got, want, plain)  # the patch undone
 
 
 @torch.no_grad()
@@ -337,11 +340,7 @@ def test_an_attention_implementation_a_user_registered_runs_as_in_the_towers_own
     finally:
         tower.set_attn_implementation(before)
     assert "attention implementation 'vitgraph_test_sharper' set to sharper (" in caplog.text
-    assert not torch.allclose(want, plain, atol=1e-3)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    eager = served.manager.stats.eager_batches
-    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
-    assert served.manager.stats.eager_batches == eager
+    _as_hf_then_graphs_again(served, pixels, got, want, plain)
 
 
 @torch.no_grad()
