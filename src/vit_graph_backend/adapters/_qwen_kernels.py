@@ -35,6 +35,7 @@ __all__ = ["KernelChoices"]
 
 log = logging.getLogger(__name__)
 
+
 class KernelChoices:
     """The ``align_mlp`` and ``fuse`` settings of one adapter, and what they resolve to per device.
 

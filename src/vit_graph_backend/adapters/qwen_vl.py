@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .. import _compat
-from ..code_watch import LIBRARIES, vouch
+from ..code_watch import vouch
 from ..errors import InvalidOptionError
 from ..specs import EncoderItemSpec, check_positive_int
 from ..weight_watch import WeightWatch
@@ -129,10 +129,9 @@ class _QwenVisionAdapter(nn.Module):
         #: which kernels the blocks run (``_qwen_kernels``)
         #: the tower's module tree and hooks (``weight_watch.py``): the MLP kernel choices
         #: follow replaced modules through it, the eager path finds hooks with it
-        if type(model).__module__.split(".")[0] not in LIBRARIES:
-            # a subclass its user adapts with this adapter (registered, or given to it): its
-            # own code, as it is now, is what the adapter's stands for (``code_watch.vouch``)
-            vouch(type(model))
+        # a subclass its user adapts with this adapter (registered, or given to it): its own
+        # code, as it is now, is what the adapter's stands for (``code_watch.vouch``)
+        vouch(type(model))
         self.watch = WeightWatch(model, code=True)
         self.kernels = KernelChoices(model, self.watch, align_mlp, fuse, epilogue_fusion)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
