@@ -5,7 +5,9 @@ sync (the GPU idle, as at the start of a request) against calls issued back to b
 call 3 to 5x slower on the host after a sync than in a back-to-back loop, every function alike.
 This probe times the call's phases (inclusive wall time of each wrapped function, so nested
 phases are counted in their parents too) in both conditions, to say which phases a cut would
-pay in, and how much a cold call slows each.
+pay in, and how much a cold call slows each. Two rows are not phases: ``to launch``, from the
+call's start to its graph's launch (the GPU idle meanwhile after a sync), and ``call + sync``,
+the call and a device sync after it (one request's latency; the GPU's time included).
 
 The Qwen2.5-VL-3B-shaped tower (random weights, bf16, defaults), one image of ``--side`` x
 ``--side`` patches, the grid as a list. ``--source`` puts another tree's ``src`` first on the
@@ -34,6 +36,8 @@ def _wrap(owner, name, label, times):
     @functools.wraps(original)
     def timed(*args, **kwargs):
         start = time.perf_counter_ns()
+        if label == "graph.replay" and "to launch" not in times:
+            times["to launch"] = start - times["start"]
         try:
             return original(*args, **kwargs)
         finally:
@@ -57,6 +61,10 @@ def main() -> None:
 
     import vit_graph_backend as vg
     from vit_graph_backend import packed, runtime, serve, weight_watch
+    try:
+        from vit_graph_backend import call_checks
+    except ImportError:  # a tree from before the checks after the launch
+        call_checks = None
     from vit_graph_backend.adapters import _qwen_kernels, _qwen_packing, qwen_vl
 
     served = serve(tower())
@@ -77,6 +85,7 @@ def main() -> None:
         (runtime.EncoderCudaGraphManager, "run", "manager.run"),
         (weight_watch.WeightWatch, "moved", "watch.moved"),
         (weight_watch.WeightWatch, "hooked", "watch.hooked"),
+        (getattr(call_checks, "CallChecks", None), "look", "checks after launch"),
         (type(manager.served), "plan", "served.plan"),
         (adapter, "get_encoder_cudagraph_item_specs", "item_specs"),
         (adapter, "prepare_encoder_cudagraph_replay_buffers", "replay_buffers"),
@@ -91,7 +100,7 @@ def main() -> None:
         (packed, "_concat", "concat"),
     ]
     for owner, name, label in phases:
-        if hasattr(owner, name):
+        if owner is not None and hasattr(owner, name):
             _wrap(owner, name, label, times)
     del qwen_vl, vg
 
@@ -99,11 +108,17 @@ def main() -> None:
         if sync:
             torch.cuda.synchronize()
         times.clear()
-        start = time.perf_counter_ns()
+        start = times["start"] = time.perf_counter_ns()
         served(pv, grid)
         total = time.perf_counter_ns() - start
+        if sync:
+            torch.cuda.synchronize()
+        done = time.perf_counter_ns() - start
+        del times["start"]
         out = {label: ns / 1e3 for label, ns in times.items()}
         out["call"] = total / 1e3
+        if sync:
+            out["call + sync"] = done / 1e3
         return out
 
     rows: dict[str, dict[str, list[float]]] = {"after sync": defaultdict(list),
@@ -119,16 +134,20 @@ def main() -> None:
             for label, us in one(False).items():
                 rows["back to back"][label].append(us)
         torch.cuda.synchronize()
-    order = ["call", *[label for _, _, label in phases]]
+    order = ["call + sync", "call", "to launch", *[label for _, _, label in phases]]
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; source "
              f"{Path(vg_path()).parent}; one image of {side * side} patches a call, "
              f"{args.calls} calls each; us, median (inclusive of nested phases)",
              f"{'phase':<26}{'after sync':>12}{'back to back':>14}{'ratio':>8}"]
     for label in order:
         cold, warm = rows["after sync"].get(label), rows["back to back"].get(label)
-        if not cold or not warm:
+        if not cold:
             continue
-        c, w = statistics.median(cold), statistics.median(warm)
+        c = statistics.median(cold)
+        if not warm:  # after a sync only (the call's latency)
+            lines.append(f"{label:<26}{c:>12.1f}{'':>14}{'':>8}")
+            continue
+        w = statistics.median(warm)
         lines.append(f"{label:<26}{c:>12.1f}{w:>14.1f}{c / max(w, 1e-9):>8.2f}")
     emit(lines, args.name)
 

@@ -38,7 +38,8 @@ def main() -> None:
     with torch.no_grad():
         served(pixels, [[1, 32, 32]])
     torch.cuda.synchronize()
-    watch = served.manager._watch
+    manager = served.manager
+    watch = manager.checks.watch if hasattr(manager, "checks") else manager._watch
     slots = getattr(watch, "_slots", None)
     watched = len(slots[1]) if slots is not None else 1
     print(f"source {Path(vit_graph_backend.__file__).parent}; device "

@@ -25,16 +25,26 @@ The same goes for the attention function a transformers config names
 and set (``AttentionInterface.register``, ``set_attn_implementation``) is code the adapter,
 which runs its own attention kernels, does not run.
 
-Cost: before every call, one lookup of each module class's ``forward``, of every function of
-the watched classes and modeling modules, and of each config's attention function, compared by
-identity with the last look (56 for the Qwen2.5-VL-3B tower with transformers 5.17:
-``benchmarks/results/code_patched_into_tower_classes_*``); the functions are examined again
+Cost: at every call (after its graph launched: ``call_checks.py``), one lookup of each module
+class's ``forward``, of every function of the watched classes and modeling modules, of each
+config's attention function and of the functions of ``torch.nn.functional`` and ``torch`` they
+name, compared by identity with the last look (116 for the Qwen2.5-VL-3B tower with
+transformers 5.24, 4.8 to 5.0 us on a CPU, 2.7 to 2.8 for the 54 without the torch functions:
+``benchmarks/results/code_watch_torch_functional_lookups_*``); the functions are examined again
 only after one of them changed. A function added under a new name is not looked up: the code
 that would call it is what changes, and that is looked up.
 
+The same goes for the functions of ``torch.nn.functional`` and ``torch`` that the watched code
+calls by name (``F.scaled_dot_product_attention``, ``nn.functional.gelu``, ``F.linear`` from
+``nn.Linear.forward``): a patch there changes every caller in the process
+(SageAttention's documented ``F.scaled_dot_product_attention = sageattn``), Hugging Face's
+forward among them, and not the adapter's kernels. The names are read from the watched
+functions' code (``co_names``) when the watch is made.
+
 Not covered: a module's class swapped on its instance after the watch was made
-(``module.__class__ = Other``), and code the tower reaches through other modules
-(``torch.nn.functional``).
+(``module.__class__ = Other``; ``torch.nn.utils.parametrize``, which does so, registers a
+module too, which the weight watch follows), functions the tower reaches through other modules
+than those named here, and methods patched on ``torch.Tensor``.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache, partial, partialmethod
 from itertools import repeat
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 __all__ = ["CodeWatch", "foreign_code", "vouch"]
@@ -65,6 +75,10 @@ _NOT_RUN = frozenset({"__init__", "__repr__", "__str__", "extra_repr", "__init_s
                       "_init_weights", "__getstate__", "__setstate__"})
 
 _FORWARD = "forward"
+
+#: Modules whose functions a tower's code calls by attribute, by any alias (``F.gelu``,
+#: ``torch.nn.functional.gelu``), and which a process-wide patch changes for every caller.
+_CALLED = ("torch.nn.functional", "torch")
 
 _INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
@@ -186,6 +200,31 @@ def _name_reader(config: Any) -> Callable[[], Any]:
     return partial(getattr, config, "_attn_implementation", None)
 
 
+def _names(fn: Any) -> set[str]:
+    """Every global and attribute name the code of ``fn`` looks up, with the functions it wraps
+    and the code nested in it (comprehensions, local functions)."""
+    names: set[str] = set()
+    stack = [getattr(level, "__code__", None) for level in _levels(fn)]
+    while stack:
+        code = stack.pop()
+        if isinstance(code, CodeType):
+            names.update(code.co_names)
+            stack.extend(c for c in code.co_consts if isinstance(c, CodeType))
+    return names
+
+
+def _own_functions(cls: type) -> Iterator[Any]:
+    """The functions a module class and its bases up to ``nn.Module`` define (``_conv_forward``
+    under ``Conv3d.forward``); ``nn.Module``'s own call no function of a tower's math."""
+    for c in cls.__mro__:
+        if c is object or c.__module__ == "torch.nn.modules.module":
+            continue
+        for name, value in vars(c).items():
+            fn = None if name in _NOT_RUN else _callable_of(value)
+            if fn is not None:
+                yield fn
+
+
 def _short(qualname: str) -> str:
     """A qualified name without the function it was made in (``f.<locals>.g`` -> ``g``)."""
     return qualname.rsplit("<locals>.", 1)[-1]
@@ -245,7 +284,7 @@ class CodeWatch:
         # own functions, which its classes, checked themselves, may not call)
         self._modules = tuple((name, vars(sys.modules[name])) for name in sorted(modules)
                               if name in sys.modules and name.split(".")[0] in LIBRARIES)
-        # looked up before every call: each module class's forward, and every function (not
+        # looked up at every call: each module class's forward, and every function (not
         # a class method: a new bound method at each lookup) of the watched classes and the
         # modeling modules; through the module classes, where a function set on one shadows
         # its base's
@@ -259,6 +298,19 @@ class CodeWatch:
         self._names = tuple(name for _, name in pairs)
         globals_ = [(namespace, name) for _, namespace in self._modules
                     for name, value in namespace.items() if _callable_of(value) is not None]
+        # the functions of torch.nn.functional and torch that any of it names
+        named: set[str] = set()
+        for fn in (*(v for t in self._types for v in _own_functions(t)),
+                   *(_callable_of(v) for _, ns in self._modules for v in ns.values()),
+                   *(_lookup(self._registry, read()) for read in self._readers)):
+            try:
+                named |= _names(fn)
+            except Exception:  # an object whose attributes cannot be read: it names nothing
+                pass
+        self._called = tuple((module, name) for module in _CALLED if module in sys.modules
+                             for name in sorted(named)
+                             if _callable_of(vars(sys.modules[module]).get(name)) is not None)
+        globals_ += [(vars(sys.modules[module]), name) for module, name in self._called]
         self._namespaces = tuple(namespace for namespace, _ in globals_)
         self._globals = tuple(name for _, name in globals_)
         self._seen: tuple[Any, ...] | None = ()
@@ -299,6 +351,10 @@ class CodeWatch:
                 where = foreign_code(value, folders)
                 if where is not None:
                     return f"{module}.{name} set to {where}"
+        for module, name in self._called:
+            where = foreign_code(vars(sys.modules[module]).get(name), folders)
+            if where is not None:
+                return f"{module}.{name} set to {where}"
         for read in self._readers:
             name = read()
             where = foreign_code(_lookup(self._registry, name), folders)

@@ -11,6 +11,13 @@ capture and replay; the two others (budget range and eager forward) are kept bec
 the runtime would need model-specific defaults or a second code path for oversize items, which is
 harder on the person writing an adapter than two short methods.
 
+An encoder whose graphs read copies of its weights (padded or packed, as the Qwen adapters' MLP
+copies) may add ``refresh_encoder_cudagraph_weights() -> bool``: bring the copies up to date
+with the weights, True if one was copied. The runtime calls it once per call it serves from
+graphs: after the call's first launch (the graph read the old copies, still valid memory, and
+is replayed again when it returns True), or before the forward where no graph runs
+(``call_checks.py``). Whoever replays the graphs by hand calls it before each replay.
+
 Layout contract (the runtime relies on it):
     - Items of a batch are laid out back to back in the order of ``item_indices``; item ``k``'s
       output rows start where item ``k-1``'s end, from row 0.

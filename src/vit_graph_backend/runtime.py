@@ -7,7 +7,8 @@ call it asks the encoder for item specs, plans batches (``planner``), and runs e
   buffer is copied into the head and its tail zeroed, so no stale or NaN padding survives), replays
   the budget's CUDA graph, clones the real rows once and hands each item a view of its rows;
 - an **eager batch** (an item larger than every budget, a budget whose capture failed, grad
-  required) runs ``encoder_eager_forward`` and is counted in ``stats`` with its reason.
+  required) runs ``encoder_eager_forward`` and is counted in ``stats`` with its reason; a call
+  whose checks fail (hooks, patched code: ``call_checks.py``) runs as one eager batch.
 
 Budgets are captured **largest first into one graph pool**, so smaller graphs reuse the largest
 one's intermediates; each capture is measured and bounded first, and a failed capture does not
@@ -39,17 +40,17 @@ from typing import Any
 import torch
 
 from .budgets import BudgetConfig
+from .call_checks import CallChecks, CallState
 from .errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError
 from .graph_capture import BudgetGraphs, mib
 from .options import VitGraphOptions
-from .planner import Batch, Plan, Segment
-from .replay_io import (assemble, infer_device_dtype, map_output, max_rel_error, needs_grad,
-                        split_rows, verify_tolerance, write_inputs)
+from .planner import Batch, Segment
+from .replay_io import (assemble, infer_device_dtype, map_output, max_rel_error, split_rows,
+                        verify_tolerance, write_inputs)
 from .protocol import SupportsEncoderCudaGraph
 from .served_budgets import ServedBudgets
 from .stats import GraphStats
 from .stream_order import order_for
-from .weight_watch import WeightWatch
 
 __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
 
@@ -69,7 +70,8 @@ class EncoderCudaGraphManager:
         exact_rows: for an exact-shape graph (one budget of 1 holding a whole static call):
             the call's real rows, counted in ``stats`` instead of a budget of 1.
         watch: the module whose weights the graphs read, watched for new storage before every
-            call (``weight_watch.py``); ``None`` for ``model`` itself.
+            call and for hooks after its first launch (``call_checks.py``); ``None`` for
+            ``model`` itself.
         watch_code: also check that the watched module's classes run their libraries' code
             (``code_watch.py``; the Qwen adapters' ``watch_code``, which run their own).
 
@@ -116,8 +118,8 @@ class EncoderCudaGraphManager:
         self._all_budgets_failed = False   # graphs off only because every budget was disabled
         self._logged: set[str] = set()
         self._lock = threading.RLock()
-        self._watch_module, self._watch_code = model if watch is None else watch, watch_code
-        self._watch = WeightWatch.of(self._watch_module, watch_code)
+        self.checks = CallChecks(model, model if watch is None else watch, watch_code,
+                                 self._log_once)
         #: orders this call's GPU work after the previous call's, on any stream (one per device)
         self.order = order_for(self.device)
         if self.device.type != "cuda":
@@ -226,57 +228,71 @@ class EncoderCudaGraphManager:
         """Run one call; returns one output per item, in the caller's order."""
         specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
         with self._lock:
-            if self._watch is not None and self._watch.moved():
+            if self.checks.moved():
                 self._follow_moved_weights()
             self.stats.record_call()
-            reason = self._off_reason or self._grad_reason(inputs) or self._hooks_reason()
+            # hooks, code and weight copies: after the first launch, or before any Python runs
+            call = CallState(self._off_reason or self.checks.grad(inputs))
             pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
             stream = self.order.enter()
             try:
-                if (reason is None and self.options.capture == "all" and self.uses_cuda_graphs
-                        and any(b not in self._graphs for b in self.token_budgets)):
+                if (call.reason is None and self.options.capture == "all"
+                        and self.uses_cuda_graphs
+                        and any(b not in self._graphs for b in self.token_budgets)
+                        and self.checks.look(call) is None):  # a capture records what runs
                     self.capture()   # before planning: a budget skipped here changes the plan
-                    reason = self._off_reason
-                if reason is not None:
-                    plan = Plan((Batch(tuple(Segment(i, 0, s.output_tokens)
-                                             for i, s in enumerate(specs)), None,
-                                       sum(s.frames for s in specs)),), len(specs),
-                                tuple(range(len(specs))))
-                else:
-                    plan = self.served.plan(specs)
-                for batch in plan.batches:
-                    outs = self._run_batch(inputs, batch, reason)
+                    call.reason = self._off_reason
+                for batch in self.served.plan(specs).batches if call.reason is None else ():
+                    outs = self._run_batch(inputs, batch, call)
+                    if outs is None:  # the checks failed: no batch's output stands
+                        break
                     for seg, out in zip(batch.segments, outs):
                         pieces[seg.item].append((seg.start, out))
+                if call.reason is not None:  # one batch of every item, as the model's call
+                    whole = Batch(tuple(Segment(i, 0, s.output_tokens)
+                                        for i, s in enumerate(specs)), None,
+                                  sum(s.frames for s in specs))
+                    pieces = [[(0, out)] for out in self._eager(inputs, whole, call.reason)]
                 return [assemble(p) for p in pieces]
             finally:
                 self.order.exit(stream)
 
-    def _run_batch(self, inputs: Any, batch: Batch, reason: str | None) -> list[Any]:
-        if batch.budget is None or reason is not None:
-            return self._eager(inputs, batch, reason or self.served.eager_reason(batch))
+    def _run_batch(self, inputs: Any, batch: Batch, call: CallState) -> list[Any] | None:
+        """The batch's outputs; ``None`` when the call's checks failed (it runs eagerly)."""
+        if batch.budget is None:
+            return self._eager_batch(inputs, batch, call, self.served.eager_reason(batch))
         if batch.budget in self.served.disabled:
-            return self._eager(inputs, batch, self.served.disabled[batch.budget])
+            return self._eager_batch(inputs, batch, call, self.served.disabled[batch.budget])
         try:
-            outs = self._replay(inputs, batch)
+            outs = self._replay(inputs, batch, call)
         except InvalidInputError:  # the caller's input is wrong, not the graph: nothing disabled
             raise
         except torch.OutOfMemoryError as exc:  # no room for this call's copies: not the graph's
-            return self._eager(inputs, batch, f"out of memory at replay: {exc}".split("\n")[0])
+            why = f"out of memory at replay: {exc}".split("\n")[0]
+            return self._eager_batch(inputs, batch, call, why)
         except UnsupportedGraphError as exc:  # this batch only (e.g. more frames than captured)
-            return self._eager(inputs, batch, f"batch not servable by graph: {exc}")
+            return self._eager_batch(inputs, batch, call, f"batch not servable by graph: {exc}")
         except Exception as exc:  # a graph path must never crash a user's call
             why = f"replay failed: {type(exc).__name__}: {exc}"
             self._disable_budget(batch.budget, why)
-            return self._eager(inputs, batch, why)
-        if outs is None:  # verification failed, budget now disabled
+            return self._eager_batch(inputs, batch, call, why)
+        if outs is None and call.reason is None:  # verification failed, budget now disabled
             return self._eager(inputs, batch, self.served.disabled[batch.budget])
         return outs
 
-    def _replay(self, inputs: Any, batch: Batch) -> list[Any] | None:
+    def _eager_batch(self, inputs: Any, batch: Batch, call: CallState,
+                     reason: str) -> list[Any] | None:
+        # Python that runs here waits for the checks: a hook must run once per item, as without
+        # graphs, not once here and again in the call's eager rerun
+        return None if self.checks.look(call) is not None else self._eager(inputs, batch, reason)
+
+    def _replay(self, inputs: Any, batch: Batch, call: CallState) -> list[Any] | None:
         budget = batch.budget
         assert budget is not None
         entry = self._graphs.get(budget)
+        if entry is None or entry.graph is None:  # a capture, or the forward without a graph
+            if self.checks.look(call) is not None:
+                return None
         if entry is None:
             if self.uses_cuda_graphs:
                 self._capture_budget(budget)
@@ -285,10 +301,17 @@ class EncoderCudaGraphManager:
                 entry = self._graphs[budget]
             else:
                 entry = self.graphs.entry_without_graph(budget)
-        write_inputs(entry, self._replay_buffers(inputs, batch, budget))
+        buffers = self._replay_buffers(inputs, batch, budget)
+        write_inputs(entry, buffers)
         graph = entry.graph is not None
         if graph:
             entry.graph.replay()
+            if not call.looked:  # the checks after the launch, while the GPU runs
+                if self.checks.look(call) is not None:
+                    return None
+                if call.stale:  # it read weight copies that were behind: again, current ones
+                    write_inputs(entry, buffers)
+                    entry.graph.replay()
             out = entry.output
         else:
             with torch.no_grad():
@@ -354,37 +377,13 @@ class EncoderCudaGraphManager:
 
     def _follow_moved_weights(self) -> None:
         # the graphs read the old addresses: capture again where that is still right
-        param = self._watch.param() if self._watch is not None else None
-        place = (None, None) if param is None else (param.device, param.dtype)
-        added = self._watch.devices_added() if self._watch is not None else set()
-        if place == (self.device, self.dtype) and not added:
+        reason = self.checks.follow(self.device, self.dtype)
+        if reason is None:
             log.warning("vitgraph: the encoder's parameters have new storage or its submodules "
                         "were replaced after capture; its graphs are captured again")
             self.clear()
         else:
-            where = (f"some of them to {', '.join(sorted(map(str, added)))}" if added
-                     else f"to {place[0]}, {place[1]}")
-            self.disable_graphs(
-                f"the encoder's parameters moved {where} after graphs were captured for "
-                f"{self.device}, {self.dtype}; build it again (serve() or a new manager) to have "
-                "graphs there")
-        self._watch = WeightWatch.of(self._watch_module, self._watch_code)
-
-    def _grad_reason(self, inputs: Any) -> str | None:
-        if not torch.is_grad_enabled() or not needs_grad(self.model, inputs):
-            return None
-        reason = "grad required (graphs serve inference; use torch.no_grad())"
-        self._log_once("vitgraph: " + reason + "; running eagerly")
-        return reason
-
-    def _hooks_reason(self) -> str | None:
-        # the tables were read by moved() in this call
-        hooked = self._watch.hooked(refresh=False) if self._watch is not None else None
-        if hooked is None:
-            return None
-        reason = f"{hooked}, which graphs do not run"
-        self._log_once("vitgraph: " + reason + "; running eagerly")
-        return reason
+            self.disable_graphs(reason)
 
     def _log_once(self, message: str) -> None:
         if message not in self._logged:

@@ -46,10 +46,11 @@ for the tower's modules) also reports a module class, or its modeling module, th
 from outside the tower's libraries, a patched ``forward`` say (``code_watch.py``).
 
 :class:`~vit_graph_backend.runtime.EncoderCudaGraphManager` watches its encoder (or the module
-given as ``watch``) before every call: it captures again when the weights moved on the same device
-and dtype, and turns its graphs off with the reason otherwise. Batched graphs check every tensor
-they read themselves (``batched.py``); the Qwen adapters' padded MLP copies follow their own
-parameters, in-place writes included (``adapters/_aligned_mlp.py``).
+given as ``watch``) at every call, :meth:`WeightWatch.moved` before its graphs launch and
+:meth:`WeightWatch.hooked` after (``call_checks.py``): it captures again when the weights moved
+on the same device and dtype, and turns its graphs off with the reason otherwise. Batched
+graphs check every tensor they read themselves (``batched.py``); the Qwen adapters' padded MLP
+copies follow their own parameters, in-place writes included (``adapters/_aligned_mlp.py``).
 """
 
 from __future__ import annotations

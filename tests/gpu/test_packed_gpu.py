@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 tr = pytest.importorskip("transformers")
@@ -361,13 +362,14 @@ def test_a_replaced_mlp_block_or_activation_is_followed(how):
     assert served.encoder.kernels.epilogue == (None if how == "activation table" else "silu_mul")
 
 
-@pytest.mark.parametrize("how", ["hook", "instance forward", "class forward"])
+@pytest.mark.parametrize("how", ["hook", "instance forward", "class forward", "functional"])
 @torch.no_grad()
 def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_it(how):
     """Graphs replay without hooks: while a block has a forward hook, a forward replaced on its
-    instance (as accelerate's hooks do) or on its class (``code_watch.py``), the served tower's
-    calls run its own forward (the change is in the output), and replay again once it is
-    gone."""
+    instance (as accelerate's hooks do) or on its class, or the functional attention HF calls
+    is patched process-wide (SageAttention's way; ``code_watch.py``), the served tower's calls
+    run its own forward (the change is in the output), and replay again once it is gone. The
+    checks run after the graph's launch (``call_checks.py``): its output is dropped."""
     tower = _tower("qwen2_5")
     served = serve(tower, max_items_per_graph=4, max_budget=256)
     pv, grid = _call(random.Random(9), 2, PATCH)
@@ -377,7 +379,10 @@ def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_i
     shift = torch.linspace(-1.0, 1.0, tower.config.hidden_size, device=DEV, dtype=DT)
     block = tower.blocks[1]
     cls, own = type(block), type(block).forward
-    if how == "hook":
+    sdpa = F.scaled_dot_product_attention
+    if how == "functional":  # every attention call in the process
+        F.scaled_dot_product_attention = lambda *args, **kwargs: sdpa(*args, **kwargs) + 1.0
+    elif how == "hook":
         handle = block.register_forward_hook(lambda m, a, o: o + shift)
     elif how == "class forward":  # every block of the class
         cls.forward = lambda self, *args, **kwargs: own(self, *args, **kwargs) + shift
@@ -387,7 +392,9 @@ def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_i
     try:
         got, ref = served(pv, grid), _hf(tower, pv, grid)[0]
     finally:
-        if how == "hook":
+        if how == "functional":
+            F.scaled_dot_product_attention = sdpa
+        elif how == "hook":
             handle.remove()
         elif how == "class forward":
             cls.forward = own

@@ -33,7 +33,7 @@ _CORE = {"errors", "specs", "budgets", "stats", "planner", "plan_preview", "assi
 #: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
 #: its memory book, the book of served budgets and their plans, and the tensor helpers of a replay.
 _GRAPH_PARTS = {"stream_order", "graph_capture", "graph_launch", "replay_io", "graph_report",
-                "served_budgets", "weight_watch", "code_watch"}
+                "served_budgets", "weight_watch", "code_watch", "call_checks"}
 _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
@@ -71,6 +71,8 @@ LAYERS: dict[str, set[str]] = {
     # Whether a module tree's classes run their libraries' code (no patched forward).
     "code_watch": set(),
     "served_budgets": {"budgets", "planner", "specs"},
+    # What a manager checks for each call, before and after its graphs launch.
+    "call_checks": {"replay_io", "weight_watch"},
     "runtime": _RUNTIME_DEPS,
     # The batched [B, C, H, W] layout: pads the batch axis and drives the runtime's graphs.
     "batched": _RUNTIME_DEPS | {"runtime", "batched_layout"},

@@ -233,3 +233,43 @@ def test_a_users_function_registered_under_the_configs_attention_name_is_found()
     assert [w.replaced() for w in watches] == [None, None]
     plain._attn_implementation = "flex_attention"  # a library's: nothing to say
     assert watches[1].replaced() is None
+
+
+@pytest.mark.parametrize("name", ["scaled_dot_product_attention", "layer_norm", "linear"])
+def test_a_functional_op_the_tower_calls_patched_process_wide_is_named(name):
+    """SageAttention's documented ``F.scaled_dot_product_attention = sageattn`` (the function
+    the config's attention implementation calls), or a patch of the op ``nn.LayerNorm`` and
+    ``nn.Linear`` call, changes Hugging Face's forward for every caller, not the adapter's
+    kernels or the graphs it captured: named, and forgotten once restored."""
+    import torch.nn.functional as F
+
+    tower = _tower()
+    watch = CodeWatch((type(m) for m in tower.modules()), (tower.config,))
+    original = getattr(F, name)
+
+    def patched(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    setattr(F, name, patched)
+    try:
+        found = watch.replaced()
+    finally:
+        setattr(F, name, original)
+    line = patched.__code__.co_firstlineno
+    assert found == f"torch.nn.functional.{name} set to patched ({__file__}:{line})"
+    assert watch.replaced() is None
+
+
+def test_a_torch_function_the_tower_never_names_is_not_looked_up():
+    """Only what the watched code names is watched: a patch of an op no part of the tower calls
+    (``F.hardtanh``) changes nothing it runs, and keeps its graphs."""
+    import torch.nn.functional as F
+
+    tower = _tower()
+    watch = CodeWatch((type(m) for m in tower.modules()), (tower.config,))
+    original = F.hardtanh
+    F.hardtanh = lambda *args, **kwargs: original(*args, **kwargs)
+    try:
+        assert watch.replaced() is None
+    finally:
+        F.hardtanh = original

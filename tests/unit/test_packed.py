@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
@@ -272,21 +273,26 @@ def test_a_forward_replaced_on_an_attention_instance_runs_as_in_the_towers_own_f
 
 @torch.no_grad()
 @pytest.mark.parametrize("where", ["attention", "block", "norm", "module function",
-                                   "before serving"])
+                                   "before serving", "functional attention"])
 def test_code_patched_into_the_towers_classes_runs_as_in_its_own_forward(where, caplog):
     """The adapter runs its own code for the blocks, so a ``forward`` patched on a class of the
-    tower (or its modeling module's rotary helper) would change HF's output and not the served
-    one: the call runs the tower's own forward, saying why, and the graph path comes back once
-    the patch is undone (``code_watch.py``)."""
+    tower (or its modeling module's rotary helper, or the functional attention HF's calls,
+    patched process-wide as SageAttention's README does) would change HF's output and not the
+    served one: the call runs the tower's own forward, saying why, and the graph path comes back
+    once the patch is undone (``code_watch.py``)."""
     from transformers.models.qwen2_vl import modeling_qwen2_vl as mq
 
     owner, name = {"attention": (mq.VisionAttention, "forward"),
                    "block": (mq.Qwen2VLVisionBlock, "forward"),
                    "norm": (torch.nn.LayerNorm, "forward"),
                    "module function": (mq, "apply_rotary_pos_emb_vision"),
-                   "before serving": (mq.VisionAttention, "forward")}[where]
+                   "before serving": (mq.VisionAttention, "forward"),
+                   "functional attention": (F, "scaled_dot_product_attention")}[where]
     original = getattr(owner, name)
-    if owner is mq:
+    if owner is F:
+        def patch(*args, **kwargs):
+            return original(*args, **kwargs) * 0.5
+    elif owner is mq:
         def patch(*args, **kwargs):
             q, k = original(*args, **kwargs)
             return q * 100.0, k  # sharper attention (the random weights' is nearly uniform)

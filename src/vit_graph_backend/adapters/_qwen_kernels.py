@@ -115,19 +115,21 @@ class KernelChoices:
                         and AlignedMLPs.needed(mlps, gated) else None)
         self.use_aligned, self.untracked = False, None
 
-    def sync(self, device: torch.device, follow: bool = True) -> None:
+    def sync(self, device: torch.device, follow: bool = True) -> bool:
         """Decide whether the padded MLP weights are used on ``device`` and bring them up to
-        date (a copy only after the tower's MLP parameters changed). With ``follow``, first
-        make the choices again if one of the tower's MLP modules was replaced; a graph's replay
-        passes ``False``: it replays the choices made at its capture."""
+        date (a copy only after the tower's MLP parameters changed); True if one was copied.
+        With ``follow``, first make the choices again if one of the tower's MLP modules was
+        replaced; a graph's replay passes ``False``: it replays the choices made at its
+        capture."""
         if follow:
             self._follow()
         if self.aligned is None:
-            return
+            return False
         use = self.align_mlp if self.align_mlp is not None else torch.device(device).type == "cuda"
+        copied = False
         if use:
             try:
-                self.aligned.refresh()
+                copied = self.aligned.refresh()
             except UntrackedWeights as exc:  # copies could go stale unseen: the tower's own MLPs
                 use = False
                 if self.untracked is None:
@@ -135,6 +137,7 @@ class KernelChoices:
                                 "inference_mode to have them", exc)
                 self.untracked = str(exc)
         self.use_aligned = use
+        return copied
 
     def mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Block ``layer``'s MLP: from the padded copies when in use, else the tower's own."""

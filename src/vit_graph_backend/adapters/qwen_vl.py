@@ -102,7 +102,7 @@ class _QwenVisionAdapter(nn.Module):
     #: fully qualified name of the wrapped class (checked at construction).
     wrapped_class: str = ""
     #: the adapter runs its own code for the tower's modules, so code patched into their classes
-    #: or modeling module would not run: watched before every call (``code_watch.py``)
+    #: or modeling module would not run: watched at every call (``code_watch.py``)
     watch_code = True
 
     def __init__(self, model: nn.Module, *, min_budget: int | None = None,
@@ -137,6 +137,8 @@ class _QwenVisionAdapter(nn.Module):
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
         #: the full-attention kernel per captured budget (``_attention_choice``)
         self.attention = AttentionChoice(attention)
+        #: where the static buffers were last made (``None``: no graph reads the MLP copies yet)
+        self._device: torch.device | None = None
         side = max(1, MIN_BUDGET_IMAGE_SIDE // (self.patch_size * self.merge))
         low = side * side if min_budget is None else check_positive_int("min_budget", min_budget)
         high = (max(DEFAULT_MAX_BUDGET, low) if max_budget is None
@@ -189,6 +191,7 @@ class _QwenVisionAdapter(nn.Module):
         device: torch.device, dtype: torch.dtype,
     ) -> dict[str, torch.Tensor]:
         """Static buffers of ``budget``'s graph (see :meth:`QwenPacker.capture_values`)."""
+        self._device = torch.device(device)
         self.kernels.sync(device)
         values = self.packer.capture_values(budget, max_batch_size, max_frames_per_batch, device,
                                             dtype)
@@ -207,11 +210,16 @@ class _QwenVisionAdapter(nn.Module):
         """The items' rows and metadata, back to back, unpadded: the runtime copies each buffer
         into the head of its static buffer and zeroes the tail (zero-length segments, zero
         pixels); the graph gives the padding rows their own segments."""
-        values = self.packer.replay_values(inputs, item_indices, budget)
-        # the choices of the graph's capture: a replaced module is the manager's weight watch's
-        # to see, which captures again first (``_qwen_kernels``)
-        self.kernels.sync(values["pixel_values"].device, follow=False)
-        return values
+        return self.packer.replay_values(inputs, item_indices, budget)
+
+    def refresh_encoder_cudagraph_weights(self) -> bool:
+        """Bring the padded MLP copies the graphs read up to date with the tower's MLP
+        parameters; True if one was copied. The runtime calls it for every call it serves from
+        graphs, after the call's first launch: a replay then read the old copies (valid memory),
+        and it replays again (``call_checks.py``). Keeps the choices of the graphs' capture: a
+        replaced module is the manager's weight watch's to see, which captures again first
+        (``_qwen_kernels``)."""
+        return self._device is not None and self.kernels.sync(self._device, follow=False)
 
     def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
         """The captured computation over the static buffers (pure tensor code: every Python int

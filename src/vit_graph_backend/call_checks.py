@@ -1,0 +1,114 @@
+"""`CallChecks`: what a manager looks at for each call, and when.
+
+Besides whether the call needs autograd (graphs serve inference), two kinds of check stand
+between a call and its graphs (``runtime.py``):
+
+- **Before a graph launches:** the weights still live where the graphs read them, and every
+  submodule is the one they were captured from (``WeightWatch.moved``). A graph launched after
+  a weight was given new storage reads memory that may be freed, or handed back to the driver,
+  which no later check could undo.
+- **After the call's first graph launched**, while the GPU works: nothing inside the model runs
+  Python a graph skips (forward hooks, a ``forward`` replaced on an instance or patched into a
+  class: ``WeightWatch.hooked``), and the weight copies an encoder keeps for its graphs are
+  current (``refresh_encoder_cudagraph_weights``, the Qwen adapters' padded MLP copies). A
+  graph launched while one of these fails reads valid memory (the old copies, the old modules,
+  which the watch keeps alive) and computes numbers nobody sees: the call then runs eagerly
+  (hooks, code), or replays again once the copies are current. A replay normally finds them
+  fine, so they cost the GPU no idle time before the graph: 70 to 80 us of a call's 400 on an
+  H100's host right after a sync, at 4,096 patches of the Qwen2.5-VL-3B tower
+  (``benchmarks/results/packed_call_checks_after_the_graph_launch_*``).
+
+Python that a call runs in this process waits for all of them instead: a capture (which records
+what it runs: a hook's or a patched function's effect would be kept in the graph) and the
+forward over the static buffers without a graph (CPU), where a hook would fire for a result
+thrown away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .replay_io import needs_grad
+from .weight_watch import WeightWatch
+
+__all__ = ["CallChecks", "CallState"]
+
+@dataclass
+class CallState:
+    """One call's standing with its checks.
+
+    Attributes:
+        reason: why the call runs eagerly (``None``: graphs serve it).
+        looked: whether the checks after launch ran for it (they run once a call).
+        stale: whether they found the encoder's weight copies behind and brought them up to
+            date, so a graph launched before them read stale ones.
+    """
+
+    reason: str | None
+    looked: bool = False
+    stale: bool = False
+
+
+class CallChecks:
+    """The checks of one manager (see the module docstring).
+
+    Args:
+        model: the encoder the graphs run: its optional ``refresh_encoder_cudagraph_weights()``
+            brings the weight copies it keeps for its graphs up to date, True if one was copied.
+        module: the module whose weights, submodules and hooks are watched; ``None`` for none.
+        code: also watch that the module's classes run their libraries' code (``code_watch``).
+        log_once: logs a message once per manager.
+    """
+
+    def __init__(self, model: Any, module: Any, code: bool,
+                 log_once: Callable[[str], None]) -> None:
+        self._model, self._module, self._code, self._log_once = model, module, code, log_once
+        self._refresh = getattr(model, "refresh_encoder_cudagraph_weights", None)
+        self.watch = WeightWatch.of(module, code)
+
+    def grad(self, inputs: Any) -> str | None:
+        """Why ``inputs`` cannot be served from graphs for autograd, else ``None``."""
+        if not torch.is_grad_enabled() or not needs_grad(self._model, inputs):
+            return None
+        reason = "grad required (graphs serve inference; use torch.no_grad())"
+        self._log_once("vitgraph: " + reason + "; running eagerly")
+        return reason
+
+    def moved(self) -> bool:
+        """Whether a watched weight has other storage, or a submodule is another module."""
+        return self.watch is not None and self.watch.moved()
+
+    def follow(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """After :meth:`moved`, watch the module as it is now; ``None`` if its weights are
+        still on the graphs' ``device`` and ``dtype`` (they can be captured again), else why the
+        graphs cannot serve them."""
+        watch, self.watch = self.watch, WeightWatch.of(self._module, self._code)
+        param = watch.param() if watch is not None else None
+        place = (None, None) if param is None else (param.device, param.dtype)
+        added = watch.devices_added() if watch is not None else set()
+        if place == (device, dtype) and not added:
+            return None
+        where = (f"some of them to {', '.join(sorted(map(str, added)))}" if added
+                 else f"to {place[0]}, {place[1]}")
+        return (f"the encoder's parameters moved {where} after graphs were captured for "
+                f"{device}, {dtype}; build it again (serve() or a new manager) to have graphs "
+                "there")
+
+    def look(self, call: CallState) -> str | None:
+        """The checks that need not come before a launch, once per call: hooks or patched code
+        (the call's new ``reason``), else the weight copies brought up to date (``stale``)."""
+        if call.looked:
+            return call.reason
+        call.looked = True
+        # the tables were read by moved() in this call
+        hooked = self.watch.hooked(refresh=False) if self.watch is not None else None
+        if hooked is not None:
+            call.reason = f"{hooked}, which graphs do not run"
+            self._log_once("vitgraph: " + call.reason + "; running eagerly")
+        elif self._refresh is not None:
+            call.stale = bool(self._refresh())
+        return call.reason

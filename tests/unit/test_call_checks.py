@@ -1,0 +1,171 @@
+"""The checks a manager runs after a call's first graph launch (``call_checks.py``): hooks and
+weight copies, looked at while the GPU works, with the call served eagerly or replayed again
+when one fails; and before any Python that runs in this process (the forward without a graph).
+
+A CPU has no graphs, so a stand-in (``_Graph``) replays the encoder's graph forward where a
+captured graph would be: functional code over a copy of a weight, running no module hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from toy_encoders import PaddedSegToyEncoder, run_alone
+
+from vit_graph_backend.options import VitGraphOptions
+from vit_graph_backend.runtime import EncoderCudaGraphManager
+
+MBS = 4
+
+
+class _CopyToy(PaddedSegToyEncoder):
+    """The toy encoder whose graph forward reads a copy of ``lin2.weight`` (as the Qwen adapters'
+    graphs read padded MLP copies), brought up to date by its refresh; it records what ran."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=8, budget_range=(8, 64), max_batch_size=MBS)
+        self.events: list[str] = []
+        self.copy = self.lin2.weight.detach().clone()
+
+    def refresh_encoder_cudagraph_weights(self) -> bool:
+        self.events.append("refresh")
+        if torch.equal(self.copy, self.lin2.weight):
+            return False
+        self.copy.copy_(self.lin2.weight)
+        return True
+
+    def encoder_cudagraph_forward(self, values):
+        self.events.append("forward")
+        x, seg, n = values["x"], values["seg"], values["slots"].shape[0]
+        h = F.linear(x, self.lin1.weight, self.lin1.bias)   # no module call: no hook runs
+        sums = h.new_zeros(n, self.dim).index_add_(0, seg, h)
+        counts = h.new_zeros(n).index_add_(0, seg, torch.ones_like(h[:, 0]))
+        mean = sums / counts.clamp(min=1).unsqueeze(1)
+        return F.linear(torch.relu(h + mean[seg]), self.copy, self.lin2.bias)
+
+
+class _Graph:
+    """Stands in for a captured graph: a replay writes the graph forward's output in place."""
+
+    def __init__(self, model: _CopyToy, entry) -> None:
+        self.model, self.entry = model, entry
+
+    def replay(self) -> None:
+        self.model.events.append("launch")
+        self.entry.output.copy_(self.model.encoder_cudagraph_forward(self.entry.static))
+
+
+def _call(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(sum(lengths), 8, generator=g), "lengths": list(lengths)}
+
+
+def _served(lengths):
+    """A manager over the toy whose budgets for ``lengths`` hold stand-in graphs."""
+    torch.manual_seed(0)
+    model = _CopyToy().eval()
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    mgr.run(_call(lengths))   # makes the budgets' static buffers
+    for entry in mgr.graphs.entries.values():
+        entry.output = model.encoder_cudagraph_forward(entry.static).clone()
+        entry.graph = _Graph(model, entry)
+    model.events.clear()
+    return model, mgr
+
+
+def _assert_eager_equal(out, model, call):
+    for got, ref in zip(out, run_alone(model, call), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_the_checks_run_once_a_call_after_its_first_launch():
+    lengths = [5, 9, 3, 7, 4, 6]          # more items than a graph holds: two batches
+    model, mgr = _served(lengths)
+    out = mgr.run(_call(lengths))
+    assert model.events == ["launch", "forward", "refresh", "launch", "forward"]
+    _assert_eager_equal(out, model, _call(lengths))
+
+
+@torch.no_grad()
+def test_a_hook_found_after_the_launch_gives_the_eager_result():
+    """The graph was launched before the hook was seen: its output is dropped and the call runs
+    eagerly, where the hook runs; without the hook the graphs serve again."""
+    lengths = [5, 9]
+    model, mgr = _served(lengths)
+    call = _call(lengths)
+    plain = mgr.run(call)
+    handle = model.lin2.register_forward_hook(lambda m, a, o: o + 1.0)
+    replays, eager = mgr.stats.graph_replays, mgr.stats.eager_batches
+    model.events.clear()
+    try:
+        out = mgr.run(call)
+        assert model.events == ["launch", "forward"]   # no refresh: the call runs eagerly
+        assert mgr.stats.graph_replays == replays and mgr.stats.eager_batches == eager + 1
+        _assert_eager_equal(out, model, call)
+        torch.testing.assert_close(out[0], plain[0] + 1.0, atol=1e-5, rtol=1e-5)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(mgr.run(call)[1], plain[1], atol=0, rtol=0)
+    assert mgr.stats.graph_replays == replays + 1
+
+
+@torch.no_grad()
+def test_copies_found_behind_after_the_launch_are_replayed_again():
+    """A weight written in place: the first launch read the old copy; the refresh after it
+    copies, and the call replays again, so the output is the new weight's."""
+    lengths = [5, 9]
+    model, mgr = _served(lengths)
+    call = _call(lengths)
+    stale = mgr.run(call)
+    model.lin2.weight.mul_(-2.0)
+    model.events.clear()
+    out = mgr.run(call)
+    assert model.events == ["launch", "forward", "refresh", "launch", "forward"]
+    _assert_eager_equal(out, model, call)
+    assert not torch.allclose(out[0], stale[0])
+    model.events.clear()
+    mgr.run(call)    # current now: one launch
+    assert model.events == ["launch", "forward", "refresh"]
+
+
+@torch.no_grad()
+def test_the_forward_without_a_graph_waits_for_the_checks():
+    """Without a graph the forward over the static buffers is Python that runs here: the copies
+    are refreshed first, and with a hook inside it does not run at all (the hook would fire for
+    a result thrown away)."""
+    torch.manual_seed(0)
+    model = _CopyToy().eval()
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    call = _call([5, 9])
+    model.lin2.weight.mul_(0.5)
+    _assert_eager_equal(mgr.run(call), model, call)
+    assert model.events == ["refresh", "forward"]
+    calls = []
+    handle = model.lin2.register_forward_hook(lambda m, a, o: calls.append(1))
+    model.events.clear()
+    try:
+        out = mgr.run(call)
+        assert model.events == [] and calls == [1]   # one eager batch of both items
+        _assert_eager_equal(out, model, call)
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("lengths", [[5, 9, 3, 7, 4, 6], [70, 5]],
+                         ids=["two graph batches", "an item over every budget first"])
+def test_a_call_whose_checks_fail_runs_once_as_one_eager_batch(lengths):
+    """Found after a launch, or before an eager batch's Python, a hook makes the whole call one
+    eager batch, as the model runs a call: the hook sees it once, with every item."""
+    model, mgr = _served(lengths)
+    call = _call(lengths)
+    rows = []
+    handle = model.lin2.register_forward_hook(lambda m, a, o: rows.append(o.shape[0]))
+    eager = mgr.stats.eager_batches
+    try:
+        out = mgr.run(call)
+        assert rows == [sum(lengths)] and mgr.stats.eager_batches == eager + 1
+        _assert_eager_equal(out, model, call)
+    finally:
+        handle.remove()
