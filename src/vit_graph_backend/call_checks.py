@@ -14,8 +14,9 @@ between a call and its graphs (``runtime.py``):
   graph launched while one of these fails reads valid memory (the old copies, the old modules,
   which the watch keeps alive) and computes numbers nobody sees: the call then runs eagerly
   (hooks, code), or replays again once the copies are current. A replay normally finds them
-  fine, so they cost the GPU no idle time before the graph: 70 to 80 us of a call's 400 on an
-  H100's host right after a sync, at 4,096 patches of the Qwen2.5-VL-3B tower
+  fine, so they cost the GPU no idle time before the graph: on an H100's host, 58 to 90 us
+  less to the launch at 256 patches of the Qwen2.5-VL-3B tower, 48 to 298 at 4,096, and 2.7 to
+  4.0 % off one small image's latency
   (``benchmarks/results/packed_call_checks_after_the_graph_launch_*``).
 
 Python that a call runs in this process waits for all of them instead: a capture (which records
