@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
     from _bench_out import emit
-    from qwen_stream import tower
+    from qwen_stream import tower, warm_image
 
     from vit_graph_backend import runtime, serve
 
@@ -65,12 +65,7 @@ def main() -> None:
              f"{'patches':>8} {'condition':<13} {'order':<22}{'to launch':>10}{'call':>9}"
              f"{'call + sync':>13}"]
     for side in (int(s) for s in args.sides.split(",")):
-        pv = torch.randn(side * side, 1176, device="cuda", dtype=torch.bfloat16)
-        grid = [[1, side, side]]
-        with torch.inference_mode():
-            for _ in range(5):
-                served(pv, grid)
-        torch.cuda.synchronize()
+        pv, grid = warm_image(served, side)
         if graph_replay is None:   # every budget's graph is of one class
             graph_type = type(next(iter(manager._graphs.values())).graph)
             graph_replay = graph_type.replay

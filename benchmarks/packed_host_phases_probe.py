@@ -57,7 +57,7 @@ def main() -> None:
         sys.path.insert(0, args.source)
     import torch
     from _bench_out import emit
-    from qwen_stream import tower
+    from qwen_stream import tower, warm_image
 
     import vit_graph_backend as vg
     from vit_graph_backend import packed, runtime, serve, weight_watch
@@ -69,12 +69,7 @@ def main() -> None:
 
     served = serve(tower())
     side = args.side
-    pv = torch.randn(side * side, 1176, device="cuda", dtype=torch.bfloat16)
-    grid = [[1, side, side]]
-    with torch.inference_mode():
-        for _ in range(5):
-            served(pv, grid)
-    torch.cuda.synchronize()
+    pv, grid = warm_image(served, side)
 
     times: dict[str, int] = defaultdict(int)
     manager = served.manager

@@ -20,9 +20,10 @@ between a call and its graphs (``runtime.py``):
   (``benchmarks/results/packed_call_checks_after_the_graph_launch_*``).
 
 Python that a call runs in this process waits for all of them instead: a capture (which records
-what it runs: a hook's or a patched function's effect would be kept in the graph) and the
-forward over the static buffers without a graph (CPU), where a hook would fire for a result
-thrown away.
+what it runs: a hook's or a patched function's effect would be kept in the graph), the forward
+over the static buffers without a graph (CPU) and an eager batch, where a hook would fire for a
+result thrown away, or twice for one item. A call whose checks fail runs as one eager batch of
+all its items, as the model runs a call (``tests/unit/test_call_checks.py``).
 """
 
 from __future__ import annotations
