@@ -41,9 +41,8 @@ calls by name (``F.scaled_dot_product_attention``, ``nn.functional.gelu``, ``F.l
 forward among them, and not the adapter's kernels. The names are read from the watched
 functions' code (``co_names``) when the watch is made.
 
-Not covered: a module's class swapped on its instance after the watch was made
-(``module.__class__ = Other``; ``torch.nn.utils.parametrize``, which does so, registers a
-module too, which the weight watch follows), functions the tower reaches through other modules
+A module's class swapped on its instance (``module.__class__ = Other``) is the weight watch's
+to see (``weight_watch.py``). Not covered: functions the tower reaches through other modules
 than those named here, and methods patched on ``torch.Tensor``.
 """
 

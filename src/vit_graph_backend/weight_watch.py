@@ -41,9 +41,12 @@ instance dict, three per module (8.4 to 8.7 us for the 724 hook tables of the 3B
 H100's host: ``benchmarks/results/forward_hooks_inside_served_towers_*``). The hook tables are
 tested only after a hook was registered somewhere in the process (PyTorch numbers every hook
 handle it makes) or the tree was read again; the ``forward`` keys, which nothing announces, at
-every call. A watch made with ``code=True`` (those of the Qwen adapters, which run their own code
-for the tower's modules) also reports a module class, or its modeling module, that runs code
-from outside the tower's libraries, a patched ``forward`` say (``code_watch.py``).
+every call. A class set on a module inside (``module.__class__ = Other``: its tables and weights
+stay, its code changes) is named too, against the class the watch first saw it with (a type per
+module at every call). A watch made with ``code=True`` (those of the Qwen adapters, which run
+their own code for the tower's modules) also reports a module class, or its modeling module,
+that runs code from outside the tower's libraries, a patched ``forward`` say
+(``code_watch.py``).
 
 :class:`~vit_graph_backend.runtime.EncoderCudaGraphManager` watches its encoder (or the module
 given as ``watch``) at every call, :meth:`WeightWatch.moved` before its graphs launch and
@@ -56,6 +59,7 @@ copies follow their own parameters, in-place writes included (``adapters/_aligne
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -162,6 +166,11 @@ class WeightWatch:
         self._hooks: tuple[dict[int, Any], ...] = ()
         self._dicts: tuple[dict[str, Any], ...] = ()
         self._forward: tuple[str, ...] = ()
+        #: every module of the tree (the watched one first), and the class each had when this
+        #: watch first saw it (by identity: a tree read again keeps what the graphs ran)
+        self._mods: tuple[nn.Module, ...] = ()
+        self._types: tuple[type, ...] = ()
+        self._first_types: dict[int, tuple[weakref.ref[nn.Module], type]] = {}
         #: the hook handle count at which the hook tables were found empty twice running (so a
         #: registration under way in another thread at the first look had written its table by
         #: the second), and at the last look
@@ -217,6 +226,12 @@ class WeightWatch:
         self._hooks = tuple(t for m in inside for t in forward_hook_tables(m))
         self._dicts = tuple(m.__dict__ for m in inside)
         self._forward = ("forward",) * len(inside)
+        self._mods = tuple(m for _, m in named)
+        for m in self._mods:  # by a weak reference: an id is the same module while it lives
+            seen = self._first_types.get(id(m))
+            if seen is None or seen[0]() is not m:
+                self._first_types[id(m)] = (weakref.ref(m), type(m))
+        self._types = tuple(self._first_types[id(m)][1] for m in self._mods)
         self._clear_at = None
         if self._watch_code:  # a model config is an instance attribute (transformers')
             self._code = CodeWatch((type(m) for _, m in named),
@@ -252,8 +267,10 @@ class WeightWatch:
 
     def hooked(self, refresh: bool = True) -> str | None:
         """What inside the watched module a graph would not run: ``"forward hooks on NAME"``,
-        ``"NAME's forward, replaced on the instance"``, ``"a global forward hook"``, with
-        ``code``: ``"CLASS.NAME set to FUNCTION (file:line)"`` (``code_watch``); or ``None``.
+        ``"NAME's forward, replaced on the instance"``, ``"a global forward hook"``, ``"NAME's
+        class set to CLASS"`` (``module.__class__`` assigned: the graphs ran the old class's
+        code), with ``code``: ``"CLASS.NAME set to FUNCTION (file:line)"`` (``code_watch``); or
+        ``None``.
         ``refresh=False`` right after :meth:`moved`, which read the tables already."""
         if refresh:
             self._refresh()
@@ -266,7 +283,18 @@ class WeightWatch:
             self._clear_at = made if made == self._looked_at else None
             self._looked_at = made
         found = self._name_hooked() if any(map(_has, self._dicts, self._forward)) else None
+        if found is None and tuple(map(type, self._mods)) != self._types:
+            found = self._name_swapped()
         return found if found is not None or self._code is None else self._code.replaced()
+
+    def _name_swapped(self) -> str | None:
+        names = [name for name, _ in self._module.named_modules()]
+        for name, module, then in zip(names, self._mods, self._types):
+            if type(module) is not then:
+                cls = type(module)
+                return (f"{name or 'the module'}'s class set to {cls.__module__}."
+                        f"{cls.__qualname__}")
+        return None  # set back by another thread since
 
     def _name_hooked(self) -> str | None:
         for name, module in _inside(list(self._module.named_modules())):

@@ -362,14 +362,16 @@ def test_a_replaced_mlp_block_or_activation_is_followed(how):
     assert served.encoder.kernels.epilogue == (None if how == "activation table" else "silu_mul")
 
 
-@pytest.mark.parametrize("how", ["hook", "instance forward", "class forward", "functional"])
+@pytest.mark.parametrize("how", ["hook", "instance forward", "class forward", "functional",
+                                 "class swap"])
 @torch.no_grad()
 def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_it(how):
     """Graphs replay without hooks: while a block has a forward hook, a forward replaced on its
-    instance (as accelerate's hooks do) or on its class, or the functional attention HF calls
-    is patched process-wide (SageAttention's way; ``code_watch.py``), the served tower's calls
-    run its own forward (the change is in the output), and replay again once it is gone. The
-    checks run after the graph's launch (``call_checks.py``): its output is dropped."""
+    instance (as accelerate's hooks do) or on its class, another class set on it, or while the
+    functional attention HF calls is patched process-wide (SageAttention's way;
+    ``code_watch.py``), the served tower's calls run its own forward (the change is in the
+    output), and replay again once it is gone. The checks run after the graph's launch
+    (``call_checks.py``): its output is dropped."""
     tower = _tower("qwen2_5")
     served = serve(tower, max_items_per_graph=4, max_budget=256)
     pv, grid = _call(random.Random(9), 2, PATCH)
@@ -380,7 +382,10 @@ def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_i
     block = tower.blocks[1]
     cls, own = type(block), type(block).forward
     sdpa = F.scaled_dot_product_attention
-    if how == "functional":  # every attention call in the process
+    if how == "class swap":  # this block only
+        block.__class__ = type("Shifted", (cls,), {
+            "forward": lambda self, *args, **kwargs: own(self, *args, **kwargs) + shift})
+    elif how == "functional":  # every attention call in the process
         F.scaled_dot_product_attention = lambda *args, **kwargs: sdpa(*args, **kwargs) + 1.0
     elif how == "hook":
         handle = block.register_forward_hook(lambda m, a, o: o + shift)
@@ -392,7 +397,9 @@ def test_a_forward_hook_inside_the_tower_runs_and_the_graphs_come_back_without_i
     try:
         got, ref = served(pv, grid), _hf(tower, pv, grid)[0]
     finally:
-        if how == "functional":
+        if how == "class swap":
+            block.__class__ = cls
+        elif how == "functional":
             F.scaled_dot_product_attention = sdpa
         elif how == "hook":
             handle.remove()

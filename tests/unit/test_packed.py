@@ -322,6 +322,34 @@ def test_code_patched_into_the_towers_classes_runs_as_in_its_own_forward(where, 
 
 
 @torch.no_grad()
+def test_a_class_set_on_a_block_runs_as_in_the_towers_own_forward(caplog):
+    """``block.__class__ = Other`` keeps the block's tables and weights, and changes the code its
+    forward runs, which the adapter's own code and the graphs skip: the calls run the tower's
+    own forward, saying why, until the class is set back (``weight_watch.py``)."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as mq
+
+    class Shifted(mq.Qwen2VLVisionBlock):
+        def forward(self, hidden_states, *args, **kwargs):
+            out = super().forward(hidden_states, *args, **kwargs)
+            return out + torch.linspace(-1.0, 1.0, out.shape[-1])
+
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    plain = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
+    block = tower.blocks[0]
+    block.__class__ = Shifted
+    try:
+        want = tower(pixels, torch.tensor(GRID)).pooler_output
+        with caplog.at_level("WARNING", logger="vit_graph_backend"):
+            got = served(pixels, GRID)
+    finally:
+        block.__class__ = mq.Qwen2VLVisionBlock
+    assert "blocks.0's class set to" in caplog.text and "Shifted" in caplog.text
+    _as_hf_then_graphs_again(served, pixels, got, want, plain)
+
+
+@torch.no_grad()
 def test_an_attention_implementation_a_user_registered_runs_as_in_the_towers_own_forward(caplog):
     """transformers runs the attention function its config names (``AttentionInterface``); one
     a user registered and set is code the adapter's own attention would skip: the calls run

@@ -284,3 +284,21 @@ def test_a_forward_replaced_on_an_instance_inside_is_named():
     assert watch.hooked() == "blocks.0's forward, replaced on the instance"
     del tower.blocks[0].forward
     assert watch.hooked() is None
+
+
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_a_class_set_on_a_module_inside_is_named_until_set_back():
+    """``module.__class__ = Other`` keeps the module, its tables and its weights: a graph would
+    replay the old class's code. Named (after a tree read again for a module made elsewhere,
+    too: the class the watch first saw is what counts), and forgotten once set back."""
+    tower, watch = _watched()
+    tower.blocks[1].__class__ = _Doubled
+    assert watch.hooked() == f"blocks.1's class set to {__name__}._Doubled"
+    nn.Linear(2, 2)  # a registration elsewhere: the tree is read again
+    assert watch.hooked() == f"blocks.1's class set to {__name__}._Doubled"
+    tower.blocks[1].__class__ = nn.Linear
+    assert watch.hooked() is None and not watch.moved()
