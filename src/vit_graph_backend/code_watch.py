@@ -25,6 +25,13 @@ The same goes for the attention function a transformers config names
 and set (``AttentionInterface.register``, ``set_attn_implementation``) is code the adapter,
 which runs its own attention kernels, does not run.
 
+The same goes for the functions of ``torch.nn.functional`` and ``torch`` that the watched code
+calls by name (``F.scaled_dot_product_attention``, ``nn.functional.gelu``, ``F.linear`` from
+``nn.Linear.forward``): a patch there changes every caller in the process
+(SageAttention's documented ``F.scaled_dot_product_attention = sageattn``), Hugging Face's
+forward among them, and not the adapter's kernels. The names are read from the watched
+functions' code (``co_names``) when the watch is made.
+
 Cost: at every call (after its graph launched: ``call_checks.py``), one lookup of each module
 class's ``forward``, of every function of the watched classes and modeling modules, of each
 config's attention function and of the functions of ``torch.nn.functional`` and ``torch`` they
@@ -33,13 +40,6 @@ transformers 5.24, 4.8 to 5.0 us on a CPU, 2.7 to 2.8 for the 54 without the tor
 ``benchmarks/results/code_watch_torch_functional_lookups_*``); the functions are examined again
 only after one of them changed. A function added under a new name is not looked up: the code
 that would call it is what changes, and that is looked up.
-
-The same goes for the functions of ``torch.nn.functional`` and ``torch`` that the watched code
-calls by name (``F.scaled_dot_product_attention``, ``nn.functional.gelu``, ``F.linear`` from
-``nn.Linear.forward``): a patch there changes every caller in the process
-(SageAttention's documented ``F.scaled_dot_product_attention = sageattn``), Hugging Face's
-forward among them, and not the adapter's kernels. The names are read from the watched
-functions' code (``co_names``) when the watch is made.
 
 A module's class swapped on its instance (``module.__class__ = Other``) is the weight watch's
 to see (``weight_watch.py``). Not covered: functions the tower reaches through other modules
@@ -214,7 +214,7 @@ def _names(fn: Any) -> set[str]:
 
 def _own_functions(cls: type) -> Iterator[Any]:
     """The functions a module class and its bases up to ``nn.Module`` define (``_conv_forward``
-    under ``Conv3d.forward``); ``nn.Module``'s own call no function of a tower's math."""
+    under ``Conv3d.forward``); ``nn.Module``'s own do none of a tower's math."""
     for c in cls.__mro__:
         if c is object or c.__module__ == "torch.nn.modules.module":
             continue
@@ -306,10 +306,10 @@ class CodeWatch:
                 named |= _names(fn)
             except Exception:  # an object whose attributes cannot be read: it names nothing
                 pass
-        self._called = tuple((module, name) for module in _CALLED if module in sys.modules
-                             for name in sorted(named)
+        self._called = tuple((module, vars(sys.modules[module]), name) for module in _CALLED
+                             if module in sys.modules for name in sorted(named)
                              if _callable_of(vars(sys.modules[module]).get(name)) is not None)
-        globals_ += [(vars(sys.modules[module]), name) for module, name in self._called]
+        globals_ += [(namespace, name) for _, namespace, name in self._called]
         self._namespaces = tuple(namespace for namespace, _ in globals_)
         self._globals = tuple(name for _, name in globals_)
         self._seen: tuple[Any, ...] | None = ()
@@ -350,8 +350,8 @@ class CodeWatch:
                 where = foreign_code(value, folders)
                 if where is not None:
                     return f"{module}.{name} set to {where}"
-        for module, name in self._called:
-            where = foreign_code(vars(sys.modules[module]).get(name), folders)
+        for module, namespace, name in self._called:
+            where = foreign_code(namespace.get(name), folders)
             if where is not None:
                 return f"{module}.{name} set to {where}"
         for read in self._readers:
