@@ -14,7 +14,7 @@ between a call and its graphs (``runtime.py``):
   graph launched while one of these fails reads valid memory (the old copies, the old modules,
   which the watch keeps alive) and computes numbers nobody sees: the call then runs eagerly
   (hooks, code), or replays again once the copies are current. A replay normally finds them
-  fine, so they cost the GPU no idle time before the graph: on an H100's host, 58 to 90 us
+  fine, so they cost the GPU no idle time before the graph: on an H100's host, 58 to 96 us
   less to the launch at 256 patches of the Qwen2.5-VL-3B tower, 48 to 298 at 4,096, and 2.7 to
   4.0 % off one small image's latency
   (``benchmarks/results/packed_call_checks_after_the_graph_launch_*``).
