@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import platform
 import sys
-import timeit
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
+from _per_call import timed_rows  # noqa: E402
 
 
 def main() -> None:
@@ -49,9 +49,7 @@ def main() -> None:
     }
     lines = [f"torch {torch.__version__}, transformers {transformers.__version__}, "
              f"{platform.machine()} CPU; us per call, 3 runs of 20000"]
-    for name, fn in checks.items():
-        runs = [timeit.timeit(fn, number=20000) / 20000 * 1e6 for _ in range(3)]
-        lines.append(f"{name:<52}" + " / ".join(f"{us:.3f}" for us in runs))
+    lines += timed_rows(checks, 20000, 52, 3)
     emit(lines, "code_watch_probe")
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import timeit
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
+from _per_call import timed_rows  # noqa: E402
 
 
 def main() -> None:
@@ -40,9 +40,7 @@ def main() -> None:
     }
     lines = [f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
              f"{args.tensors} tensors; us per check, 3 runs of 5000"]
-    for name, fn in checks.items():
-        runs = [timeit.timeit(fn, number=5000) / 5000 * 1e6 for _ in range(3)]
-        lines.append(f"{name:<42}" + " / ".join(f"{us:.1f}" for us in runs))
+    lines += timed_rows(checks, 5000, 42, 1)
     emit(lines, "data_ptr_check_probe")
 
 

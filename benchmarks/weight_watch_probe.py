@@ -16,19 +16,15 @@ Usage: python benchmarks/weight_watch_probe.py (CUDA).
 from __future__ import annotations
 
 import sys
-import timeit
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _per_call import per_call_us  # noqa: E402
 from qwen_stream import tower  # noqa: E402
 
 import vit_graph_backend  # noqa: E402
-
-
-def _per_call_us(fn, calls: int = 3000) -> list[float]:
-    return [timeit.timeit(fn, number=calls) / calls * 1e6 for _ in range(3)]
 
 
 def main() -> None:
@@ -64,7 +60,7 @@ def main() -> None:
     if hasattr(kernels, "_follow"):
         checks.append(("KernelChoices._follow()", kernels._follow))
     for name, fn in checks:
-        print(f"{name}, nothing changed: " + " / ".join(f"{us:.1f}" for us in _per_call_us(fn))
+        print(f"{name}, nothing changed: " + " / ".join(f"{us:.1f}" for us in per_call_us(fn, 3000))
               + " us per call")
 
 
