@@ -1,10 +1,13 @@
 """Where the GPU time of one CLIP ViT-L/14-336 call goes, bf16 against ``quantization="fp8"``.
 
-Both modes replay the vitgraph CUDA graph of one budget (Inductor inside); ``torch.profiler``
+``--modes`` picks among ``bf16`` (the defaults), ``bf16-epilogue-off``
+(``epilogue_fusion="off"``), ``bf16-timed-attention``
+(``attention_kernel="timed"``) and ``fp8``. Each mode
+replays the vitgraph CUDA graph of one budget (Inductor inside); ``torch.profiler``
 records the kernels of the replays, and they are summed by kind (GEMM, attention, Inductor's
 fused Triton kernels, other), with the largest kernels listed.
 
-    python benchmarks/fp8_profile.py [--batch 48] [--json out.json]
+    python benchmarks/clip_kernel_profile.py [--batch 48] [--modes bf16,fp8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 MODES = {"bf16": {}, "bf16-epilogue-off": {"epilogue_fusion": "off"},
-         "fp8": {"quantization": "fp8"}}
+         "bf16-timed-attention": {"attention_kernel": "timed"}, "fp8": {"quantization": "fp8"}}
 
 
 def _kind(name: str) -> str:

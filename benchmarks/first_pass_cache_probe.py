@@ -1,6 +1,7 @@
 """What a CLIP ViT-L/14-336 first pass spends with a warm compile cache, ``epilogue_fusion`` on
 and off: wall time of the first call (every budget compiled and captured), Inductor's FX graph
-cache hits, misses and bypasses, and the time spent timing fused linear shapes.
+cache hits, misses and bypasses, and the time spent timing fused linear shapes and attention
+shapes (``attention_op``).
 
 Run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``: the second run
 is the warm one. Also printed: Dynamo's own phase timings (``torch._dynamo.utils.compile_times``: tracing, the
@@ -8,10 +9,11 @@ backend's compile, Inductor's), the number of Dynamo compiles and the backend's 
 ``--profile N``: the first pass under cProfile (which slows it), then the N
 functions with the most cumulative time, to say where a warm first pass goes.
 
-``--warmup-iters N``: that option (the default when not given: the package's); the line of
-results names it.
+``--warmup-iters N`` and ``--attention-kernel auto|sdpa``: those options (the defaults when not
+given: the package's); the line of results names them.
 
 Usage: python benchmarks/first_pass_cache_probe.py auto|off [--profile N] [--warmup-iters N]
+[--attention-kernel auto|sdpa]
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ import transformers
 from torch._dynamo.utils import counters
 
 import vit_graph_backend
-from vit_graph_backend import fused_linear
+from vit_graph_backend import attention_op, fused_linear
 
 
-def main() -> None:
-    mode = sys.argv[1]
+def _time_spent(cls: type) -> list[float]:
+    """Seconds ``cls._time`` (a per-shape timing of kernels) takes from here on, summed."""
     spent = [0.0]
-    timer = fused_linear.LinearActChoices._time
+    timer = cls._time
 
     def timed(self, *args):
         start = time.perf_counter()
@@ -42,7 +44,14 @@ def main() -> None:
         finally:
             spent[0] += time.perf_counter() - start
 
-    fused_linear.LinearActChoices._time = timed
+    cls._time = timed
+    return spent
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    spent = _time_spent(fused_linear.LinearActChoices)
+    attention_spent = _time_spent(attention_op.AttentionChoices)
     cfg = transformers.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096,
                                         num_hidden_layers=24, num_attention_heads=16,
                                         image_size=336, patch_size=14)
@@ -52,7 +61,11 @@ def main() -> None:
     options = {"max_budget": 48, "epilogue_fusion": mode}
     if "--warmup-iters" in sys.argv:
         options["warmup_iters"] = int(sys.argv[sys.argv.index("--warmup-iters") + 1])
+    if "--attention-kernel" in sys.argv:
+        options["attention_kernel"] = sys.argv[sys.argv.index("--attention-kernel") + 1]
     warmups = options.get("warmup_iters", vit_graph_backend.VitGraphOptions().warmup_iters)
+    attention = options.get("attention_kernel",
+                            vit_graph_backend.VitGraphOptions().attention_kernel)
     compiled = torch.compile(model, backend="vitgraph", options=options)
     top = int(sys.argv[sys.argv.index("--profile") + 1]) if "--profile" in sys.argv else 0
     profiler = cProfile.Profile() if top else None
@@ -67,9 +80,10 @@ def main() -> None:
             profiler.disable()
     wall = time.perf_counter() - start
     inductor = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
-    print(f"epilogue_fusion={mode}, warmup_iters={warmups}: first pass {wall:.2f} s, of which "
-          f"timing fused shapes {spent[0]:.2f} s "
-          f"({len(fused_linear.CHOICES.state['chosen'])} shapes); "
+    print(f"epilogue_fusion={mode}, warmup_iters={warmups}, attention_kernel={attention}: first "
+          f"pass {wall:.2f} s, of which timing fused shapes {spent[0]:.2f} s "
+          f"({len(fused_linear.CHOICES.state['chosen'])} shapes), attention shapes "
+          f"{attention_spent[0]:.2f} s ({len(attention_op.CHOICES.state['chosen'])} shapes); "
           f"Inductor FX graph cache {inductor}")
     report = vit_graph_backend.report()
     print(f"Dynamo compiles {report['compiles']}; graphs captured {report['graphs_captured']} in "

@@ -41,6 +41,12 @@ CASES = {
     "qwen2.5-vl-3b 2 images in 4096": ([1600, 2304, 192], 16, 80),
     "qwen3-vl-8b 6724": ([6724], 16, 72),
     "qwen3-vl-8b 4900 in 7168": ([4900, 2268], 16, 72),
+    # the batched ViTs' attention (images of one size: segments of one length)
+    "vit clip-l14-336 b8": ([577] * 8, 16, 64),
+    "vit clip-l14-336 b48": ([577] * 48, 16, 64),
+    "vit vit-b16 b32": ([197] * 32, 12, 64),
+    "vit siglip-so400m-384 b16": ([729] * 16, 16, 72),
+    "vit dinov2-l14-518 b8": ([1370] * 8, 16, 64),
 }
 
 #: (block_m, block_n, warps, stages); the first is the wrapper's
@@ -103,10 +109,11 @@ def main() -> None:
                                                        longest, scale=scale)}
         if ragged is not None:
             kernels["cudnn-ragged"] = lambda: ragged(q, k, v, offsets, longest, scale)
-        if len(lengths) == 1:
-            dense = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+        if len(set(lengths)) == 1:  # [B, heads, T, head] views, as HF's attention passes them
+            dense = [x.view(len(lengths), longest, heads, head).transpose(1, 2)
+                     for x in (q, k, v)]
             kernels["sdpa"] = lambda: F.scaled_dot_product_attention(
-                *dense, scale=scale)[0].transpose(0, 1)
+                *dense, scale=scale).transpose(1, 2).reshape(rows, heads, head)
         for bm, bn, warps, stages, regs in configs:
             kernels[f"triton {bm}x{bn} w{warps} s{stages}{f' r{regs}' if regs else ''}"] = (
                 lambda bm=bm, bn=bn, warps=warps, stages=stages, regs=regs: seg.attend(

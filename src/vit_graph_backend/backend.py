@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from .attention_op import attention_unavailable, rewrite_attention
 from .batched import BatchedGraphEncoder
 from .errors import InvalidOptionError
 from .fp8_linear import Fp8Weights, check_fp8_device, graph_device, quantize_linears
@@ -78,6 +79,7 @@ class VitGraphBackend:
                             weights.untracked)
         inner = inner_compiler_name(example_inputs, opts)
         fused = self._fuse_epilogues(gm, example_inputs, opts, inner)
+        self._rewrite_attention(gm, example_inputs, opts, inner)
         encoder = BatchedGraphEncoder(gm, example_inputs, opts,
                                       functools.partial(compile_inner, gm, example_inputs, opts),
                                       defer=None if inner == "eager" else self._alone)
@@ -100,19 +102,25 @@ class VitGraphBackend:
         op can serve; returns how many (the reason it does not is logged at info level)."""
         if opts.epilogue_fusion == "off":
             return 0
-        why = fused_epilogue_unavailable(graph_device(example_inputs))
-        if why is None and inner == "tensorrt":
-            why = "inner_compiler='tensorrt' compiles only PyTorch's own ops"
-        if why is None and torch.is_grad_enabled() and any(
-                isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
-            why = "the graph records gradients (the fused op has no backward)"
-        if why is not None:
-            log.info("vitgraph: epilogue_fusion='auto' leaves linear layers as they are: %s", why)
+        return _rewrite(gm, example_inputs, inner, fuse_linear_activations,
+                        fused_epilogue_unavailable(graph_device(example_inputs)),
+                        "epilogue_fusion='auto'", "leaves linear layers as they are",
+                        "linear + GELU pairs as one op, each shape timed against cuBLAS + a "
+                        "separate activation at its first run")
+
+    @staticmethod
+    def _rewrite_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                           opts: VitGraphOptions, inner: str) -> int:
+        """``attention_kernel="timed"``: rewrite the graph's attention calls the op can serve
+        (``attention_op.py``); returns how many (the reason it does not is logged at info
+        level)."""
+        if opts.attention_kernel != "timed":
             return 0
-        fused = fuse_linear_activations(gm, example_inputs)
-        log.info("vitgraph: epilogue_fusion='auto': %d linear + GELU pairs as one op, each shape "
-                 "timed against cuBLAS + a separate activation at its first run", fused)
-        return fused
+        return _rewrite(gm, example_inputs, inner, rewrite_attention,
+                        attention_unavailable(graph_device(example_inputs)),
+                        "attention_kernel='timed'", "leaves attention to SDPA",
+                        "attention calls as one op, each shape timed, SDPA against the Triton "
+                        "kernel, at its first run")
 
     def _alone(self, encoder: BatchedGraphEncoder) -> bool:
         """Whether a static graph called again deserves its deferred inner compile
@@ -149,6 +157,25 @@ class VitGraphBackend:
         managers += [tower.manager for tower in served]
         return {"compiles": compiles, "fused_linear_activations": fused,
                 **summarize(managers, [encoder.stats for encoder in encoders])}
+
+
+def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner: str,
+             rewrite: Any, why: str | None, setting: str, left: str, done: str) -> int:
+    """``rewrite(gm, example_inputs)`` into the package's ops, whose kernels ``why`` says the
+    device lacks (else ``None``), unless the graph cannot take them: they have no backward, and
+    TensorRT compiles only PyTorch's own ops. Logs ``setting`` and what it ``left`` (with why)
+    or how many it rewrote (``done``); returns that count."""
+    if why is None and inner == "tensorrt":
+        why = "inner_compiler='tensorrt' compiles only PyTorch's own ops"
+    if why is None and torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        why = "the graph records gradients (the op has no backward)"
+    if why is not None:
+        log.info("vitgraph: %s %s: %s", setting, left, why)
+        return 0
+    count = rewrite(gm, example_inputs)
+    log.info("vitgraph: %s: %d %s", setting, count, done)
+    return count
 
 
 class _Fp8Graph:

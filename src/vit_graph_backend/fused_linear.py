@@ -45,13 +45,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import out_of_memory
-from .gpu_timing import graph_ms
+from .gpu_timing import graph_ms, time_each
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
            "activation_of", "activation_reference", "fused_epilogue_unavailable", "gated_width",
            "linear_act", "linear_act_reference", "linear_silu_mul", "linear_silu_mul_reference",
-           "pack_gated"]
+           "pack_gated", "tma_unavailable"]
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +201,9 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.vitgraph.linear_silu_mul.default(x, weight, bias)
 
 
-def fused_epilogue_unavailable(device: torch.device | None) -> str | None:
-    """Why the fused kernel cannot run on ``device`` (``None``: it can)."""
+def tma_unavailable(device: torch.device | None) -> str | None:
+    """Why a Triton kernel that loads through Hopper's tensor memory accelerator cannot run on
+    ``device`` (``None``: its GPU has one); the kernel's own import aside."""
     if device is None or device.type != "cuda":
         return f"the graph runs on {device}, not a CUDA GPU"
     capability = torch.cuda.get_device_capability(device)
@@ -211,7 +211,12 @@ def fused_epilogue_unavailable(device: torch.device | None) -> str | None:
         return (f"{torch.cuda.get_device_name(device)} has compute capability "
                 f"{capability[0]}.{capability[1]}; the kernel needs {MIN_CAPABILITY[0]}."
                 f"{MIN_CAPABILITY[1]} (Hopper's tensor memory accelerator) or newer")
-    return _kernels()[1]
+    return None
+
+
+def fused_epilogue_unavailable(device: torch.device | None) -> str | None:
+    """Why the fused kernel cannot run on ``device`` (``None``: it can)."""
+    return tma_unavailable(device) or _kernels()[1]
 
 
 @functools.cache
@@ -296,25 +301,19 @@ class LinearActChoices:
         candidates: list[Choice] = [_UNFUSED, *(
             c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
             if (gated, c) not in self.refused)]
-        times: dict[Choice, float] = {}
+        times, failures = time_each(
+            candidates, lambda choice: self._launch(choice, rows, weight, bias, activation),
+            calls=_GRAPH_CALLS, reps=_GRAPH_REPS, timer=graph_ms)
         short_of_memory = False
-        for choice in candidates:
-            try:
-                times[choice] = graph_ms(
-                    lambda choice=choice: self._launch(choice, rows, weight, bias, activation),
-                    calls=_GRAPH_CALLS, reps=_GRAPH_REPS)
-            except Exception as exc:  # a kernel this GPU or Triton cannot build
-                reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-                if out_of_memory(exc):
-                    # the moment's memory, not the kernel: refused for no other shape
-                    short_of_memory = True
-                    log.warning("vitgraph: linear+%s at %d x %d -> %d: %s not timed (%s)",
-                                activation, *rows.shape, weight.shape[0], _name(choice), reason)
-                    continue
-                if choice == _UNFUSED:
-                    log.warning("vitgraph: the %s kernel after cuBLAS failed at %d x %d -> %d "
-                                "(%s)", activation, *rows.shape, weight.shape[0], reason)
-                    continue
+        for choice, (reason, memory) in failures.items():
+            if memory:  # the moment's memory, not the kernel: refused for no other shape
+                short_of_memory = True
+                log.warning("vitgraph: linear+%s at %d x %d -> %d: %s not timed (%s)",
+                            activation, *rows.shape, weight.shape[0], _name(choice), reason)
+            elif choice == _UNFUSED:
+                log.warning("vitgraph: the %s kernel after cuBLAS failed at %d x %d -> %d "
+                            "(%s)", activation, *rows.shape, weight.shape[0], reason)
+            else:
                 self.refused[(gated, choice)] = reason  # type: ignore[index]
                 log.warning("vitgraph: fused linear+%s tile %s refused (%s); not tried again",
                             activation, _name(choice), reason)

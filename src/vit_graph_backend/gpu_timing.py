@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
 from . import _compat
+from .errors import out_of_memory
 
-__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms"]
+__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "time_each"]
+
+_T = TypeVar("_T")
 
 
 #: One side stream per device for every timing, created on first use: cuBLAS keeps a workspace
@@ -83,6 +86,26 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
         finally:
             caller.wait_stream(side)
     return statistics.median(times)
+
+
+def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int, reps: int,
+              timer: Callable[..., float] = graph_ms
+              ) -> tuple[dict[_T, float], dict[_T, tuple[str, bool]]]:
+    """Each candidate's GPU ms per ``run(candidate)`` (``timer``: :func:`graph_ms`, or what a
+    caller's tests put in its place), and for each that raised instead, the reason in one line
+    and whether it said memory ran out (``errors.out_of_memory``: the moment's memory, not the
+    candidate, so the caller may try it again later rather than refuse it). The per-shape
+    choices of ``fused_linear`` and ``attention_op`` are timed with it."""
+    times: dict[_T, float] = {}
+    failures: dict[_T, tuple[str, bool]] = {}
+    for candidate in candidates:
+        try:
+            times[candidate] = timer(lambda candidate=candidate: run(candidate), calls=calls,
+                                     reps=reps)
+        except Exception as exc:  # a kernel this GPU or Triton cannot build, or memory
+            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            failures[candidate] = (reason, out_of_memory(exc))
+    return times, failures
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> float:

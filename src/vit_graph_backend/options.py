@@ -24,9 +24,9 @@ from .errors import InvalidOptionError, MissingDependencyError
 from .planner import POLICIES
 from .specs import check_positive_int
 
-__all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAULT_LADDER_STEPS",
-           "EPILOGUE_FUSIONS", "GRAPH_LAUNCHES", "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS",
-           "QUANTIZATIONS", "VitGraphOptions"]
+__all__ = ["ATTENTION_KERNELS", "DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET",
+           "DEFAULT_LADDER_STEPS", "EPILOGUE_FUSIONS", "GRAPH_LAUNCHES", "INNER_COMPILERS", "MODES",
+           "PACKED_ONLY_OPTIONS", "QUANTIZATIONS", "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
@@ -34,6 +34,8 @@ CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 #: ``epilogue_fusion`` values: a linear layer's GELU in its GEMM's epilogue where timed faster.
 EPILOGUE_FUSIONS: tuple[str, ...] = ("auto", "off")
+#: ``attention_kernel`` values: PyTorch's SDPA always, or SDPA and a Triton kernel timed per shape.
+ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "timed")
 #: ``graph_launch`` values: each graph instantiated for device launch where the CUDA driver allows
 #: (a cheap launch for the host), or always PyTorch's ``CUDAGraph.replay()`` (``graph_launch.py``).
 GRAPH_LAUNCHES: tuple[str, ...] = ("auto", "torch")
@@ -126,6 +128,16 @@ class VitGraphOptions:
             separate activation kernel (``fused_linear.py``). ``"off"`` leaves the layers to the
             inner compiler. Packed towers (``serve``) take it too (``adapters/_qwen_kernels.py``:
             GELU MLPs, and SiLU-gated ones as one GEMM on a packed gate/up weight).
+        attention_kernel: ``"sdpa"`` (the default) leaves the attention of ``torch.compile``
+            graphs to PyTorch's SDPA dispatch. ``"timed"`` rewrites each
+            ``F.scaled_dot_product_attention`` of a graph on a Hopper or newer GPU that has no
+            mask, dropout or causal mask (the ViTs' attention) into one op that runs, per shape,
+            whichever was timed faster the first time the shape ran: SDPA or a Triton flash
+            kernel (``attention_op.py``). Opt-in: on an H100 it ran CLIP ViT-L/14-336's
+            attention at 24 and 48 images 6 to 9 % faster, within the run-to-run spread of a
+            whole call, and its timing adds about 13 s to a first pass with cold caches and 1.3
+            to 1.6 s with warm ones. Packed towers choose their attention kernels per budget
+            themselves (their adapter's ``attention`` keyword).
         graph_launch: ``"auto"`` (the default) has the CUDA driver instantiate each captured
             graph for device launch, whose launch cost the host 0.02 to 0.13 ms for the
             Qwen2.5-VL-3B tower's graphs, where PyTorch's own executable cost up to 0.6 ms once
@@ -157,6 +169,7 @@ class VitGraphOptions:
     max_graph_memory: int | float | None = None
     quantization: str | None = None
     epilogue_fusion: str = "auto"
+    attention_kernel: str = "sdpa"
     graph_launch: str = "auto"
 
     def __post_init__(self) -> None:
@@ -178,6 +191,7 @@ class VitGraphOptions:
         _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
         _check_choice("capture", self.capture, CAPTURE_MODES)
         _check_choice("epilogue_fusion", self.epilogue_fusion, EPILOGUE_FUSIONS)
+        _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _check_choice("graph_launch", self.graph_launch, GRAPH_LAUNCHES)
         for name in ("static_graphs", "backed_size_oblivious", "verify"):
             if not isinstance(getattr(self, name), bool):

@@ -39,7 +39,8 @@ _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors"
 #: What ``backend`` may import: every layer below it.
 _BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
                                          "batched_layout", "packed", "inner", "fp8_linear",
-                                         "fused_linear", "linear_rewrite", "gpu_timing"}
+                                         "fused_linear", "linear_rewrite", "gpu_timing",
+                                         "attention_op"}
 
 #: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
@@ -85,9 +86,12 @@ LAYERS: dict[str, set[str]] = {
     # epilogue_fusion="auto": linear + GELU (or a SiLU gate) as one op, called by the adapters
     # and by the graphs the rewrite below makes; its Triton kernels (imported only when a CUDA
     # graph uses them) are the private module below it.
-    "fused_linear": {"_linear_act_kernels", "gpu_timing", "errors"},
+    "fused_linear": {"_linear_act_kernels", "gpu_timing"},
+    # attention_kernel="auto": SDPA -> the op that times SDPA against the packed towers' Triton
+    # segment kernel per shape (imported only when a CUDA graph runs it).
+    "attention_op": {"adapters", "fused_linear", "gpu_timing"},
     # The GPU time of a candidate kernel from a small CUDA graph's replays (the choices above).
-    "gpu_timing": {"_compat"},
+    "gpu_timing": {"_compat", "errors"},
     # The backend's graph rewrites' walk over linear layers, and linear + GELU -> the op.
     "linear_rewrite": {"fused_linear"},
     "_linear_act_kernels": set(),

@@ -1,27 +1,30 @@
 """The modes ``vitgraph bench`` compares, each a way to run the same model on the same stream.
 
-=========================  ======================================================================
-``eager``                  the model as is (``torch.no_grad``)
-``compile-default``        ``torch.compile(model)``
-``reduce-overhead``        ``torch.compile(model, mode="reduce-overhead")`` (Inductor's CUDA graph
-                           trees)
-``vitgraph``               the defaults: batched: ``torch.compile(model, backend=vitgraph,
-                           options={...})`` (``inner_compiler="auto"``: Inductor inside the graphs
-                           on a GPU); packed: ``serve(tower, **options)``
-``vitgraph-eager``         the same with ``inner_compiler="eager"`` (the traced graph's own kernels
-                           inside the graphs, the default before ``"auto"``)
-``vitgraph-inductor``      the same with ``inner_compiler="inductor"`` (not in the default list: on
-                           a GPU, batched ``vitgraph`` is this; for packed towers, the whole
-                           tower through Inductor instead of the adapter's fused kernels)
-``vitgraph-fp8``           ``vitgraph`` with ``quantization="fp8"`` (batched models on a GPU with
-                           FP8 tensor cores; not in the default list)
-``vitgraph-epilogue-off``  ``vitgraph`` with ``epilogue_fusion="off"``: linear + GELU left to the
-                           inner compiler (cuBLAS and a separate kernel), to compare with the fused
-                           default (not in the default list)
-``vitgraph-torch-launch``  ``vitgraph`` with ``graph_launch="torch"``: every graph replayed through
-                           ``CUDAGraph.replay()``, to compare with the default's device-launch
-                           executables (not in the default list)
-=========================  ======================================================================
+============================  ====================================================================
+``eager``                     the model as is (``torch.no_grad``)
+``compile-default``           ``torch.compile(model)``
+``reduce-overhead``           ``torch.compile(model, mode="reduce-overhead")`` (Inductor's CUDA
+                              graph trees)
+``vitgraph``                  the defaults: batched: ``torch.compile(model, backend=vitgraph,
+                              options={...})`` (``inner_compiler="auto"``: Inductor inside the
+                              graphs on a GPU); packed: ``serve(tower, **options)``
+``vitgraph-eager``            the same with ``inner_compiler="eager"`` (the traced graph's own
+                              kernels inside the graphs, the default before ``"auto"``)
+``vitgraph-inductor``         the same with ``inner_compiler="inductor"`` (not in the default list:
+                              on a GPU, batched ``vitgraph`` is this; for packed towers, the whole
+                              tower through Inductor instead of the adapter's fused kernels)
+``vitgraph-fp8``              ``vitgraph`` with ``quantization="fp8"`` (batched models on a GPU with
+                              FP8 tensor cores; not in the default list)
+``vitgraph-epilogue-off``     ``vitgraph`` with ``epilogue_fusion="off"``: linear + GELU left to the
+                              inner compiler (cuBLAS and a separate kernel), to compare with the
+                              fused default (not in the default list)
+``vitgraph-timed-attention``  ``vitgraph`` with ``attention_kernel="timed"``: each attention shape
+                              timed, SDPA against the Triton kernel, to compare with the default's
+                              SDPA dispatch (not in the default list)
+``vitgraph-torch-launch``     ``vitgraph`` with ``graph_launch="torch"``: every graph replayed
+                              through ``CUDAGraph.replay()``, to compare with the default's
+                              device-launch executables (not in the default list)
+============================  ====================================================================
 
 Packed towers go through :func:`vit_graph_backend.packed.serve` (adapter + router) rather than
 ``torch.compile(adapter, backend="vitgraph", options=...)``: the router frame is skipped by Dynamo,
@@ -52,7 +55,8 @@ DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead",
                                   "vitgraph-eager")
 #: Every mode ``--modes`` accepts.
 MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor", "vitgraph-fp8",
-                          "vitgraph-epilogue-off", "vitgraph-torch-launch")
+                          "vitgraph-epilogue-off", "vitgraph-timed-attention",
+                          "vitgraph-torch-launch")
 
 #: The vitgraph modes and the backend options each one adds.
 VITGRAPH_MODES: dict[str, dict[str, Any]] = {
@@ -61,6 +65,7 @@ VITGRAPH_MODES: dict[str, dict[str, Any]] = {
     "vitgraph-inductor": {"inner_compiler": "inductor"},
     "vitgraph-fp8": {"quantization": "fp8"},
     "vitgraph-epilogue-off": {"epilogue_fusion": "off"},
+    "vitgraph-timed-attention": {"attention_kernel": "timed"},
     "vitgraph-torch-launch": {"graph_launch": "torch"},
 }
 
