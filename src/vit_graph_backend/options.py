@@ -134,9 +134,9 @@ class VitGraphOptions:
             mask, dropout or causal mask (the ViTs' attention) into one op that runs, per shape,
             whichever was timed faster the first time the shape ran: SDPA or a Triton flash
             kernel (``attention_op.py``). Opt-in: on an H100 it ran CLIP ViT-L/14-336's
-            attention at 24 and 48 images 6 to 9 % faster, within the run-to-run spread of a
-            whole call, and its timing adds about 13 s to a first pass with cold caches and 1.3
-            to 1.6 s with warm ones. Packed towers choose their attention kernels per budget
+            attention at 48 images 6 to 9 % faster (and chose the Triton kernel at 24 too),
+            whole calls within the run-to-run spread, and its timing adds about 13 s to a first
+            pass with cold caches and 1.3 to 1.6 s with warm ones. Packed towers choose their attention kernels per budget
             themselves (their adapter's ``attention`` keyword).
         graph_launch: ``"auto"`` (the default) has the CUDA driver instantiate each captured
             graph for device launch, whose launch cost the host 0.02 to 0.13 ms for the
