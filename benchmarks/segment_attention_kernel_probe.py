@@ -6,6 +6,11 @@ cuDNN runs heads of 80 and 72 at the cost of 128 (``attention_head_padding_*``):
 TFLOP/s counted at head size 80. A kernel that tiles 64 + 16 does 80/128 of that tile work; it
 pays if its tiles run at more than 0.63 of cuDNN's rate.
 
+The cases named "vit ..." are the batched ViTs' attention (CLIP-L/14-336, ViT-B/16, SigLIP
+so400m, DINOv2-L): images of one size as segments of one length, where "sdpa" takes q, k and v
+as ``[B, heads, tokens, head]`` views, as HF's attention modules pass them; what
+``attention_kernel="timed"`` (``attention_op.py``) chooses between.
+
 Per case (segments of the packed sequence: one image, an image and its graph's padding, frames),
 each kernel is timed from CUDA-graph replays (``gpu_timing.graph_ms``); the Triton kernel in
 each of ``CONFIGS`` (block of rows, block of keys, warps, pipeline stages). ``err``: max abs
