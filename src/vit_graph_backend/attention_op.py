@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .adapters._segment_attention import MAX_HEAD_DIM, MAX_SEGMENTS
 from .fused_linear import MIN_CAPABILITY, tma_unavailable
 from .gpu_timing import graph_ms, time_each
 
@@ -58,9 +59,11 @@ DTYPES = (torch.bfloat16, torch.float16)
 #: (block of rows, block of keys, warps, pipeline stages) timed against SDPA: 64 rows won CLIP-L's
 #: shape, 128 the packed towers' long segments (``segment_attention_kernel_vit_shapes_*``).
 TRITON_CONFIGS: tuple[tuple[int, int, int, int], ...] = ((64, 64, 4, 3), (128, 64, 4, 3))
-#: The kernel's limits: head size (``_segment_attention.MAX_HEAD_DIM``), images (segment slots
-#: each program scans: ``_segment_attention.MAX_SEGMENTS``), programs along the grid's rows.
-MAX_HEAD_DIM, MAX_BATCH, MAX_GRID_Y = 256, 4096, 65535
+#: Programs the kernel's grid takes along its rows (its head size and segment slots are the
+#: packed towers' limits: ``_segment_attention.MAX_HEAD_DIM``, ``MAX_SEGMENTS``).
+MAX_GRID_Y = 65535
+#: The fewest rows a program of :data:`TRITON_CONFIGS` takes: the most programs along the grid.
+_SMALLEST_BLOCK = min(config[0] for config in TRITON_CONFIGS)
 _SDPA = "sdpa"
 #: Calls per timing graph and replays timed, as for ``fused_linear``'s choices.
 _GRAPH_CALLS, _GRAPH_REPS = 3, 3
@@ -179,9 +182,9 @@ class AttentionChoices:
                 and k.dtype == v.dtype == q.dtype and k.device == v.device == q.device):
             return False
         batch, heads, tokens, head = q.shape
-        return (0 < batch <= MAX_BATCH and tokens > 0 and heads > 0 and head % 8 == 0
+        return (0 < batch <= MAX_SEGMENTS and tokens > 0 and heads > 0 and head % 8 == 0
                 and head <= MAX_HEAD_DIM
-                and -(-batch * tokens // min(c[0] for c in TRITON_CONFIGS)) + batch <= MAX_GRID_Y
+                and -(-batch * tokens // _SMALLEST_BLOCK) + batch <= MAX_GRID_Y
                 and all(x.data_ptr() % 16 == 0 and reads_rows(x) for x in (q, k, v))
                 and _kernel()[0] is not None
                 and tuple(torch.cuda.get_device_capability(q.device)) >= MIN_CAPABILITY)
