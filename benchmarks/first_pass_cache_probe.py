@@ -7,13 +7,15 @@ Run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``:
 is the warm one. Also printed: Dynamo's own phase timings (``torch._dynamo.utils.compile_times``: tracing, the
 backend's compile, Inductor's), the number of Dynamo compiles and the backend's capture seconds.
 ``--profile N``: the first pass under cProfile (which slows it), then the N
-functions with the most cumulative time, to say where a warm first pass goes.
+functions with the most cumulative time, to say where a warm first pass goes, then the N
+functions of this package (``vit_graph_backend``) with the most, to say where its own share
+(the backend's rewrites, warm-up runs, choices timed, captures) goes.
 
-``--warmup-iters N`` and ``--attention-kernel auto|sdpa``: those options (the defaults when not
+``--warmup-iters N`` and ``--attention-kernel sdpa|timed``: those options (the defaults when not
 given: the package's); the line of results names them.
 
 Usage: python benchmarks/first_pass_cache_probe.py auto|off [--profile N] [--warmup-iters N]
-[--attention-kernel auto|sdpa]
+[--attention-kernel sdpa|timed]
 """
 
 from __future__ import annotations
@@ -90,10 +92,12 @@ def main() -> None:
           f"{report['capture_seconds']:.2f} s (warm-up runs, choices timed and captures)")
     print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
     if profiler:
-        out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
-        print("\n".join(line[:160] for line in out.getvalue().splitlines()
-                        if line.strip() and not line.startswith("   Ordered")))
+        for title, restrict in (("all functions", ()), ("this package", ("vit_graph_backend",))):
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(*restrict, top)
+            print(f"== cProfile, {title}, by cumulative time")
+            print("\n".join(line[:160] for line in out.getvalue().splitlines()
+                            if line.strip() and not line.startswith("   Ordered")))
 
 
 if __name__ == "__main__":
