@@ -15,18 +15,28 @@ projections in alternating chunks of ``BN // 2`` rows (``fused_linear.pack_gated
 tile's accumulator holds a gate half and the matching up half, and the epilogue writes only
 ``silu(gate) * up``, half as wide. ``silu_mul_packed`` is that epilogue as a separate kernel after
 a cuBLAS GEMM on the same packed weight.
+
+Cold compiles: the GEMM kernel is not specialised on its row count (``do_not_specialize``), so one
+compile per tile configuration serves every budget, and :func:`precompile` builds the
+configurations a shape is about to time side by side in threads. On an H100 with cold caches this
+took CLIP ViT-L/14-336's fc1 over its 1..48-image ladder from 6 compiles in 6.5 s to 3 compiles in
+2.2 s, with the same kernel times and bitwise the same outputs
+(``benchmarks/linear_act_compile_probe.py``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act", "silu_mul_packed"]
+__all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act", "precompile",
+           "silu_mul_packed"]
 
 #: Activation name -> the code the kernels branch on (0 is none; 4 the gated form).
 ACTIVATIONS = {"none": 0, "quick_gelu": 1, "gelu": 2, "gelu_tanh": 3, "silu_mul": 4}
@@ -79,7 +89,9 @@ def _tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (tile % width) % rows, (tile % width) // rows
 
 
-@triton.jit
+# The row count only sizes the tile loop (the descriptors bound the loads and stores), so a
+# specialisation on its divisibility would compile each configuration twice for no speed.
+@triton.jit(do_not_specialize=["M"])
 def _linear_act_kernel(x_desc, w_desc, out_desc, bias_ptr, M, N, K,
                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -143,6 +155,39 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ``approx``: the GELUs' tanh as the hardware's approximate instruction. ``"silu_mul"``: the
     gated form, ``weight`` packed in chunks of ``BN // 2`` rows (``N`` a multiple of ``BN``),
     output ``[M, N // 2]``."""
+    out, grid, args, options = _arguments(x, weight, bias, activation, config, approx)
+    _linear_act_kernel[grid](*args, **options)
+    return out
+
+
+def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str, configs: Sequence[tuple[int, ...]], *,
+               approx: bool = True) -> None:
+    """Compile (or load from Triton's cache) the kernel of each configuration that
+    :func:`linear_act` would launch for these arguments, side by side in threads, launching
+    nothing. A configuration that fails to build is left to fail again at its launch, where the
+    caller sees why."""
+    # A few rows stand for all: the kernel is not specialised on the row count, and a small
+    # output keeps the allocation off a large budget's memory.
+    rows = x[:min(x.shape[0], 128)]
+
+    def build(config: tuple[int, ...]) -> None:
+        with torch.cuda.device(x.device):  # Triton compiles for the thread's current device
+            _, grid, args, options = _arguments(rows, weight, bias, activation, config, approx)
+            _linear_act_kernel.warmup(*args, grid=grid, **options)
+
+    if len(configs) < 2:
+        return
+    with ThreadPoolExecutor(len(configs), thread_name_prefix="vitgraph-triton") as pool:
+        for done in [pool.submit(build, config) for config in configs]:
+            done.exception()  # waited for; a failure recurs at the launch, with its reason
+
+
+def _arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str, config: tuple[int, ...], approx: bool
+               ) -> tuple[torch.Tensor, tuple[int], tuple[object, ...], dict[str, object]]:
+    """The output :func:`linear_act` returns, and the grid, arguments and options it launches
+    the kernel with."""
     bm, bn, bk, stages, warps, specialize = config
     m, k = x.shape
     gated = ACTIVATIONS[activation] == _GATED
@@ -153,15 +198,14 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out = torch.empty((m, n // 2 if gated else n), device=x.device, dtype=x.dtype)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    _linear_act_kernel[(min(sms, tiles),)](
-        TensorDescriptor.from_tensor(x, [bm, bk]),
-        TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn // 2]),
-        out if bias is None else bias, m, n, k,
-        HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], BM=bm, BN=bn, BK=bk,
-        GROUP_M=8, NUM_SMS=sms, WARP_SPECIALIZE=bool(specialize), APPROX=approx,
-        num_stages=stages, num_warps=warps)
-    return out
+    args = (TensorDescriptor.from_tensor(x, [bm, bk]),
+            TensorDescriptor.from_tensor(weight, [bn, bk]),
+            TensorDescriptor.from_tensor(out, [bm, bn // 2]), out if bias is None else bias,
+            m, n, k)
+    options = dict(HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], BM=bm, BN=bn, BK=bk,
+                   GROUP_M=8, NUM_SMS=sms, WARP_SPECIALIZE=bool(specialize), APPROX=approx,
+                   num_stages=stages, num_warps=warps)
+    return out, (min(sms, tiles),), args, options
 
 
 def activation_(x: torch.Tensor, activation: str) -> torch.Tensor:

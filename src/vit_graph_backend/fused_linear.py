@@ -298,9 +298,12 @@ class LinearActChoices:
         call's own tensors (``gpu_timing.graph_ms``, whose first run outside the capture compiles
         the candidate's kernel): what the budget's graph will run, not the host's launch time."""
         gated = activation == GATED
-        candidates: list[Choice] = [_UNFUSED, *(
-            c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
-            if (gated, c) not in self.refused)]
+        fused = [c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
+                 if (gated, c) not in self.refused]
+        candidates: list[Choice] = [_UNFUSED, *fused]
+        kernels = _kernels()[0]
+        if kernels is not None and rows.is_cuda:  # cold caches: the compiles side by side
+            kernels.precompile(rows, weight, bias, activation, fused)
         times, failures = time_each(
             candidates, lambda choice: self._launch(choice, rows, weight, bias, activation),
             calls=_GRAPH_CALLS, reps=_GRAPH_REPS, timer=graph_ms)

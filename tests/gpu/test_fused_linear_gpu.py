@@ -71,6 +71,55 @@ def test_fused_kernel_matches_fp32_reference(activation, config, bias):
     _bf16_close(out, _fp32(x, w, b, activation))
 
 
+def _compiles() -> int:
+    from vit_graph_backend import _linear_act_kernels as K
+
+    return sum(len(cache[0]) for cache in K._linear_act_kernel.device_caches.values())
+
+
+def test_one_compile_of_a_configuration_serves_every_row_count():
+    from vit_graph_backend import _linear_act_kernels as K
+
+    # a configuration the choices never time, without bias and with the exact tanh: a variant
+    # no other test launches, so it compiles here
+    config = K.CONFIGS[-1]
+    before = _compiles()
+    # 577 and 1001 rows are not multiples of 16, 9232 is: a kernel specialised on the row
+    # count would compile twice
+    for rows in (577, 9232, 1001):
+        x, w, b = _operands(rows, 128, 256, seed=rows, bias=False)
+        _bf16_close(K.linear_act(x, w, b, "gelu_tanh", config, approx=False),
+                    _fp32(x, w, b, "gelu_tanh"))
+    assert _compiles() - before == 1
+
+
+def test_precompile_builds_each_configuration_so_the_launches_compile_nothing():
+    from vit_graph_backend import _linear_act_kernels as K
+
+    # the exact tanh with quick GELU: a variant no other test launches, so it is compiled here
+    x, w, b = _operands(2 * 577, 64, 256, seed=11)
+    configs = FUSED_CONFIGS[:2]
+    before = _compiles()
+    K.precompile(x, w, b, "quick_gelu", configs, approx=False)
+    built = _compiles()
+    assert built - before == len(configs)
+    for config in configs:
+        _bf16_close(K.linear_act(x, w, b, "quick_gelu", config, approx=False),
+                    _fp32(x, w, b, "quick_gelu"))
+    assert _compiles() == built
+
+
+def test_precompile_leaves_a_configuration_that_cannot_build_to_fail_at_its_launch():
+    from vit_graph_backend import _linear_act_kernels as K
+
+    x, w, b = _operands(300, 64, 256, seed=12)
+    too_big = (256, 256, 128, 6, 8, 0)  # 768 KiB of operand stages: more than any GPU has
+    K.precompile(x, w, b, "gelu", [too_big, FUSED_CONFIGS[0]])  # returns; raises nothing
+    with pytest.raises(Exception, match="out of resource"):
+        K.linear_act(x, w, b, "gelu", too_big)
+    _bf16_close(K.linear_act(x, w, b, "gelu", FUSED_CONFIGS[0]), _fp32(x, w, b, "gelu"))
+
+
 @pytest.mark.parametrize("activation", ["quick_gelu", "gelu", "gelu_tanh"])
 def test_separate_activation_kernel_matches(activation):
     from vit_graph_backend import _linear_act_kernels as K
@@ -286,6 +335,10 @@ def test_kernels_that_fail_leave_the_shape_to_pytorch(monkeypatch):
             raise RuntimeError("out of resources")
 
         activation_ = silu_mul_packed = linear_act
+
+        @staticmethod
+        def precompile(*args, **kwargs):  # as the real one: a failed build surfaces at launch
+            return None
 
     monkeypatch.setattr(fused_linear, "_kernels", lambda: (Broken, None))
     choices = fused_linear.LinearActChoices()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call for what the fused linear kernel's Triton compiles cost a cold first pass:
+# benchmarks/linear_act_compile_probe.py (each variant in a fresh Triton cache, then the kernel
+# times), CLIP ViT-L/14-336's first pass (benchmarks/first_pass_cache_probe.py) with fresh caches
+# and then warm ones, for a baseline source tree and this one in turn, and the GPU tests of the
+# kernels and their timing. Short table last.
+# Usage (CUDA machine, repo root): bash scripts/compile_time_check.sh [BASELINE_TREE] [ROUNDS]
+#   PARTS="probe firstpass tests" (the default) or a subset of them
+#   BASELINE_TREE: a checkout of the code to compare against (its src/ goes on PYTHONPATH), e.g.
+#   made with: mkdir -p baseline && git archive <commit> src | tar -x -C baseline (an ignored
+#   folder: name it in the device call's carry).
+set -uo pipefail
+source scripts/device_setup.sh
+base=${1:-}; rounds=${2:-1}
+quiet() { grep -vE "Warning|warn|^\[rank"; }
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'device', torch.cuda.get_device_name(0))"
+parts=" ${PARTS:-probe firstpass tests} "
+[[ $parts == *" probe "* ]] && for variant in specialized shipped shipped-threads; do
+  TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/linear_act_compile_probe.py $variant 2>&1 \
+    | quiet | tee -a "$OUT/compile_probe.log"
+done
+[[ $parts == *" probe "* ]] && python3 benchmarks/linear_act_compile_probe.py perf 2>&1 | quiet \
+  | tee -a "$OUT/compile_probe.log"
+trees=("this:$PWD"); [ -n "$base" ] && trees=("baseline:$base" "this:$PWD")
+clip() {  # label, tree, cache folder
+  ( unset PYTHONDONTWRITEBYTECODE
+    export PYTHONPYCACHEPREFIX=$3/pyc TORCHINDUCTOR_CACHE_DIR=$3/inductor \
+      TRITON_CACHE_DIR=$3/triton TORCH_COMPILE_JOB_ID=clip_first_pass \
+      PYTHONPATH="$2/src${PYTHONPATH:+:$PYTHONPATH}"
+    python3 benchmarks/first_pass_cache_probe.py auto 2>&1 | quiet \
+      | grep -E "first pass|graphs captured|bytecode_tracing|call_user_compiler" \
+      | sed "s/^/$1: /" )
+}
+[[ $parts == *" firstpass "* ]] && for round in $(seq "$rounds"); do
+  declare -A caches=()
+  for entry in "${trees[@]}"; do
+    label=${entry%%:*}; caches[$label]=$(mktemp -d)
+    echo "== CLIP ViT-L/14-336 first pass, round $round, $label, cold caches"
+    clip "$label cold" "${entry#*:}" "${caches[$label]}" | tee -a "$OUT/clip_first_pass.log"
+  done
+  for entry in "${trees[@]}"; do
+    label=${entry%%:*}
+    echo "== CLIP ViT-L/14-336 first pass, round $round, $label, warm caches"
+    clip "$label warm" "${entry#*:}" "${caches[$label]}" | tee -a "$OUT/clip_first_pass.log"
+  done
+done
+[[ $parts == *" tests "* ]] && python3 -m pytest tests/gpu/test_fused_linear_gpu.py tests/gpu/test_gpu_timing_gpu.py -m gpu -q \
+  -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+echo "== summary"
+[ -f "$OUT/compile_probe.log" ] && grep -E "compiles|side by side|images \(" "$OUT/compile_probe.log" \
+  | grep -v "first launch"
+[ -f "$OUT/clip_first_pass.log" ] && grep -E "first pass|captured|call_user" "$OUT/clip_first_pass.log" \
+  | sed -E 's/, of which timing fused shapes ([0-9.]+ s).*/ (fused shapes \1)/; s/ \(warm-up runs.*//'
+[ -f "$OUT/gpu_tests.log" ] && tail -1 "$OUT/gpu_tests.log"
