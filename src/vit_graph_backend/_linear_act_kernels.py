@@ -178,9 +178,12 @@ def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     if len(configs) < 2:
         return
-    with ThreadPoolExecutor(len(configs), thread_name_prefix="vitgraph-triton") as pool:
-        for done in [pool.submit(build, config) for config in configs]:
-            done.exception()  # waited for; a failure recurs at the launch, with its reason
+    try:
+        with ThreadPoolExecutor(len(configs), thread_name_prefix="vitgraph-triton") as pool:
+            for done in [pool.submit(build, config) for config in configs]:
+                done.exception()  # waited for; a failure recurs at the launch, with its reason
+    except RuntimeError:  # no thread to start (a thread limit, the interpreter's shutdown):
+        pass              # each launch then compiles its configuration in turn
 
 
 def _arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -120,6 +120,20 @@ def test_precompile_leaves_a_configuration_that_cannot_build_to_fail_at_its_laun
     _bf16_close(K.linear_act(x, w, b, "gelu", FUSED_CONFIGS[0]), _fp32(x, w, b, "gelu"))
 
 
+def test_precompile_without_threads_to_start_leaves_the_compiles_to_the_launches(monkeypatch):
+    from vit_graph_backend import _linear_act_kernels as K
+
+    class NoThreads:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(K, "ThreadPoolExecutor", NoThreads)
+    x, w, b = _operands(700, 64, 256, seed=13)
+    K.precompile(x, w, b, "gelu_tanh", FUSED_CONFIGS)  # returns; raises nothing
+    for config in FUSED_CONFIGS:
+        _bf16_close(K.linear_act(x, w, b, "gelu_tanh", config), _fp32(x, w, b, "gelu_tanh"))
+
+
 @pytest.mark.parametrize("activation", ["quick_gelu", "gelu", "gelu_tanh"])
 def test_separate_activation_kernel_matches(activation):
     from vit_graph_backend import _linear_act_kernels as K
