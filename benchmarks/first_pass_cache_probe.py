@@ -9,7 +9,10 @@ backend's compile, Inductor's), the number of Dynamo compiles and the backend's 
 ``--profile N``: the first pass under cProfile (which slows it), then the N
 functions with the most cumulative time, to say where a warm first pass goes, then the N
 functions of this package (``vit_graph_backend``) with the most, to say where its own share
-(the backend's rewrites, warm-up runs, choices timed, captures) goes.
+(the backend's rewrites, warm-up runs, choices timed, captures) goes. Read its cumulative times
+with care: Dynamo's frame hook breaks cProfile's call stack under the compiled call (one run
+gave a function 13.1 s inside a 15 s profile whose only caller had 3.6 s:
+``benchmarks/results/clip_l14_336_first_pass_cold_warm_profile_with_this_package_s_functions_*``).
 
 ``--warmup-iters N`` and ``--attention-kernel sdpa|timed``: those options (the defaults when not
 given: the package's); the line of results names them.
