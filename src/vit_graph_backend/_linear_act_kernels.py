@@ -167,17 +167,17 @@ def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     :func:`linear_act` would launch for these arguments, side by side in threads, launching
     nothing. A configuration that fails to build is left to fail again at its launch, where the
     caller sees why."""
+    if len(configs) < 2:  # nothing to build side by side: the launch compiles it
+        return
     # A few rows stand for all: the kernel is not specialised on the row count, and a small
     # output keeps the allocation off a large budget's memory.
-    rows = x[:min(x.shape[0], 128)]
+    rows = x[:128]
 
     def build(config: tuple[int, ...]) -> None:
         with torch.cuda.device(x.device):  # Triton compiles for the thread's current device
             _, grid, args, options = _arguments(rows, weight, bias, activation, config, approx)
             _linear_act_kernel.warmup(*args, grid=grid, **options)
 
-    if len(configs) < 2:
-        return
     try:
         with ThreadPoolExecutor(len(configs), thread_name_prefix="vitgraph-triton") as pool:
             for done in [pool.submit(build, config) for config in configs]:
