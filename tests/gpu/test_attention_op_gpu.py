@@ -95,6 +95,28 @@ def test_a_shape_is_timed_once_outside_a_capture_and_replays_right():
     assert CHOICES.state["chosen"][key] == chosen[key]
 
 
+def test_a_shape_s_triton_configs_are_built_side_by_side_before_they_are_timed(monkeypatch):
+    from vit_graph_backend.adapters import _segment_attention_kernel as K
+
+    def compiles():
+        return sum(len(cache[0]) for cache in K._segment_attention.device_caches.values())
+
+    built, precompile = [], K.precompile
+
+    def recorded(*args):
+        precompile(*args)
+        built.append((args[-1], compiles()))
+
+    monkeypatch.setattr(K, "precompile", recorded)
+    q, k, v = _qkv(5, 4, 300, 48, seed=31)  # heads of 48: a kernel no other test compiles
+    before = compiles()
+    choice = attention_op.AttentionChoices()._time(q, k, v, None)
+    assert [list(configs) for configs, _ in built] == [list(TRITON_CONFIGS)]
+    assert built[0][1] - before == len(TRITON_CONFIGS)
+    assert compiles() == built[0][1]  # the timing's launches compiled nothing more
+    _close(attention_op.AttentionChoices()._launch(choice, q, k, v, None), q, k, v)
+
+
 @pytest.mark.parametrize("forced", TRITON_CONFIGS)
 def test_the_triton_kernel_replays_right_in_a_graph(forced, monkeypatch):
     q, k, v = _qkv(3, 8, 333, 64, seed=4)

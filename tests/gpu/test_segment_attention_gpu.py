@@ -172,3 +172,79 @@ def test_served_qwen2_5_full_layers_match_hf_and_flash_varlen(monkeypatch, chose
                                              else "varlen")
     assert set(flash.encoder.attention_state["full"]["by_rows"].values()) == {"varlen"}
     assert default.manager.stats.eager_items == 0
+
+
+def _compiles() -> int:
+    from vit_graph_backend.adapters import _segment_attention_kernel as K
+
+    return sum(len(cache[0]) for cache in K._segment_attention.device_caches.values())
+
+
+def _images(count, tokens=577, heads=2, dim=64, seed=0):
+    """q, k, v of ``count`` images of ``tokens`` each as segments, and their offsets."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q, k, v = _layout(count * tokens, heads, dim, torch.bfloat16, gen)
+    return (q, k, v), _offsets([tokens] * count), [tokens] * count
+
+
+def _attends_right(out, qkv, lengths, scale):
+    err = (out.float() - _reference(*qkv, lengths, scale)).abs().max().item()
+    assert err < 2e-2, err
+
+
+@torch.no_grad()
+def test_one_compile_serves_every_segment_count_up_to_the_least_slots():
+    """Segment counts of 1, a multiple of 16 and neither, up to ``MIN_SLOTS``: a kernel
+    specialised on the count or scanning fewer slots would compile three to five times."""
+    from vit_graph_backend.adapters import _segment_attention_kernel as K
+
+    config = (64, 32, 4, 3)  # launched by no other test: it compiles here
+    before = _compiles()
+    for count in (1, 2, 16, 17, K.MIN_SLOTS):
+        qkv, offsets, lengths = _images(count, tokens=100, seed=count)
+        out = K.attend(*qkv, offsets, 0.125, *config)
+        _attends_right(out, qkv, lengths, 0.125)
+    assert _compiles() - before == 1
+
+
+@torch.no_grad()
+def test_precompile_builds_each_configuration_so_the_launches_compile_nothing():
+    from vit_graph_backend.adapters import _segment_attention_kernel as K
+
+    configs = [(64, 64, 4, 4), (128, 32, 4, 3)]  # launched by no other test
+    qkv, offsets, lengths = _images(3, seed=21)
+    before = _compiles()
+    K.precompile(*qkv, offsets, 0.125, configs)
+    built = _compiles()
+    assert built - before == len(configs)
+    for config in configs:
+        _attends_right(K.attend(*qkv, offsets, 0.125, *config), qkv, lengths, 0.125)
+    assert _compiles() == built
+
+
+@torch.no_grad()
+def test_precompile_leaves_a_configuration_that_cannot_build_to_fail_at_its_launch():
+    from vit_graph_backend.adapters import _segment_attention_kernel as K
+
+    qkv, offsets, lengths = _images(2, dim=128, seed=22)
+    too_big = (256, 256, 4, 6)  # megabytes of key and value stages: more than any GPU has
+    K.precompile(*qkv, offsets, 0.125, [too_big, (128, 64, 4, 3)])  # returns; raises nothing
+    with pytest.raises(Exception, match="out of resource"):
+        K.attend(*qkv, offsets, 0.125, *too_big)
+    _attends_right(K.attend(*qkv, offsets, 0.125), qkv, lengths, 0.125)
+
+
+@torch.no_grad()
+def test_precompile_without_threads_to_start_leaves_the_compiles_to_the_launches(monkeypatch):
+    from vit_graph_backend.adapters import _segment_attention_kernel as K
+
+    class NoThreads:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(K, "ThreadPoolExecutor", NoThreads)
+    qkv, offsets, lengths = _images(4, tokens=300, seed=23)
+    configs = [(64, 64, 4, 3), (128, 64, 4, 3)]
+    K.precompile(*qkv, offsets, 0.125, configs)  # returns; raises nothing
+    for config in configs:
+        _attends_right(K.attend(*qkv, offsets, 0.125, *config), qkv, lengths, 0.125)
