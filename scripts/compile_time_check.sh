@@ -14,6 +14,7 @@
 #   folder: name it in the device call's carry).
 set -uo pipefail
 source scripts/device_setup.sh
+source scripts/clip_first_pass.sh
 base=${1:-}; rounds=${2:-1}
 quiet() { grep -vE "Warning|warn|^\[rank"; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'device', torch.cuda.get_device_name(0))"
@@ -33,26 +34,19 @@ probe=benchmarks/${KERNEL:-linear_act}_compile_probe.py
 done
 [[ $parts == *" probe "* ]] && python3 "$probe" perf 2>&1 | quiet | tee -a "$OUT/compile_probe.log"
 trees=("this:$PWD"); [ -n "$base" ] && trees=("baseline:$base" "this:$PWD")
-clip() {  # label, tree, cache folder
-  ( unset PYTHONDONTWRITEBYTECODE
-    export PYTHONPYCACHEPREFIX=$3/pyc TORCHINDUCTOR_CACHE_DIR=$3/inductor \
-      TRITON_CACHE_DIR=$3/triton TORCH_COMPILE_JOB_ID=clip_first_pass \
-      PYTHONPATH="$2/src${PYTHONPATH:+:$PYTHONPATH}"
-    python3 benchmarks/first_pass_cache_probe.py auto "${first_pass[@]}" 2>&1 | quiet \
-      | grep -E "first pass|graphs captured|bytecode_tracing|call_user_compiler" \
-      | sed "s/^/$1: /" )
-}
 [[ $parts == *" firstpass "* ]] && for round in $(seq "$rounds"); do
   declare -A caches=()
   for entry in "${trees[@]}"; do
     label=${entry%%:*}; caches[$label]=$(mktemp -d)
     echo "== CLIP ViT-L/14-336 first pass, round $round, $label, cold caches"
-    clip "$label cold" "${entry#*:}" "${caches[$label]}" | tee -a "$OUT/clip_first_pass.log"
+    clip_first_pass "$label cold" "${entry#*:}" "${caches[$label]}" "${first_pass[@]}" \
+      | tee -a "$OUT/clip_first_pass.log"
   done
   for entry in "${trees[@]}"; do
     label=${entry%%:*}
     echo "== CLIP ViT-L/14-336 first pass, round $round, $label, warm caches"
-    clip "$label warm" "${entry#*:}" "${caches[$label]}" | tee -a "$OUT/clip_first_pass.log"
+    clip_first_pass "$label warm" "${entry#*:}" "${caches[$label]}" "${first_pass[@]}" \
+      | tee -a "$OUT/clip_first_pass.log"
   done
 done
 [[ $parts == *" tests "* ]] && python3 -m pytest $tests -m gpu -q -p no:cacheprovider 2>&1 \

@@ -11,6 +11,7 @@
 #   folder: name it in the device call's carry). The optional wheels' PYTHONPATH is kept.
 set -uo pipefail
 source scripts/device_setup.sh
+source scripts/clip_first_pass.sh
 base=${1:-}
 python3 -c "import torch; print('torch', torch.__version__, 'device', torch.cuda.get_device_name(0))"
 quiet() { grep -vE "Warning|warn|^\[rank"; }
@@ -25,21 +26,14 @@ for entry in "${trees[@]}"; do
     --order "$order" --profile 0 2>&1 | quiet | cut -c1-200 | tee "$OUT/capture_$label.log"
 done
 cache=$(mktemp -d)
-clip() {  # label, tree, extra probe arguments
-  ( unset PYTHONDONTWRITEBYTECODE
-    export PYTHONPYCACHEPREFIX=$cache/pyc TORCHINDUCTOR_CACHE_DIR=$cache/inductor \
-      TRITON_CACHE_DIR=$cache/triton TORCH_COMPILE_JOB_ID=clip_first_pass \
-      PYTHONPATH="$2/src${PYTHONPATH:+:$PYTHONPATH}"
-    python3 benchmarks/first_pass_cache_probe.py auto "${@:3}" 2>&1 | quiet \
-      | grep -E "first pass|graphs captured" | sed "s/^/$1: /" )
-}
 echo "== CLIP ViT-L/14-336 first pass, cold caches ($cache), this tree"
-clip cold "$PWD" | tee "$OUT/clip_first_pass.log"
+clip_first_pass cold "$PWD" "$cache" | tee "$OUT/clip_first_pass.log"
 for round in 1 2 3; do
   echo "== CLIP ViT-L/14-336 first pass, warm caches, round $round"
-  [ -n "$base" ] && clip "baseline warm" "$base" | tee -a "$OUT/clip_first_pass.log"
-  clip "this warm" "$PWD" | tee -a "$OUT/clip_first_pass.log"
-  clip "this warm" "$PWD" --warmup-iters 2 | tee -a "$OUT/clip_first_pass.log"
+  [ -n "$base" ] && clip_first_pass "baseline warm" "$base" "$cache" \
+    | tee -a "$OUT/clip_first_pass.log"
+  clip_first_pass "this warm" "$PWD" "$cache" | tee -a "$OUT/clip_first_pass.log"
+  clip_first_pass "this warm" "$PWD" "$cache" --warmup-iters 2 | tee -a "$OUT/clip_first_pass.log"
 done
 echo "== summary"
 for f in "$OUT"/capture_*.log; do echo "$(basename "$f" .log):"; grep -E "^ *[0-9]+  " "$f" | cut -c1-40; done
