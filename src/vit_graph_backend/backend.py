@@ -30,6 +30,7 @@ from .attention_op import attention_unavailable, rewrite_attention
 from .batched import BatchedGraphEncoder
 from .errors import InvalidOptionError
 from .fp8_linear import Fp8Weights, check_fp8_device, graph_device, quantize_linears
+from .fused_linear import CHOICES as FUSED_CHOICES
 from .fused_linear import fused_epilogue_unavailable
 from .graph_report import summarize
 from .inner import compile_inner, inner_compiler_name
@@ -102,7 +103,9 @@ class VitGraphBackend:
         op can serve; returns how many (the reason it does not is logged at info level)."""
         if opts.epilogue_fusion == "off":
             return 0
-        return _rewrite(gm, example_inputs, inner, fuse_linear_activations,
+        # each fused shape's kernels begin compiling while the inner compiler runs
+        fuse = functools.partial(fuse_linear_activations, rewritten=FUSED_CHOICES.prefetch)
+        return _rewrite(gm, example_inputs, inner, fuse,
                         fused_epilogue_unavailable(graph_device(example_inputs)),
                         "epilogue_fusion='auto'", "leaves linear layers as they are",
                         "linear + GELU pairs as one op, each shape timed against cuBLAS + a "

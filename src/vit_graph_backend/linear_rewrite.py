@@ -7,7 +7,7 @@ what the op runs). Pure FX graph editing: what it finds and replaces is tested o
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +34,17 @@ def linear_layers(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[An
     return layers
 
 
-def fuse_linear_activations(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+def fuse_linear_activations(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+    rewritten: Callable[[torch.Tensor, torch.Tensor | None, str], None] | None = None,
+) -> int:
     """Rewrite, in place, every ``act(F.linear(x, W, b))`` of ``gm`` whose weight is a 2-D
     bf16/fp16 graph input with both sides multiples of 8 into ``vitgraph::linear_act``; returns
-    how many (weights found as :func:`linear_layers` says)."""
+    how many (weights found as :func:`linear_layers` says). ``rewritten(weight, bias,
+    activation)``, if given, is called with the example tensors of each layer rewritten whose
+    bias is a graph input too, or absent (the backend starts its kernels' compiles there)."""
     fused = 0
+    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False))
     for node, (x, weight_node, bias), source in linear_layers(gm):
         weight = None if source is None else example_inputs[source]
         if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES
@@ -56,6 +62,9 @@ def fuse_linear_activations(gm: torch.fx.GraphModule, example_inputs: Sequence[A
         for dead in reversed((node, *chain)):  # users before what they read
             gm.graph.erase_node(dead)
         fused += 1
+        bias_tensor = None if bias is None else inputs.get(bias)
+        if rewritten is not None and (bias is None or isinstance(bias_tensor, torch.Tensor)):
+            rewritten(weight, bias_tensor, activation)
     if fused:
         gm.graph.lint()
         gm.recompile()

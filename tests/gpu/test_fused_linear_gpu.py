@@ -134,6 +134,35 @@ def test_precompile_without_threads_to_start_leaves_the_compiles_to_the_launches
         _bf16_close(K.linear_act(x, w, b, "gelu_tanh", config), _fp32(x, w, b, "gelu_tanh"))
 
 
+def test_prefetch_builds_the_configurations_so_the_timing_compiles_nothing():
+    choices = fused_linear.LinearActChoices()
+    # K of 40 (not a multiple of 16) with exact GELU and no bias: a variant no other test
+    # compiles
+    x, w, b = _operands(2 * 577, 40, 264, seed=14, bias=False)
+    before = _compiles()
+    choices.prefetch(w, b, "gelu")
+    (build,) = choices._builds.values()
+    build.result(timeout=300)
+    built = _compiles()
+    assert built - before == len(FUSED_CONFIGS)
+    choice = choices._time(x, w, b, "gelu")
+    assert _compiles() == built
+    _bf16_close(choices._launch(choice, x, w, b, "gelu"), _fp32(x, w, b, "gelu"))
+
+
+def test_the_backend_begins_each_fused_shape_s_build_when_it_rewrites_the_graph(monkeypatch):
+    began = []
+    prefetch = CHOICES.prefetch
+    monkeypatch.setattr(CHOICES, "prefetch",
+                        lambda w, b, act: began.append((tuple(w.shape), b is not None, act))
+                        or prefetch(w, b, act))
+    torch.compiler.reset()
+    _compiled_matches_eager(_clip(layers=2))
+    # fc1 of each layer, at each Dynamo compile of the model (static, then dynamic)
+    assert began and set(began) == {((1024, 256), True, "quick_gelu")}
+    assert len(began) == 2 * vit_graph_backend.report()["compiles"]
+
+
 @pytest.mark.parametrize("activation", ["quick_gelu", "gelu", "gelu_tanh"])
 def test_separate_activation_kernel_matches(activation):
     from vit_graph_backend import _linear_act_kernels as K

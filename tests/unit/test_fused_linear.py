@@ -249,3 +249,98 @@ def test_out_of_memory_for_every_candidate_leaves_cublas(monkeypatch):
     choices = fused_linear.LinearActChoices()
     assert choices._time(torch.ones(4, 8), torch.ones(8, 8), None, "gelu") == "cublas+activation"
     assert choices.state["refused"] == {}
+
+
+def test_the_rewrite_names_each_rewritten_layer_s_weight_bias_and_activation():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Mlp(nn.GELU()), _Mlp(_QuickGelu(), bias=False)).to(DT).eval()
+    named = []
+
+    def backend(gm, example_inputs):
+        fuse_linear_activations(gm, example_inputs,
+                                lambda w, b, act: named.append((w, b, act)))
+        return gm
+
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(3, 32, dtype=DT))
+    first, second = model[0].fc1, model[1].fc1
+    assert len(named) == 2  # the fc2 layers have no activation: not rewritten
+    assert [(w is first.weight, b is first.bias, act) for w, b, act in named[:1]] == [
+        (True, True, "gelu")]
+    assert [(w is second.weight, b, act) for w, b, act in named[1:]] == [
+        (True, None, "quick_gelu")]
+
+
+class _Kernels:
+    """A stand-in for ``_linear_act_kernels`` whose ``precompile`` records its calls and, when
+    told to, blocks until released."""
+
+    def __init__(self, hold=False):
+        import threading
+
+        self.calls, self.release, self.done = [], threading.Event(), threading.Event()
+        if not hold:
+            self.release.set()
+
+    def precompile(self, rows, weight, bias, activation, configs):
+        self.calls.append((tuple(rows.shape), weight, bias, activation, list(configs)))
+        self.release.wait(10)
+        self.done.set()
+
+
+def _prefetching(monkeypatch, kernels):
+    from vit_graph_backend import fused_linear
+
+    monkeypatch.setattr(fused_linear, "_kernels", lambda: (kernels, None))
+    monkeypatch.setattr(fused_linear.LinearActChoices, "_fusable",
+                        staticmethod(lambda rows, weight, bias: True))
+    return fused_linear, fused_linear.LinearActChoices()
+
+
+def test_prefetch_builds_a_weight_s_configurations_once_in_the_background(monkeypatch):
+    kernels = _Kernels()
+    fused_linear, choices = _prefetching(monkeypatch, kernels)
+    w, b = torch.ones(16, 8, dtype=DT), torch.ones(16, dtype=DT)
+    choices.refused[(False, fused_linear.FUSED_CONFIGS[0])] = "out of resources"
+    choices.prefetch(w, b, "gelu")
+    choices.prefetch(w, b, "gelu")            # the same shape again: no second build
+    choices.prefetch(w, None, "gelu")         # without a bias: a kernel of its own
+    choices.prefetch(w, b, "silu_mul")        # not an activation the rewrite makes: nothing
+    assert kernels.done.wait(10)
+    choices._builder.shutdown(wait=True)
+    assert [(shape, weight is w, bias is b, act) for shape, weight, bias, act, _ in
+            kernels.calls] == [((128, 8), True, True, "gelu"), ((128, 8), True, False, "gelu")]
+    assert kernels.calls[0][-1] == list(fused_linear.FUSED_CONFIGS[1:])  # not the refused one
+
+
+def test_the_timing_waits_for_the_weight_s_background_build(monkeypatch):
+    import threading
+
+    kernels = _Kernels(hold=True)
+    fused_linear, choices = _prefetching(monkeypatch, kernels)
+    order = []
+    monkeypatch.setattr(fused_linear, "time_each", lambda *args, **kwargs: (
+        order.append(("timed", kernels.done.is_set())) or ({"cublas+activation": 1.0}, {})))
+    w = torch.ones(16, 8, dtype=DT)
+    choices.prefetch(w, None, "gelu")
+    timer = threading.Thread(target=choices._time, args=(torch.ones(4, 8, dtype=DT), w, None,
+                                                         "gelu"))
+    timer.start()
+    timer.join(0.5)
+    assert timer.is_alive() and order == []  # held by the build
+    kernels.release.set()
+    timer.join(10)
+    assert order == [("timed", True)]
+
+
+def test_prefetch_without_a_thread_to_start_leaves_the_compiles_to_the_timing(monkeypatch):
+    kernels = _Kernels()
+    fused_linear, choices = _prefetching(monkeypatch, kernels)
+
+    class NoThreads:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(fused_linear, "ThreadPoolExecutor", NoThreads)
+    choices.prefetch(torch.ones(16, 8, dtype=DT), None, "gelu")  # returns; raises nothing
+    assert kernels.calls == [] and choices._builds == {}
