@@ -103,7 +103,7 @@ class VitGraphBackend:
         op can serve; returns how many (the reason it does not is logged at info level)."""
         if opts.epilogue_fusion == "off":
             return 0
-        # each fused shape's kernels begin compiling while the inner compiler runs
+        # each fused layer's kernels begin compiling at once, in the background
         fuse = functools.partial(fuse_linear_activations, rewritten=FUSED_CHOICES.prefetch)
         return _rewrite(gm, example_inputs, inner, fuse,
                         fused_epilogue_unavailable(graph_device(example_inputs)),

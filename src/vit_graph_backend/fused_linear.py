@@ -260,9 +260,9 @@ class LinearActChoices:
     def prefetch(self, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
         """Begin compiling, in a background thread, the fused configurations that the first
         timing of a shape with this weight will time (the kernels do not depend on the row
-        count), so that with cold caches Triton compiles while the inner compiler does; the
-        timing waits for it. Nothing when the kernels cannot run on the weight, or no thread can
-        start."""
+        count), so that with cold caches Triton compiles while the call that compiled the graph
+        goes on; the timing waits for what is left. Nothing when the kernels cannot run on the
+        weight, or no thread can start."""
         kernels = _kernels()[0]
         if (kernels is None or activation not in ACTIVATIONS  # the weight stands for rows of
                 or not self._fusable(weight, weight, bias)):  # its device, dtype and width
