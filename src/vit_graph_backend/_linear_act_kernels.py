@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._threaded_builds import build_side_by_side
 
 __all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act", "precompile",
            "silu_mul_packed"]
@@ -167,8 +168,6 @@ def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     :func:`linear_act` would launch for these arguments, side by side in threads, launching
     nothing. A configuration that fails to build is left to fail again at its launch, where the
     caller sees why."""
-    if len(configs) < 2:  # nothing to build side by side: the launch compiles it
-        return
     # A few rows stand for all: the kernel is not specialised on the row count, and a small
     # output keeps the allocation off a large budget's memory.
     rows = x[:128]
@@ -178,12 +177,7 @@ def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             _, grid, args, options = _arguments(rows, weight, bias, activation, config, approx)
             _linear_act_kernel.warmup(*args, grid=grid, **options)
 
-    try:
-        with ThreadPoolExecutor(len(configs), thread_name_prefix="vitgraph-triton") as pool:
-            for done in [pool.submit(build, config) for config in configs]:
-                done.exception()  # waited for; a failure recurs at the launch, with its reason
-    except RuntimeError:  # no thread to start (a thread limit, the interpreter's shutdown):
-        pass              # each launch then compiles its configuration in turn
+    build_side_by_side(build, configs)
 
 
 def _arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

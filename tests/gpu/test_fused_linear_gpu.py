@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import vit_graph_backend
-from vit_graph_backend import fused_linear
+from vit_graph_backend import _threaded_builds, fused_linear
 from vit_graph_backend.fused_linear import (
     CHOICES,
     FUSED_CONFIGS,
@@ -127,7 +127,7 @@ def test_precompile_without_threads_to_start_leaves_the_compiles_to_the_launches
         def __init__(self, *args, **kwargs):
             raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(K, "ThreadPoolExecutor", NoThreads)
+    monkeypatch.setattr(_threaded_builds, "ThreadPoolExecutor", NoThreads)
     x, w, b = _operands(700, 64, 256, seed=13)
     K.precompile(x, w, b, "gelu_tanh", FUSED_CONFIGS)  # returns; raises nothing
     for config in FUSED_CONFIGS:

@@ -18,6 +18,7 @@ from test_short_attention_gpu import (
     _served_errors,
 )
 
+from vit_graph_backend import _threaded_builds
 from vit_graph_backend.adapters._attention_choice import AttentionChoice
 from vit_graph_backend.adapters._segment_attention import (
     SegmentFlashAttention,
@@ -242,7 +243,7 @@ def test_precompile_without_threads_to_start_leaves_the_compiles_to_the_launches
         def __init__(self, *args, **kwargs):
             raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(K, "ThreadPoolExecutor", NoThreads)
+    monkeypatch.setattr(_threaded_builds, "ThreadPoolExecutor", NoThreads)
     qkv, offsets, lengths = _images(4, tokens=300, seed=23)
     configs = [(64, 64, 4, 3), (128, 64, 4, 3)]
     K.precompile(*qkv, offsets, 0.125, configs)  # returns; raises nothing

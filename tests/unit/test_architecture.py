@@ -60,7 +60,7 @@ LAYERS: dict[str, set[str]] = {
     "_compat": set(),
     # fused_linear's op: the Qwen-VL adapters run fc1 + GELU through it (it imports nothing above)
     "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear",
-                 "gpu_timing", "weight_watch", "code_watch"},
+                 "gpu_timing", "weight_watch", "code_watch", "_threaded_builds"},
     "stream_order": {"_compat"},
     "graph_capture": {"_compat", "graph_launch", "errors"},
     # How a captured graph is instantiated and launched (the CUDA driver through ctypes).
@@ -94,7 +94,9 @@ LAYERS: dict[str, set[str]] = {
     "gpu_timing": {"_compat", "errors"},
     # The backend's graph rewrites' walk over linear layers, and linear + GELU -> the op.
     "linear_rewrite": {"fused_linear"},
-    "_linear_act_kernels": set(),
+    # Kernel configurations built side by side in threads (the Triton kernels' cold compiles).
+    "_threaded_builds": set(),
+    "_linear_act_kernels": {"_threaded_builds"},
     "backend": _BELOW_BACKEND,
     "__init__": _BELOW_BACKEND | {"backend", "hf", "parallel", "assignment"},
     # Integrations: one call on a whole Hugging Face model (packed serving + the backend).

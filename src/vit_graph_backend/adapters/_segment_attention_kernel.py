@@ -47,12 +47,13 @@ at 1 to 16 segments (``benchmarks/results/segment_attention_kernel_cold_compiles
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .._threaded_builds import build_side_by_side
 
 __all__ = ["MIN_SLOTS", "attend", "precompile", "split_head"]
 
@@ -168,8 +169,6 @@ def precompile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch
     these arguments in each ``(block_m, block_n, warps, stages)`` configuration, side by side
     in threads, launching nothing. A configuration that fails to build is left to fail again
     at its launch, where the caller sees why."""
-    if len(configs) < 2:  # nothing to build side by side: the launch compiles it
-        return
     # one row of output stands for the whole: it has the same dtype, row stride and alignment
     out = torch.empty((1, *q.shape[1:]), device=q.device, dtype=q.dtype)
 
@@ -178,12 +177,7 @@ def precompile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch
             grid, args, options = _arguments(q, k, v, offsets, scale, out, config, None)
             _segment_attention.warmup(*args, grid=grid, **options)
 
-    try:
-        with ThreadPoolExecutor(len(configs), thread_name_prefix="vitgraph-triton") as pool:
-            for done in [pool.submit(build, config) for config in configs]:
-                done.exception()  # waited for; a failure recurs at the launch, with its reason
-    except RuntimeError:  # no thread to start (a thread limit, the interpreter's shutdown):
-        pass              # each launch then compiles its configuration in turn
+    build_side_by_side(build, configs)
 
 
 def slots(segments: int, least: int = MIN_SLOTS) -> int:
