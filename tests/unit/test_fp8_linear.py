@@ -12,9 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from vit_graph_backend import VitGraphOptions
+from vit_graph_backend import fp8_linear as fp8_module
 from vit_graph_backend.errors import InvalidOptionError
-from vit_graph_backend.fp8_linear import (E4M3_MAX, check_fp8_device, fp8_linear,
-                                          quantize_linears, quantize_rows, quantize_weight)
+from vit_graph_backend.fp8_linear import (
+    E4M3_MAX,
+    check_fp8_device,
+    fp8_linear,
+    fp8_linear_blocks,
+    quantize_blocks,
+    quantize_linears,
+    quantize_rows,
+    quantize_weight,
+    quantize_weight_blocks,
+    scaling_for,
+)
 
 
 def test_quantize_rows_error_is_within_e4m3_resolution():
@@ -233,3 +244,125 @@ def test_threads_calling_after_a_weight_change_all_get_the_new_weights():
     for out in outs:
         _assert_close_to_max(out, ref)
     assert 2 <= weights.requantized <= 16  # each stale weight at least once
+
+
+# --- block scaling (1x128 activations, 128x128 weights) ---------------------------------------
+
+
+def test_quantize_blocks_scales_each_128_columns_of_a_row_on_their_own():
+    x = torch.randn(5, 384)
+    x[:, 128:256] *= 1000        # one block of every row far larger than the others
+    x[3, 256:] = 0               # an all-zero block: zeros, not NaN
+    q, scale = quantize_blocks(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (5, 384)
+    assert scale.shape == (5, 3) and scale.stride() == (1, 5)  # column by column, as cuBLASLt
+    amax = x.abs().reshape(5, 3, 128).amax(dim=-1)
+    torch.testing.assert_close(scale[amax > 0], (amax / E4M3_MAX)[amax > 0])
+    back = q.float().reshape(5, 3, 128) * scale.unsqueeze(-1)
+    # within e4m3's rounding (1/16 of a value) and its subnormal floor (2**-9) of the BLOCK's
+    # largest value: the small blocks keep their resolution beside the large one
+    bound = x.abs().reshape(5, 3, 128) / 16 + amax.unsqueeze(-1) * 2.0 ** -9 + 1e-30
+    assert ((back - x.reshape(5, 3, 128)).abs() <= bound).all()
+    assert not torch.isnan(q.float()).any() and (q[3, 256:].float() == 0).all()
+
+
+def test_weight_blocks_are_128_by_128():
+    w = torch.randn(256, 384)
+    w[128:, :128] *= 50
+    q, scale = quantize_weight_blocks(w)
+    assert q.shape == (256, 384) and scale.shape == (2, 3)
+    expected = w.abs().reshape(2, 128, 3, 128).amax(dim=(1, 3)) / E4M3_MAX
+    torch.testing.assert_close(scale, expected)
+    assert scale[1, 0] > 10 * scale[0, 0]
+
+
+@pytest.mark.parametrize(("shape", "capability", "device", "expected"), [
+    ((1024, 4096), (9, 0), "cuda", "blocks"),   # CLIP-L's fc2 on an H100
+    ((4096, 1024), (9, 0), "cuda", "rows"),     # its fc1: 1,024 columns in, after a LayerNorm
+    ((1024, 4096), (8, 9), "cuda", "rows"),     # Ada: no block-scaled FP8 GEMM in PyTorch
+    ((1024, 4096), (10, 0), "cuda", "rows"),    # Blackwell: not measured
+    ((1152, 4304), (9, 0), "cuda", "rows"),     # SigLIP so400m's fc2: 4,304 not in blocks of 128
+    ((1024, 2176), (9, 0), "cuda", "rows"),     # 17 blocks of K: the GEMM reads them by 4
+    ((1024, 2048), (9, 0), "cuda", "blocks"),
+    ((1040, 4096), (9, 0), "cuda", "rows"),     # output side not in blocks of 128
+    ((1024, 4096), (9, 0), "cpu", "rows"),
+])
+def test_scaling_for_picks_blocks_only_for_wide_inputs_on_hopper(monkeypatch, shape, capability,
+                                                                 device, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert scaling_for(shape, torch.device(device)) == expected
+
+
+def _blockwise_reference_gemm(a, b, scale_a, scale_b, bias):
+    """What cuBLASLt's block-scaled GEMM computes, in fp32 on CPU, reading the scales in the
+    layouts ``fp8_linear.block_scaled_mm`` documents (and refusing others, as it does)."""
+    m, k = a.shape
+    n = b.shape[1]
+    assert m % 4 == 0 and k % 512 == 0, (m, k)
+    assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m), scale_a.stride()
+    assert scale_b.shape == (k // 128, n // 128) and scale_b.stride() == (1, k // 128)
+    a = a.float() * scale_a.repeat_interleave(128, dim=1)
+    b = b.float() * scale_b.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    out = a @ b
+    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
+
+
+class _WideMlp(torch.nn.Module):
+    """fc2 takes 2,048 columns: block-scaled on Hopper; fc1 and the head stay row-scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(256)
+        self.fc1 = torch.nn.Linear(256, 2048)
+        self.fc2 = torch.nn.Linear(2048, 256)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def _wide_reference(model, x):
+    h = _dequantized_linear(model.norm(x), model.fc1.weight, model.fc1.bias)
+    rows = F.gelu(h).reshape(-1, 2048)
+    q, scale = quantize_blocks(rows)
+    wq, ws = quantize_weight_blocks(model.fc2.weight)
+    deq_w = wq.float() * ws.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    out = (q.float().reshape(-1, 16, 128) * scale.unsqueeze(-1)).reshape(-1, 2048) @ deq_w.t()
+    out = (out + model.fc2.bias.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+    return x + out.reshape(*x.shape[:-1], 256)
+
+
+@pytest.fixture
+def hopper_blocks_on_cpu(monkeypatch):
+    """The rewrite as on an H100 (capability 9.0), with cuBLASLt's block-scaled GEMM emulated."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    real = fp8_module.scaling_for
+    monkeypatch.setattr(fp8_module, "scaling_for",
+                        lambda shape, device: real(shape, torch.device("cuda", 0)))
+    monkeypatch.setattr(fp8_module, "_scaled_mm_blocks", _blockwise_reference_gemm)
+
+
+@torch.no_grad()
+def test_rewrite_block_scales_the_wide_layer_and_matches_reference(hopper_blocks_on_cpu):
+    torch.manual_seed(5)
+    model = _WideMlp()
+    fn, found = _compile_quantized(model)
+    x = torch.randn(3, 7, 256)  # 21 rows: padded to 24 for the GEMM
+    got = fn(x)
+    assert found["targets"].count(fp8_linear_blocks) == 1  # fc2
+    assert found["targets"].count(fp8_linear) == 1         # fc1
+    assert found["weights"].block_scaled == 1
+    _assert_close_to_max(got, _wide_reference(model, x))
+    assert (got - model(x)).abs().max() > 1e-4  # FP8 really ran
+
+
+@torch.no_grad()
+def test_block_scaled_weights_are_requantized_by_blocks(hopper_blocks_on_cpu):
+    torch.manual_seed(6)
+    model = _WideMlp()
+    fn, found = _compile_quantized(model)
+    x = torch.randn(2, 5, 256)
+    fn(x)
+    model.fc2.weight.mul_(torch.rand_like(model.fc2.weight) * 4)  # in place: same storage
+    got = fn(x)
+    assert found["weights"].requantized == 1
+    _assert_close_to_max(got, _wide_reference(model, x))
