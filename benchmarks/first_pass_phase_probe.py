@@ -15,7 +15,16 @@ its ``capture_end``); Dynamo's own phases (``torch._dynamo.utils.compile_times``
 outside the compiled call, where Dynamo's hook is off) and the deferred inner compile, then its
 N functions with the most cumulative time.
 
-Usage: python benchmarks/first_pass_phase_probe.py [--profile N]
+``--sdpa-without-cudnn``: PyTorch's cuDNN attention backend turned off for the process
+(``torch.backends.cuda.enable_cudnn_sdp(False)``), to see what its per-shape plan builds cost the
+warm-up runs. Each warm-up run's seconds are also printed by budget (its inputs' first size).
+
+``--without-empty-cache``: ``torch.cuda.empty_cache`` made a no-op for the process (the warm-up
+empties the allocator's cache before each budget to measure what it reserves), to see what
+emptying and allocating again costs the warm-up runs.
+
+Usage: python benchmarks/first_pass_phase_probe.py [--profile N] [--sdpa-without-cudnn]
+[--without-empty-cache]
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from vit_graph_backend import (
 _spent: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
 _profiler: cProfile.Profile | None = None
 _profiling = [0]
+_by_budget: list[tuple[int | None, float]] = []
 
 
 def _timed(owner: object, name: str, label: str, *, profile: bool = False) -> None:
@@ -83,6 +93,21 @@ def main() -> None:
     _timed(_compat, "compile_fx_without_cudagraphs", "Inductor compile_fx (inner)", profile=True)
     _timed(graph_capture.BudgetGraphs, "capture", "budget captures (all parts)")
     _timed(graph_capture, "_warmup", "  warm-up runs")
+    warmup = graph_capture._warmup
+
+    def by_budget(forward, static, *args):
+        start = time.perf_counter()
+        try:
+            return warmup(forward, static, *args)
+        finally:
+            budget = next(iter(static.values())).shape[0] if static else None
+            _by_budget.append((budget, time.perf_counter() - start))
+
+    graph_capture._warmup = by_budget
+    if "--without-empty-cache" in sys.argv:
+        torch.cuda.empty_cache = lambda: None
+    if "--sdpa-without-cudnn" in sys.argv:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     _timed(fused_linear.LinearActChoices, "_time", "  fused shapes timed")
     _timed(gpu_timing, "graph_ms", "    timing graphs (graph_ms)")
     _timed(torch.cuda.CUDAGraph, "capture_begin", "  capture_begin (all graphs)")
@@ -106,6 +131,7 @@ def main() -> None:
           f"{report['graphs_captured']}")
     for label, (calls, seconds) in _spent.items():
         print(f"phase {label:<42} {calls:>5} calls {seconds:8.2f} s")
+    print("warm-up by budget: " + ", ".join(f"{b}: {t * 1e3:.0f} ms" for b, t in _by_budget))
     times = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
     keep = ("bytecode_tracing", "call_user_compiler", "build_guards", "compile_inner",
             "inductor_load", "load_by_key_path", "benchmark_all_configs", "aot_collect_metadata")
