@@ -53,16 +53,22 @@ def _time_spent(cls: type) -> list[float]:
     return spent
 
 
-def main() -> None:
-    mode = sys.argv[1]
-    spent = _time_spent(fused_linear.LinearActChoices)
-    attention_spent = _time_spent(attention_op.AttentionChoices)
+def clip_l14_336_and_images() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The first pass's model (CLIP ViT-L/14-336, random weights, bf16, CUDA) and 48 images
+    (``benchmarks/first_pass_phase_probe.py`` runs the same)."""
     cfg = transformers.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096,
                                         num_hidden_layers=24, num_attention_heads=16,
                                         image_size=336, patch_size=14)
     torch.manual_seed(0)
     model = transformers.CLIPVisionModel(cfg).cuda().eval().to(torch.bfloat16)
-    x = torch.randn(48, 3, 336, 336, device="cuda", dtype=torch.bfloat16)
+    return model, torch.randn(48, 3, 336, 336, device="cuda", dtype=torch.bfloat16)
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    spent = _time_spent(fused_linear.LinearActChoices)
+    attention_spent = _time_spent(attention_op.AttentionChoices)
+    model, x = clip_l14_336_and_images()
     options = {"max_budget": 48, "epilogue_fusion": mode}
     if "--warmup-iters" in sys.argv:
         options["warmup_iters"] = int(sys.argv[sys.argv.index("--warmup-iters") + 1])

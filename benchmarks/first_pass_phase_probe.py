@@ -38,7 +38,7 @@ import time
 from collections import defaultdict
 
 import torch
-import transformers
+from first_pass_cache_probe import clip_l14_336_and_images
 
 from vit_graph_backend import (
     _compat,
@@ -113,12 +113,7 @@ def main() -> None:
     _timed(torch.cuda.CUDAGraph, "capture_begin", "  capture_begin (all graphs)")
     _timed(torch.cuda.CUDAGraph, "capture_end", "  capture_end (all graphs)")
     _timed(graph_capture, "make_launcher", "  instantiate (make_launcher)")
-    cfg = transformers.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096,
-                                        num_hidden_layers=24, num_attention_heads=16,
-                                        image_size=336, patch_size=14)
-    torch.manual_seed(0)
-    model = transformers.CLIPVisionModel(cfg).cuda().eval().to(torch.bfloat16)
-    x = torch.randn(48, 3, 336, 336, device="cuda", dtype=torch.bfloat16)
+    model, x = clip_l14_336_and_images()
     compiled = torch.compile(model, backend="vitgraph", options={"max_budget": 48})
     start = time.perf_counter()
     with torch.no_grad():
