@@ -23,8 +23,11 @@ warm-up runs. Each warm-up run's seconds are also printed by budget (its inputs'
 empties the allocator's cache before each budget to measure what it reserves), to see what
 emptying and allocating again costs the warm-up runs.
 
+``--patch-embedding conv|gemm``: that option (default: the package's), to see whether cuDNN's
+first convolution at each new batch size is part of the warm-up runs' host time.
+
 Usage: python benchmarks/first_pass_phase_probe.py [--profile N] [--sdpa-without-cudnn]
-[--without-empty-cache]
+[--without-empty-cache] [--patch-embedding conv|gemm]
 """
 
 from __future__ import annotations
@@ -114,7 +117,10 @@ def main() -> None:
     _timed(torch.cuda.CUDAGraph, "capture_end", "  capture_end (all graphs)")
     _timed(graph_capture, "make_launcher", "  instantiate (make_launcher)")
     model, x = clip_l14_336_and_images()
-    compiled = torch.compile(model, backend="vitgraph", options={"max_budget": 48})
+    options = {"max_budget": 48}
+    if "--patch-embedding" in sys.argv:
+        options["patch_embedding"] = sys.argv[sys.argv.index("--patch-embedding") + 1]
+    compiled = torch.compile(model, backend="vitgraph", options=options)
     start = time.perf_counter()
     with torch.no_grad():
         for batch in (3, 48):

@@ -37,6 +37,7 @@ from .inner import compile_inner, inner_compiler_name
 from .linear_rewrite import fuse_linear_activations
 from .options import VitGraphOptions
 from .packed import live_served
+from .patch_rewrite import patch_embeddings_as_gemm
 
 __all__ = ["VitGraphBackend", "register", "report", "vitgraph"]
 
@@ -79,6 +80,9 @@ class VitGraphBackend:
                             "write; call torch.compiler.reset() after changing them in place",
                             weights.untracked)
         inner = inner_compiler_name(example_inputs, opts)
+        if opts.patch_embedding == "gemm":  # PyTorch's own ops: any device, any inner compiler
+            log.info("vitgraph: patch_embedding='gemm': %d patch convolutions as one GEMM each",
+                     patch_embeddings_as_gemm(gm, example_inputs))
         fused = self._fuse_epilogues(gm, example_inputs, opts, inner)
         self._rewrite_attention(gm, example_inputs, opts, inner)
         encoder = BatchedGraphEncoder(gm, example_inputs, opts,

@@ -26,7 +26,7 @@ from .specs import check_positive_int
 
 __all__ = ["ATTENTION_KERNELS", "DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET",
            "DEFAULT_LADDER_STEPS", "EPILOGUE_FUSIONS", "GRAPH_LAUNCHES", "INNER_COMPILERS", "MODES",
-           "PACKED_ONLY_OPTIONS", "QUANTIZATIONS", "VitGraphOptions"]
+           "PACKED_ONLY_OPTIONS", "PATCH_EMBEDDINGS", "QUANTIZATIONS", "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
@@ -39,6 +39,8 @@ ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "timed")
 #: ``graph_launch`` values: each graph instantiated for device launch where the CUDA driver allows
 #: (a cheap launch for the host), or always PyTorch's ``CUDAGraph.replay()`` (``graph_launch.py``).
 GRAPH_LAUNCHES: tuple[str, ...] = ("auto", "torch")
+#: ``patch_embedding`` values: a ViT's patch convolution, or one GEMM over its patches.
+PATCH_EMBEDDINGS: tuple[str, ...] = ("conv", "gemm")
 
 #: ``torch.compile(mode=...)`` presets. Every mode replays CUDA graphs; they differ in what runs
 #: inside the graph. ``reduce-overhead`` is accepted because users reach for it for this exact
@@ -136,14 +138,18 @@ class VitGraphOptions:
             kernel (``attention_op.py``). Opt-in: on an H100 it ran CLIP ViT-L/14-336's
             attention at 48 images 6 to 9 % faster (and chose the Triton kernel at 24 too),
             whole calls within the run-to-run spread, and its timing adds about 13 s to a first
-            pass with cold caches and 1.3 to 1.6 s with warm ones. Packed towers choose their attention kernels per budget
-            themselves (their adapter's ``attention`` keyword).
+            pass with cold caches and 1.3 to 1.6 s with warm ones. Packed towers choose their
+            attention kernels per budget themselves (their adapter's ``attention`` keyword).
         graph_launch: ``"auto"`` (the default) has the CUDA driver instantiate each captured
             graph for device launch, whose launch cost the host 0.02 to 0.13 ms for the
             Qwen2.5-VL-3B tower's graphs, where PyTorch's own executable cost up to 0.6 ms once
             cuBLAS put memsets in the graph (large GEMMs on Hopper; ``graph_launch.py``). Graphs that draw random numbers, or that the driver
             refuses, replay through ``CUDAGraph.replay()`` with a logged reason. ``"torch"``:
             always ``CUDAGraph.replay()``. ``report()["graph_launch"]`` says which per budget.
+        patch_embedding: ``"conv"`` (the default) leaves a ViT's patch embedding to its
+            convolution. ``"gemm"`` (opt-in, not yet timed on a GPU) rewrites each
+            ``torch.conv2d`` of a graph whose stride equals its kernel, without padding,
+            dilation or groups, into one GEMM over the patches (``patch_rewrite.py``).
 
     Example::
 
@@ -171,6 +177,7 @@ class VitGraphOptions:
     epilogue_fusion: str = "auto"
     attention_kernel: str = "sdpa"
     graph_launch: str = "auto"
+    patch_embedding: str = "conv"
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -187,12 +194,12 @@ class VitGraphOptions:
             raise InvalidOptionError(
                 f"warmup_iters={self.warmup_iters!r} is invalid: must be an integer >= 0"
             )
-        _check_choice("policy", self.policy, POLICIES)
-        _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
-        _check_choice("capture", self.capture, CAPTURE_MODES)
-        _check_choice("epilogue_fusion", self.epilogue_fusion, EPILOGUE_FUSIONS)
-        _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
-        _check_choice("graph_launch", self.graph_launch, GRAPH_LAUNCHES)
+        for name, allowed in (("policy", POLICIES), ("inner_compiler", INNER_COMPILERS),
+                              ("capture", CAPTURE_MODES), ("epilogue_fusion", EPILOGUE_FUSIONS),
+                              ("attention_kernel", ATTENTION_KERNELS),
+                              ("graph_launch", GRAPH_LAUNCHES),
+                              ("patch_embedding", PATCH_EMBEDDINGS)):
+            _check_choice(name, getattr(self, name), allowed)
         for name in ("static_graphs", "backed_size_oblivious", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(

@@ -40,7 +40,7 @@ _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors"
 _BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
                                          "batched_layout", "packed", "inner", "fp8_linear",
                                          "fused_linear", "linear_rewrite", "gpu_timing",
-                                         "attention_op"}
+                                         "attention_op", "patch_rewrite"}
 
 #: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
@@ -87,13 +87,15 @@ LAYERS: dict[str, set[str]] = {
     # and by the graphs the rewrite below makes; its Triton kernels (imported only when a CUDA
     # graph uses them) are the private module below it.
     "fused_linear": {"_linear_act_kernels", "gpu_timing"},
-    # attention_kernel="auto": SDPA -> the op that times SDPA against the packed towers' Triton
+    # attention_kernel="timed": SDPA -> the op that times SDPA against the packed towers' Triton
     # segment kernel per shape (imported only when a CUDA graph runs it).
     "attention_op": {"adapters", "fused_linear", "gpu_timing"},
     # The GPU time of a candidate kernel from a small CUDA graph's replays (the choices above).
     "gpu_timing": {"_compat", "errors"},
     # The backend's graph rewrites' walk over linear layers, and linear + GELU -> the op.
     "linear_rewrite": {"fused_linear"},
+    # patch_embedding="gemm": a ViT's patch convolution -> one GEMM, PyTorch's own ops only.
+    "patch_rewrite": {"_compat"},
     # Kernel configurations built side by side in threads (the Triton kernels' cold compiles).
     "_threaded_builds": set(),
     "_linear_act_kernels": {"_threaded_builds"},
