@@ -12,7 +12,6 @@ set -uo pipefail
 source scripts/device_setup.sh
 mkdir -p "$OUT/json"
 source scripts/optional_wheels.sh
-bench() { vitgraph bench --no-progress "$@" 2>&1 | grep -vE "^WARNING|^\[rank|UserWarning|warnings.warn"; }
 for part in ${*:-tests probe fixed profile vitb}; do
   case $part in
   tests)

@@ -12,7 +12,6 @@ set -uo pipefail
 source scripts/device_setup.sh
 mkdir -p "$OUT/json"
 parts=${*:-firstpass fixed vitb host}
-bench() { vitgraph bench --no-progress "$@" 2>&1 | grep -vE "^WARNING|^\[rank|UserWarning|warnings.warn"; }
 for part in $parts; do
   case $part in
   firstpass)
