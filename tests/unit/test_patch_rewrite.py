@@ -124,14 +124,17 @@ def _vits():
     }
 
 
-@pytest.mark.parametrize("name", ["timm_vit", "hf_clip", "hf_siglip", "hf_dinov2"])
+@pytest.mark.parametrize("name, inner", [
+    ("timm_vit", "auto"), ("hf_clip", "auto"), ("hf_siglip", "auto"), ("hf_dinov2", "auto"),
+    ("hf_clip", "inductor"),  # Inductor's lowering of the rewrite, as on a GPU by default
+])
 @torch.no_grad()
-def test_vits_compiled_with_the_gemm_equal_eager(name, caplog):
+def test_vits_compiled_with_the_gemm_equal_eager(name, inner, caplog):
     torch.manual_seed(0)
     model = _vits()[name].eval()
     side = 32 if name == "timm_vit" else 28
-    compiled = torch.compile(model, backend="vitgraph",
-                             options={"max_budget": 8, "patch_embedding": "gemm"})
+    compiled = torch.compile(model, backend="vitgraph", options={
+        "max_budget": 8, "patch_embedding": "gemm", "inner_compiler": inner})
     with caplog.at_level(logging.INFO, logger="vit_graph_backend.backend"):
         for batch in (3, 5, 11):  # a static compile, a dynamic one, a call cut into chunks
             x = torch.randn(batch, 3, side, side)
