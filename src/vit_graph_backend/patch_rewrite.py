@@ -1,7 +1,8 @@
 """``patch_embedding="gemm"``: the ViTs' patch embedding as one GEMM over the image's patches.
 
-A ViT embeds its image with a convolution whose kernel equals its stride (CLIP, SigLIP and DINOv2
-at 14 pixels, timm's and HF's ViTs at 16): each output position reads one patch, no patch twice.
+A ViT embeds its image with a convolution whose kernel equals its stride (14 or 16 pixels in
+CLIP, SigLIP, DINOv2 and timm's and HF's ViTs): each output position reads one patch, no patch
+twice.
 That is a matrix product of the patches (``C * k * k`` values each) with the weight, but cuDNN
 runs it as a convolution: at CLIP ViT-L/14-336 with 48 images it took 0.87 to 0.91 ms of a
 37.2 ms graph on an H100 for 33 GFLOP, about 40 TFLOP/s
@@ -14,8 +15,9 @@ row independence (``batched_layout.py``) is untouched.
 
 The GEMM's result is the convolution's output with channels last; it is made contiguous, so
 every later op sees the strides the convolution gave (a ``view`` of a channels-last tensor would
-fail, and the graph's recorded metadata holds those strides). Inductor fuses that copy into its
-reader where it can, e.g. the position embedding's add after ``flatten(2).transpose(1, 2)``.
+fail, and the graph's recorded metadata holds those strides). Inductor may fuse that copy into
+the kernel that reads it (the position embedding's add after ``flatten(2).transpose(1, 2)``);
+whether it does is for a GPU profile to say (``scripts/patch_embedding_check.sh``).
 
 Pure FX graph editing on PyTorch's own ops, so it runs on any device and under every inner
 compiler; what it finds and replaces is tested on CPU (``tests/unit/test_patch_rewrite.py``).
