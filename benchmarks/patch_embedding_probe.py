@@ -40,15 +40,16 @@ def conv(x, w, b):
 
 
 def gemm(x, w, b, k_pad: int = 0):
-    n, c, h, _ = x.shape
+    n, c, h, wide = x.shape
     p = w.shape[-1]
-    g = h // p
-    patches = x.reshape(n, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(n * g * g, c * p * p)
+    gh, gw = h // p, wide // p
+    patches = (x.reshape(n, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5)
+               .reshape(n * gh * gw, c * p * p))
     weight = w.reshape(w.shape[0], -1)
     if k_pad:
         patches = F.pad(patches, (0, k_pad))
         weight = F.pad(weight, (0, k_pad))
-    return torch.addmm(b, patches, weight.t()).view(n, g * g, -1)
+    return torch.addmm(b, patches, weight.t()).view(n, gh * gw, -1)
 
 
 def gemm_k8(x, w, b):
@@ -101,7 +102,7 @@ def main() -> None:
             for label, fn in compiled.items():
                 out = fn(x, w, b)
                 err.append(((out.float() - ref).norm() / ref.norm()).item())
-                ms.append(graph_ms(lambda fn=fn: fn(x, w, b), calls=10, reps=7))
+                ms.append(graph_ms(lambda fn=fn, x=x, w=w, b=b: fn(x, w, b), calls=10, reps=7))
             print(f"{name:22s} {n:5d} " + " ".join(f"{m:8.4f}" for m in ms) + "   "
                   + " ".join(f"{e:9.2e}" for e in err))
 
