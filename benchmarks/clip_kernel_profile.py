@@ -2,12 +2,12 @@
 
 ``--modes`` picks among ``bf16`` (the defaults), ``bf16-epilogue-off``
 (``epilogue_fusion="off"``), ``bf16-timed-attention``
-(``attention_kernel="timed"``) and ``fp8``. Each mode
+(``attention_kernel="timed"``), ``bf16-patch-conv`` (``patch_embedding="conv"``) and ``fp8``. Each mode
 replays the vitgraph CUDA graph of one budget (Inductor inside); ``torch.profiler``
 records the kernels of the replays, and they are summed by kind (GEMM, attention, Inductor's
 fused Triton kernels, other), with the largest kernels listed.
 
-    python benchmarks/clip_kernel_profile.py [--batch 48] [--modes bf16,fp8] [--json out.json]
+    python benchmarks/clip_kernel_profile.py [--batch 48] [--modes bf16,fp8] [--top 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 MODES = {"bf16": {}, "bf16-epilogue-off": {"epilogue_fusion": "off"},
-         "bf16-timed-attention": {"attention_kernel": "timed"}, "fp8": {"quantization": "fp8"}}
+         "bf16-timed-attention": {"attention_kernel": "timed"}, "fp8": {"quantization": "fp8"},
+         "bf16-patch-conv": {"patch_embedding": "conv"}}
 
 
 def _kind(name: str) -> str:
@@ -40,7 +41,7 @@ def _kind(name: str) -> str:
     return "other"
 
 
-def _profile(fn, x, calls: int) -> dict:
+def _profile(fn, x, calls: int, top: int) -> dict:
     for _ in range(3):
         fn(pixel_values=x)
     torch.cuda.synchronize()
@@ -56,7 +57,7 @@ def _profile(fn, x, calls: int) -> dict:
             kernels[event.name[:90]] += event.device_time / 1e3 / calls
     return {"ms_per_call_by_kind": dict(kinds),
             "total_ms_per_call": sum(kinds.values()),
-            "top_kernels_ms_per_call": dict(kernels.most_common(8))}
+            "top_kernels_ms_per_call": dict(kernels.most_common(top))}
 
 
 @torch.no_grad()
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--modes", default="bf16-epilogue-off,bf16,fp8",
                         help=f"comma-separated, of {sorted(MODES)}")
+    parser.add_argument("--top", type=int, default=8, help="largest kernels listed per mode")
     parser.add_argument("--json")
     args = parser.parse_args()
     config = transformers.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096,
@@ -80,7 +82,7 @@ def main() -> None:
     for name in args.modes.split(","):
         extra = MODES[name]
         fn = torch.compile(copy.deepcopy(model), backend="vitgraph", options={**base, **extra})
-        result["modes"][name] = got = _profile(fn, x, args.calls)
+        result["modes"][name] = got = _profile(fn, x, args.calls, args.top)
         print(f"== {name}: {got['total_ms_per_call']:.2f} ms of kernels per call")
         for kind, ms in sorted(got["ms_per_call_by_kind"].items(), key=lambda kv: -kv[1]):
             print(f"   {kind:50s} {ms:7.2f} ms")

@@ -43,6 +43,7 @@ def gemm(x, w, b, k_pad: int = 0):
     n, c, h, wide = x.shape
     p = w.shape[-1]
     gh, gw = h // p, wide // p
+    x = x[:, :, :gh * p, :gw * p]  # the remainder dropped, as the convolution drops it
     patches = (x.reshape(n, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5)
                .reshape(n * gh * gw, c * p * p))
     weight = w.reshape(w.shape[0], -1)

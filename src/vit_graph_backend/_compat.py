@@ -20,6 +20,7 @@ __all__ = [
     "MIN_TORCH",
     "TORCH_VERSION",
     "buffer_table",
+    "compile_cache_counts",
     "compile_fx_without_cudagraphs",
     "current_raw_stream",
     "enable_backed_size_oblivious",
@@ -81,6 +82,17 @@ def compile_fx_without_cudagraphs(gm: torch.fx.GraphModule, example_inputs: Sequ
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": False})
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """This process's counts of AOTAutograd's and Inductor's compile-cache outcomes so far
+    (``autograd_cache_hit``, ``autograd_cache_bypass``, ``fxgraph_cache_hit``, ...), as
+    ``torch._dynamo.utils.counters`` keeps them (torch/_functorch/_aot_autograd/autograd_cache.py,
+    torch/_inductor/codecache.py)."""
+    from torch._dynamo.utils import counters
+
+    return {key: value for group in ("aot_autograd", "inductor")
+            for key, value in counters[group].items() if "cache" in key}
 
 
 def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:

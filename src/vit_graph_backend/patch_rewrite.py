@@ -1,26 +1,30 @@
-"""``patch_embedding="gemm"``: the ViTs' patch embedding as one GEMM over the image's patches.
+"""``patch_embedding="gemm"`` (the default): the ViTs' patch embedding as one GEMM over the
+image's patches.
 
 A ViT embeds its image with a convolution whose kernel equals its stride (14 or 16 pixels in
 CLIP, SigLIP, DINOv2 and timm's and HF's ViTs): each output position reads one patch, no patch
-twice.
-That is a matrix product of the patches (``C * k * k`` values each) with the weight, but cuDNN
-runs it as a convolution: at CLIP ViT-L/14-336 with 48 images it took 0.87 to 0.91 ms of a
-37.2 ms graph on an H100 for 33 GFLOP, about 40 TFLOP/s
-(``benchmarks/results/clip_l14_336_batch48_kernel_time_by_kind_*``), where a GEMM of that size
-runs at hundreds. :func:`patch_embeddings_as_gemm` rewrites such a ``torch.conv2d`` of a Dynamo
-graph into ``x.unfold(2, k, k).unfold(3, k, k)`` (views: the patches, the remainder dropped as the
-convolution drops it), one copy into rows of ``C * k * k``, and ``F.linear`` with the weight
-viewed as ``[out, C * k * k]``. The batch axis stays its own dimension throughout, so the graph's
-row independence (``batched_layout.py``) is untouched.
+twice. That is a matrix product of the patches (``C * k * k`` values each) with the weight, but
+cuDNN runs it as a convolution, far below a GEMM's speed: on an H100, in CUDA graphs with
+Inductor, 1.05 ms at CLIP ViT-L/14-336 with 48 images against 0.23 ms as this GEMM and 0.13 ms
+with the patch length padded to a multiple of 8; 0.42 against 0.035 ms at ViT-B/16
+(``benchmarks/results/patch_embedding_conv_vs_gemm_*``). cuDNN's first convolution at each new
+batch size also spends 1 to 3 ms of host time, the GEMM's 0.1 to 0.6 ms.
+
+:func:`patch_embeddings_as_gemm` rewrites such a ``torch.conv2d`` of a Dynamo graph into
+``x.unfold(2, k, k).unfold(3, k, k)`` (views: the patches, the remainder dropped as the
+convolution drops it), one copy into rows of ``C * k * k`` values, zero-padded to a multiple of
+8 (rows of 16-byte multiples, which cuBLAS's fast bf16 kernels need; CLIP's 588 becomes 592, the
+weight's rows likewise, so the product is unchanged), and ``F.linear`` with the weight viewed as
+``[out, C * k * k]``. The batch axis stays its own dimension throughout, so the graph's row
+independence (``batched_layout.py``) is untouched.
 
 The GEMM's result is the convolution's output with channels last; it is made contiguous, so
 every later op sees the strides the convolution gave (a ``view`` of a channels-last tensor would
-fail, and the graph's recorded metadata holds those strides). Inductor may fuse that copy into
-the kernel that reads it (the position embedding's add after ``flatten(2).transpose(1, 2)``);
-whether it does is for a GPU profile to say (``scripts/patch_embedding_check.sh``).
+fail, and the graph's recorded metadata holds those strides).
 
 Pure FX graph editing on PyTorch's own ops, so it runs on any device and under every inner
-compiler; what it finds and replaces is tested on CPU (``tests/unit/test_patch_rewrite.py``).
+compiler; what it finds and replaces is tested on CPU (``tests/unit/test_patch_rewrite.py``),
+on a GPU against a float32 convolution and eager (``tests/gpu/test_patch_rewrite_gpu.py``).
 """
 
 from __future__ import annotations
@@ -41,26 +45,38 @@ def patch_embeddings_as_gemm(gm: torch.fx.GraphModule, example_inputs: Sequence[
     patches' GEMM (module docstring); returns how many.
 
     A patch embedding here: a 4-D weight that is a graph input, a stride equal to the kernel,
-    no padding, no dilation, one group, and an input of four dimensions."""
+    no padding, no dilation, one group, and an input of four dimensions.
+
+    Every inserted node calls a function AOTAutograd's compile cache accepts without the fake
+    value Dynamo records on its own nodes (an ATen op, a public ``torch`` or
+    ``torch.nn.functional`` function; torch/_functorch/_aot_autograd/autograd_cache.py): a
+    tensor method call on a node without one makes the cache pass the graph by, and every
+    process traced a rewritten CLIP-L again (``compile_fx`` 14 to 17 s against 3.4 s warm on an
+    H100, ``benchmarks/results/patch_embedding_conv_vs_gemm_*``)."""
     index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     rewritten = 0
     for node in list(gm.graph.nodes):
         parts = _patch_conv(node, index, example_inputs)
         if parts is None:
             continue
-        x, weight, bias, (kh, kw) = parts
+        x, weight, bias, (channels, kh, kw) = parts
         graph = gm.graph
         with graph.inserting_before(node):
-            patches = graph.call_method("unfold", (x, 2, kh, kh))
-            patches = graph.call_method("unfold", (patches, 3, kw, kw))
+            patches = graph.call_function(torch.ops.aten.unfold.default, (x, 2, kh, kh))
+            patches = graph.call_function(torch.ops.aten.unfold.default, (patches, 3, kw, kw))
             # [N, C, H/kh, W/kw, kh, kw] -> [N, H/kh, W/kw, C, kh, kw]: one row a patch, in the
             # weight's (C, kh, kw) order
-            patches = graph.call_method("permute", (patches, 0, 2, 3, 1, 4, 5))
-            patches = graph.call_method("flatten", (patches, 3))
-            matrix = graph.call_method("flatten", (weight, 1))
+            patches = graph.call_function(torch.permute, (patches, (0, 2, 3, 1, 4, 5)))
+            patches = graph.call_function(torch.flatten, (patches, 3))
+            matrix = graph.call_function(torch.flatten, (weight, 1))
+            pad = -(channels * kh * kw) % 8
+            if pad:  # module docstring: rows of 16-byte multiples for cuBLAS's fast kernels
+                patches = graph.call_function(F.pad, (patches, (0, pad)))
+                matrix = graph.call_function(F.pad, (matrix, (0, pad)))
             out = graph.call_function(F.linear, (patches, matrix, bias))
-            out = graph.call_method("permute", (out, 0, 3, 1, 2))
-            out = graph.call_method("contiguous", (out,))
+            out = graph.call_function(torch.permute, (out, (0, 3, 1, 2)))
+            out = graph.call_function(torch.clone, (out,),
+                                      {"memory_format": torch.contiguous_format})
         out.meta.update(node.meta)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
@@ -72,9 +88,9 @@ def patch_embeddings_as_gemm(gm: torch.fx.GraphModule, example_inputs: Sequence[
 
 
 def _patch_conv(node: torch.fx.Node, index: dict[torch.fx.Node, int],
-                example_inputs: Sequence[Any]) -> tuple[Any, Any, Any, tuple[int, int]] | None:
-    """``(input, weight, bias, kernel)`` of a patch-embedding ``torch.conv2d`` node, else
-    ``None``."""
+                example_inputs: Sequence[Any]) -> tuple[Any, Any, Any, tuple[int, int, int]] | None:
+    """``(input, weight, bias, (input channels, kernel height, kernel width))`` of a
+    patch-embedding ``torch.conv2d`` node, else ``None``."""
     if node.op != "call_function" or node.target is not torch.conv2d:
         return None
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -92,7 +108,7 @@ def _patch_conv(node: torch.fx.Node, index: dict[torch.fx.Node, int],
             or _pair(stride) != kernel or _pair(dilation) != (1, 1)
             or padding not in (0, (0, 0), [0, 0], "valid")):
         return None
-    return x, weight_node, bias, kernel
+    return x, weight_node, bias, (weight.shape[1], *kernel)
 
 
 def _pair(value: Any) -> tuple[int, ...] | None:

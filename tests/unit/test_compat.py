@@ -45,6 +45,22 @@ def test_compile_fx_wrapper_compiles():
     torch.testing.assert_close(f(x), torch.relu(x) + 1)
 
 
+def test_compile_cache_counts_count_an_inductor_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def backend(gm, example_inputs):
+        return _compat.compile_fx_without_cudagraphs(gm, example_inputs)
+
+    before = _compat.compile_cache_counts()
+    torch._dynamo.reset()
+    torch.compile(lambda x: torch.sigmoid(x) * 3, backend=backend)(torch.randn(5))
+    after = _compat.compile_cache_counts()
+    changed = {k for k in after if after[k] != before.get(k, 0)}
+    # a fresh cache folder: Inductor's FX graph cache misses, AOTAutograd's saves or misses
+    assert "fxgraph_cache_miss" in changed and changed & {"autograd_cache_miss",
+                                                          "autograd_cache_saved"}, changed
+
+
 def test_varlen_attention_is_present():
     assert _compat.varlen_attention_available()
     assert callable(_compat.get_varlen_attn())

@@ -28,7 +28,7 @@ BAD = [
     ({"graph_launch": "device"},
      r"graph_launch='device' is invalid: must be one of \('auto', 'torch'\)"),
     ({"patch_embedding": "unfold"},
-     r"patch_embedding='unfold' is invalid: must be one of \('conv', 'gemm'\)"),
+     r"patch_embedding='unfold' is invalid: must be one of \('gemm', 'conv'\)"),
     ({"verify": 1}, r"verify=1 is invalid: must be True or False"),
     ({"verify_tolerance": 0}, r"verify_tolerance=0 is invalid"),
     ({"min_budget": 64, "max_budget": 8}, r"min_budget=64 is larger than max_budget=8"),

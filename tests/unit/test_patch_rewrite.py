@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vit_graph_backend import _compat
 from vit_graph_backend.backend import vitgraph
 from vit_graph_backend.patch_rewrite import patch_embeddings_as_gemm
 
@@ -145,17 +146,75 @@ def test_vits_compiled_with_the_gemm_equal_eager(name, inner, caplog):
     assert vitgraph.report()["stats"]["eager_items"] == 0
 
 
+@pytest.mark.parametrize("options, rewritten", [({}, True), ({"patch_embedding": "conv"}, False)])
 @torch.no_grad()
-def test_the_default_leaves_the_convolution(caplog):
+def test_the_default_rewrites_and_conv_leaves_the_convolution(options, rewritten, caplog):
     model = _Embed(8, 8).eval()
-    seen = []
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend.backend"):
+        out = torch.compile(model, backend="vitgraph", options=options)(torch.randn(2, 3, 16, 16))
+    logged = [r.getMessage() for r in caplog.records if "patch_embedding" in r.getMessage()]
+    assert logged == (["vitgraph: patch_embedding='gemm': 1 patch convolutions as one GEMM each"]
+                      if rewritten else [])
+    assert out.shape == (2, 4, 8)
 
-    def keep(gm, example_inputs):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+class _LinearShapes(torch.fx.Interpreter):
+    """Runs a graph and records the shape of each ``F.linear``'s input and weight."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.shapes = []
+
+    def call_function(self, target, args, kwargs):
+        if target is F.linear:
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return super().call_function(target, args, kwargs)
+
+
+@pytest.mark.parametrize("kernel, row", [(14, 592), (16, 768), (2, 16)])
+@torch.no_grad()
+def test_patch_rows_are_padded_to_a_multiple_of_8(kernel, row):
+    """3 * 14 * 14 = 588 values a patch (CLIP, SigLIP, DINOv2) -> 592 with zeros, in the patches
+    and the weight alike: cuBLAS's fast bf16 kernels want rows of 16-byte multiples. 768 at 16
+    px needs none; 12 at 2 px becomes 16."""
+    torch.manual_seed(0)
+    model = _Embed(kernel, kernel).eval()
+    seen = {}
+
+    def backend(gm, example_inputs):
+        patch_embeddings_as_gemm(gm, example_inputs)
+        seen["gm"], seen["inputs"] = gm, example_inputs
         return gm
 
-    with caplog.at_level(logging.INFO, logger="vit_graph_backend.backend"):
-        torch.compile(model, backend="vitgraph")(torch.randn(2, 3, 16, 16))
-    assert not any("patch_embedding" in r.getMessage() for r in caplog.records)
-    torch.compile(model, backend=keep)(torch.randn(2, 3, 16, 16))
-    assert torch.conv2d in seen
+    x = torch.randn(2, 3, 2 * kernel, 3 * kernel)
+    out = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(x)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    run = _LinearShapes(seen["gm"])
+    run.run(*seen["inputs"])
+    assert run.shapes == [((2, 2, 3, row), (8, row))]
+    assert sum(n.target is F.pad for n in seen["gm"].graph.nodes) == (0 if row == 768 else 2)
+
+
+@torch.no_grad()
+def test_a_rewritten_graph_comes_from_the_compile_caches_the_second_time(tmp_path, monkeypatch):
+    """What a warm first pass depends on: AOTAutograd's cache takes the rewritten graph (it
+    passed it by when the inserted nodes were tensor method calls without Dynamo's fake values,
+    and every process traced CLIP-L again; patch_rewrite.py)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = _vits()["hf_clip"].eval()  # patches of 14 px, 588 values: the padded path
+    xs = [torch.randn(3, 3, 28, 28), torch.randn(5, 3, 28, 28)]
+    counts = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        before = _compat.compile_cache_counts()
+        compiled = torch.compile(model, backend="vitgraph",
+                                 options={"max_budget": 4, "inner_compiler": "inductor"})
+        for x in xs:  # a static graph, its inner compile deferred (batched.py), then a dynamic one
+            got = compiled(x).last_hidden_state
+            torch.testing.assert_close(got, model(x).last_hidden_state, atol=1e-4, rtol=1e-4)
+        after = _compat.compile_cache_counts()
+        counts.append({k: after[k] - before.get(k, 0) for k in after
+                       if after[k] != before.get(k, 0)})
+    assert counts[0].get("autograd_cache_bypass", 0) == 0 and counts[0], counts
+    assert counts[1].get("autograd_cache_hit", 0) >= 1, counts

@@ -24,9 +24,9 @@
 ``vitgraph-torch-launch``     ``vitgraph`` with ``graph_launch="torch"``: every graph replayed
                               through ``CUDAGraph.replay()``, to compare with the default's
                               device-launch executables (not in the default list)
-``vitgraph-patch-gemm``       ``vitgraph`` with ``patch_embedding="gemm"``: the patch convolution
-                              as one GEMM over the patches, to compare with the default's
-                              convolution (batched models; not in the default list)
+``vitgraph-patch-conv``       ``vitgraph`` with ``patch_embedding="conv"``: the patch convolution
+                              left to cuDNN, to compare with the default's GEMM over the patches
+                              (batched models; not in the default list)
 ============================  ====================================================================
 
 Packed towers go through :func:`vit_graph_backend.packed.serve` (adapter + router) rather than
@@ -59,7 +59,7 @@ DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead",
 #: Every mode ``--modes`` accepts.
 MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor", "vitgraph-fp8",
                           "vitgraph-epilogue-off", "vitgraph-timed-attention",
-                          "vitgraph-torch-launch", "vitgraph-patch-gemm")
+                          "vitgraph-torch-launch", "vitgraph-patch-conv")
 
 #: The vitgraph modes and the backend options each one adds.
 VITGRAPH_MODES: dict[str, dict[str, Any]] = {
@@ -70,7 +70,7 @@ VITGRAPH_MODES: dict[str, dict[str, Any]] = {
     "vitgraph-epilogue-off": {"epilogue_fusion": "off"},
     "vitgraph-timed-attention": {"attention_kernel": "timed"},
     "vitgraph-torch-launch": {"graph_launch": "torch"},
-    "vitgraph-patch-gemm": {"patch_embedding": "gemm"},
+    "vitgraph-patch-conv": {"patch_embedding": "conv"},
 }
 
 
