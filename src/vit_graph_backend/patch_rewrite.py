@@ -8,7 +8,7 @@ cuDNN runs it as a convolution, far below a GEMM's speed: on an H100, in CUDA gr
 Inductor, 1.05 ms at CLIP ViT-L/14-336 with 48 images against 0.23 ms as this GEMM and 0.13 ms
 with the patch length padded to a multiple of 8; 0.42 against 0.035 ms at ViT-B/16
 (``benchmarks/results/patch_embedding_conv_vs_gemm_*``). cuDNN's first convolution at each new
-batch size also spends 1 to 3 ms of host time, the GEMM's 0.1 to 0.6 ms.
+batch size also spends 0.8 to 2.8 ms of host time, the GEMM's 0.1 to 0.6 ms.
 
 :func:`patch_embeddings_as_gemm` rewrites such a ``torch.conv2d`` of a Dynamo graph into
 ``x.unfold(2, k, k).unfold(3, k, k)`` (views: the patches, the remainder dropped as the
@@ -52,7 +52,7 @@ def patch_embeddings_as_gemm(gm: torch.fx.GraphModule, example_inputs: Sequence[
     ``torch.nn.functional`` function; torch/_functorch/_aot_autograd/autograd_cache.py): a
     tensor method call on a node without one makes the cache pass the graph by, and every
     process traced a rewritten CLIP-L again (``compile_fx`` 14 to 17 s against 3.4 s warm on an
-    H100, ``benchmarks/results/patch_embedding_conv_vs_gemm_*``)."""
+    H100, ``benchmarks/results/clip_l14_336_first_pass_cold_warm_patch_gemm_vs_conv_*``)."""
     index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     rewritten = 0
     for node in list(gm.graph.nodes):
