@@ -31,6 +31,7 @@ __all__ = [
     "global_forward_hook_tables",
     "graph_pool_bytes",
     "hook_handles_made",
+    "mark_cacheable",
     "maybe_mark_dynamic",
     "module_table",
     "parameter_table",
@@ -93,6 +94,26 @@ def compile_cache_counts() -> dict[str, int]:
 
     return {key: value for group in ("aot_autograd", "inductor")
             for key, value in counters[group].items() if "cache" in key}
+
+
+def mark_cacheable(function: Callable[..., Any], key: str) -> bool:
+    """Let AOTAutograd's compile cache take graphs that call ``function``, a plain Python
+    function a rewrite put in a Dynamo graph, with ``key`` (which must change whenever what
+    ``function`` computes does) in the cache key; ``False`` where this torch has no such list.
+
+    AOTAutograd passes by any graph that calls a function it cannot vouch for
+    (torch/_functorch/_aot_autograd/autograd_cache.py, ``check_node_safe``), so every process
+    traces it again; ``torch._inductor.config.unsafe_marked_cacheable_functions`` names the
+    functions a caller vouches for, and its values enter the keys."""
+    from torch._inductor import config
+
+    names = getattr(config, "unsafe_marked_cacheable_functions", None)
+    if not isinstance(names, dict):
+        return False
+    name = f"{function.__module__}.{function.__name__}"
+    if names.get(name) != key:
+        config.unsafe_marked_cacheable_functions = {**names, name: key}
+    return True
 
 
 def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:

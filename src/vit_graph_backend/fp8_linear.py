@@ -21,14 +21,21 @@ parameter) or whose version counter moved (``load_state_dict`` and other in-plac
 same buffers, so captured CUDA graphs read the new values. Weights created under
 ``torch.inference_mode`` have no version counter; only replacement is seen for them, and the
 backend logs that once.
+
+:func:`fp8_linear` stays a plain function in the graph, so Inductor fuses its quantization with
+the ops around it; AOTAutograd's compile cache takes such a graph only for a function it is told
+it may (``_compat.mark_cacheable``, keyed by this module's and ``_compat``'s code), or every
+process would trace the model again (tested on CPU in ``tests/unit/test_fp8_linear.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +46,11 @@ from .linear_rewrite import linear_layers
 
 __all__ = ["E4M3_MAX", "FP8_MIN_CAPABILITY", "Fp8Weights", "check_fp8_device", "fp8_linear",
            "graph_device", "quantize_linears", "quantize_rows", "quantize_weight"]
+
+#: The key of :func:`fp8_linear` in the compile caches (``_compat.mark_cacheable``): AOTAutograd
+#: cannot see into a plain function, so a cached trace must not outlive a change to its code.
+_CACHE_KEY = hashlib.sha256(Path(__file__).read_bytes()
+                            + Path(_compat.__file__).read_bytes()).hexdigest()
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +171,8 @@ def quantize_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     Dynamo module to a Dynamo source for its guards (``_param_name_to_source``), and these
     buffers have none; as a plain module, its buffers are simply inputs of the compiled code.
     """
+    # what fp8_linear computes is this module's and _compat's code: their bytes key the caches
+    _compat.mark_cacheable(fp8_linear, _CACHE_KEY)
     weights = Fp8Weights()
     kept = 0
     for node, (x, _, bias), source in linear_layers(gm):

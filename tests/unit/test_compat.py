@@ -61,6 +61,25 @@ def test_compile_cache_counts_count_an_inductor_compile(tmp_path, monkeypatch):
                                                           "autograd_cache_saved"}, changed
 
 
+def test_mark_cacheable_names_a_function_in_inductors_list():
+    from torch._inductor import config
+
+    def some_function(x):
+        return x
+
+    # assigned back, not monkeypatched: after pytest's undo torch's config said the name does
+    # not exist, and AOTAutograd's cache passed every later graph by
+    kept = dict(config.unsafe_marked_cacheable_functions)
+    try:
+        assert _compat.mark_cacheable(some_function, "k1")
+        name = f"{__name__}.some_function"
+        assert config.unsafe_marked_cacheable_functions[name] == "k1"
+        assert _compat.mark_cacheable(some_function, "k2")  # a new key replaces the old
+        assert config.unsafe_marked_cacheable_functions[name] == "k2"
+    finally:
+        config.unsafe_marked_cacheable_functions = kept
+
+
 def test_varlen_attention_is_present():
     assert _compat.varlen_attention_available()
     assert callable(_compat.get_varlen_attn())

@@ -209,6 +209,41 @@ def test_whole_backend_path_with_inductor_on_cpu(monkeypatch):
 
 
 @torch.no_grad()
+def test_a_second_compile_comes_from_aotautograds_cache_and_reads_its_own_weights(
+        tmp_path, monkeypatch):
+    """``fp8_linear`` is a plain function in the graph, which AOTAutograd's cache passes by
+    unless told it may take it (``_compat.mark_cacheable``): then a second process's compile comes
+    from the cache. The FP8 weights are the graph's buffers, inputs of the cached code: another
+    model of the same shapes, and new weights loaded after, give their own results."""
+    import vit_graph_backend.backend as backend
+
+    from vit_graph_backend import _compat
+
+    monkeypatch.setattr(backend, "check_fp8_device", lambda device: None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counts = []
+    for seed in (3, 4):  # a second model, other weights: the second compile's cache entry is the first's
+        torch.compiler.reset()
+        torch.manual_seed(seed)
+        model = _Mlp()
+        before = _compat.compile_cache_counts()
+        fn = torch.compile(model, backend=backend.vitgraph,
+                           options={"quantization": "fp8", "inner_compiler": "inductor"})
+        for rows in (2, 5):
+            x = torch.randn(rows, 64)
+            _assert_close_to_max(fn(x), _reference(model, x))
+        after = _compat.compile_cache_counts()
+        counts.append({k: after[k] - before.get(k, 0) for k in after
+                       if after[k] != before.get(k, 0)})
+    _load_new_state(model)
+    x = torch.randn(4, 64)
+    _assert_close_to_max(fn(x), _reference(model, x))
+    torch.compiler.reset()
+    assert counts[0].get("autograd_cache_bypass", 0) == 0 and counts[0], counts
+    assert counts[1].get("autograd_cache_hit", 0) >= 1, counts
+
+
+@torch.no_grad()
 def test_threads_calling_after_a_weight_change_all_get_the_new_weights():
     import threading
 
