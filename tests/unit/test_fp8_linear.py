@@ -215,9 +215,9 @@ def test_a_second_compile_comes_from_aotautograds_cache_and_reads_its_own_weight
     unless told it may take it (``_compat.mark_cacheable``): then a second process's compile comes
     from the cache. The FP8 weights are the graph's buffers, inputs of the cached code: another
     model of the same shapes, and new weights loaded after, give their own results."""
-    import vit_graph_backend.backend as backend
+    from compile_caches import cache_outcomes
 
-    from vit_graph_backend import _compat
+    import vit_graph_backend.backend as backend
 
     monkeypatch.setattr(backend, "check_fp8_device", lambda device: None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -226,15 +226,13 @@ def test_a_second_compile_comes_from_aotautograds_cache_and_reads_its_own_weight
         torch.compiler.reset()
         torch.manual_seed(seed)
         model = _Mlp()
-        before = _compat.compile_cache_counts()
-        fn = torch.compile(model, backend=backend.vitgraph,
-                           options={"quantization": "fp8", "inner_compiler": "inductor"})
-        for rows in (2, 5):
-            x = torch.randn(rows, 64)
-            _assert_close_to_max(fn(x), _reference(model, x))
-        after = _compat.compile_cache_counts()
-        counts.append({k: after[k] - before.get(k, 0) for k in after
-                       if after[k] != before.get(k, 0)})
+        with cache_outcomes() as outcomes:
+            fn = torch.compile(model, backend=backend.vitgraph,
+                               options={"quantization": "fp8", "inner_compiler": "inductor"})
+            for rows in (2, 5):
+                x = torch.randn(rows, 64)
+                _assert_close_to_max(fn(x), _reference(model, x))
+        counts.append(outcomes)
     _load_new_state(model)
     x = torch.randn(4, 64)
     _assert_close_to_max(fn(x), _reference(model, x))

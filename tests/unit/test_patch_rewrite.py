@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vit_graph_backend import _compat
+from compile_caches import cache_outcomes
 from vit_graph_backend.backend import vitgraph
 from vit_graph_backend.patch_rewrite import patch_embeddings_as_gemm
 
@@ -207,14 +207,12 @@ def test_a_rewritten_graph_comes_from_the_compile_caches_the_second_time(tmp_pat
     counts = []
     for _ in range(2):
         torch._dynamo.reset()
-        before = _compat.compile_cache_counts()
-        compiled = torch.compile(model, backend="vitgraph",
-                                 options={"max_budget": 4, "inner_compiler": "inductor"})
-        for x in xs:  # a static graph, its inner compile deferred (batched.py), then a dynamic one
-            got = compiled(x).last_hidden_state
-            torch.testing.assert_close(got, model(x).last_hidden_state, atol=1e-4, rtol=1e-4)
-        after = _compat.compile_cache_counts()
-        counts.append({k: after[k] - before.get(k, 0) for k in after
-                       if after[k] != before.get(k, 0)})
+        with cache_outcomes() as outcomes:
+            compiled = torch.compile(model, backend="vitgraph",
+                                     options={"max_budget": 4, "inner_compiler": "inductor"})
+            for x in xs:  # a static graph, its inner compile deferred (batched.py), then dynamic
+                got = compiled(x).last_hidden_state
+                torch.testing.assert_close(got, model(x).last_hidden_state, atol=1e-4, rtol=1e-4)
+        counts.append(outcomes)
     assert counts[0].get("autograd_cache_bypass", 0) == 0 and counts[0], counts
     assert counts[1].get("autograd_cache_hit", 0) >= 1, counts
