@@ -16,9 +16,10 @@ static inputs hold, the bound ``max_graph_memory`` resolves to, and each budget'
    total is checked again and a graph over the bound is dropped; the pool keeps the memory that
    graph touched (the allocator returns a pool's memory only when the whole pool goes), so the
    total can end above the bound by at most about one budget's estimate.
-3. **Capture** into the shared pool on a capture stream of its own, with ``keep_graph=True``: the
-   graph is then instantiated as ``graph_launch.py`` decides (for device launch where the driver
-   allows, which makes a launch cheap for the host). If it fails (out of memory, a
+3. **Capture** into the shared pool on the device's capture stream (:func:`capture_stream`),
+   with ``keep_graph=True``: the graph is then instantiated as ``graph_launch.py`` decides (for
+   device launch where the driver allows, which makes a launch cheap for the host). If it fails
+   (out of memory, a
    host sync in the forward), the pool it was capturing into may be unusable for later captures:
    PyTorch's allocator was seen to fail an internal assert (``use_count > 0``) on every later
    capture into it, leaving 0 graphs. So the caller continues in a fresh pool, and the thread's
@@ -41,7 +42,7 @@ import torch
 
 from . import _compat
 from .errors import out_of_memory
-from .graph_launch import device_index, launch_kind, make_launcher
+from .graph_launch import capture_stream, device_index, launch_kind, make_launcher
 
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
            "mib", "storage_bytes"]
@@ -178,10 +179,7 @@ def capture_budget_graph(
     # kept: the driver instantiates it for device launch (graph_launch.py)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     try:
-        # torch.cuda.graph's one capture stream for every budget: the allocator hands a pool's
-        # free blocks only to allocations on the stream that freed them, so a stream per
-        # capture would stop the smaller graphs reusing the larger ones' memory
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool,
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
                                                capture_error_mode="thread_local"):
             output = forward(static)
     except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward

@@ -27,6 +27,8 @@ replays:
 
 A launch that fails raises ``RuntimeError`` with the driver's error code: the runtime then runs the
 batch eagerly and disables that budget, like any failed replay.
+
+:func:`capture_stream` is the stream a device's graphs are captured on (``graph_capture.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 
 from ._compat import current_raw_stream
 
-__all__ = ["DeviceLaunchGraph", "device_index", "launch_kind", "make_launcher"]
+__all__ = ["DeviceLaunchGraph", "capture_stream", "device_index", "launch_kind", "make_launcher"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,27 @@ def _driver() -> Any:
 def device_index(device: torch.device) -> int:
     """``device``'s index; the current device's for a bare ``"cuda"``."""
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+_capture_streams_lock = threading.Lock()
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every graph of ``device`` is captured on: the allocator hands a pool's free
+    blocks only to allocations on the stream that freed them, so a stream per capture would stop
+    the smaller graphs reusing the larger ones' memory. One per device, not ``torch.cuda.graph``'s
+    default, which is one stream for the process made on whichever device was current when it was
+    first used: a capture for another GPU's tensors then begins on the first GPU (the forward's
+    kernels run eagerly outside it and the graph is empty, or the capture fails and leaves that
+    GPU's random-number generator in capture mode, so every later draw there raises:
+    ``benchmarks/results/gpu_suite_two_gpus_capture_stream_on_the_first_gpu_*``)."""
+    index = device_index(device)
+    with _capture_streams_lock:
+        stream = _capture_streams.get(index)
+        if stream is None:
+            stream = _capture_streams[index] = torch.cuda.Stream(device=index)
+        return stream
 
 
 def _log_once(reason: str) -> None:

@@ -359,7 +359,8 @@ class EncoderCudaGraphManager:
         return self.model.prepare_encoder_cudagraph_replay_buffers(inputs, list(batch.items), budget)
 
     def _capture_budget(self, budget: int) -> None:
-        outcome = self.graphs.capture(budget)
+        with torch.cuda.device(self.device):  # the encoder's, whichever is current (graph_ms)
+            outcome = self.graphs.capture(budget)
         if outcome.skipped is not None:
             # a capture that failed for another reason than memory also warns: a host sync in
             # the forward, an op graphs cannot hold

@@ -71,6 +71,20 @@ def test_fused_kernel_matches_fp32_reference(activation, config, bias):
     _bf16_close(out, _fp32(x, w, b, activation))
 
 
+@pytest.mark.parametrize("config", [(128, 128, 64, 3, 4, 0, 2), (64, 256, 64, 2, 4, 0, 2)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_two_programs_per_sm_walk_every_tile_once(config):
+    """A seventh field launches that many persistent programs per SM: with more tiles than
+    programs, each walks several, and every output tile is written once, right."""
+    from vit_graph_backend import _linear_act_kernels as K
+
+    x, w, b = _operands(20 * 577, 256, 392, bias=True)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert -(-x.shape[0] // config[0]) * -(-392 // config[1]) > config[6] * sms
+    out = K.linear_act(x, w, b, "quick_gelu", config)
+    _bf16_close(out, _fp32(x, w, b, "quick_gelu"))
+
+
 def _compiles() -> int:
     from vit_graph_backend import _linear_act_kernels as K
 
@@ -400,6 +414,8 @@ def test_kernels_that_fail_leave_the_shape_to_pytorch(monkeypatch):
 def test_the_ops_run_on_their_tensors_gpu_whichever_is_current():
     """Operands on ``cuda:1`` while ``cuda:0`` is current: the timing, the Triton launches and a
     captured graph all run on ``cuda:1`` (the op enters the tensors' device)."""
+    from vit_graph_backend.graph_launch import capture_stream
+
     dev = torch.device("cuda", 1)
     x, w, b = (t.to(dev) for t in _operands(2 * 577, 256, 1024, seed=30))
     xg, wg, bg = (t.to(dev) for t in _gated_operands(1000, 256, 392, seed=31))
@@ -414,7 +430,9 @@ def test_the_ops_run_on_their_tensors_gpu_whichever_is_current():
         assert "cuda:1 bfloat16 1000x256 -> 512 silu_mul +bias" in chosen
         with torch.cuda.device(dev):   # a graph of dev's ops, captured with dev current
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            # on a stream of dev: torch.cuda.graph's default is the process's first capture's
+            # device (graph_launch.capture_stream), cuda:0 after the tests before this one
+            with torch.cuda.graph(g, stream=capture_stream(dev)):
                 captured = GATED_OP(xg, wg, bg)
         xg.copy_(_operands(1000, 256, 392, seed=32)[0].to(dev))
         g.replay()

@@ -210,3 +210,31 @@ def test_two_threads_share_one_compiled_model():
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@torch.no_grad()
+def test_an_encoder_on_the_second_gpu_captures_there_after_a_capture_on_the_first():
+    """``torch.cuda.graph``'s default capture stream is one per process, made on the device that
+    was current at its first use. After a capture on ``cuda:0`` (here one of PyTorch's own), an
+    encoder on ``cuda:1`` called while ``cuda:0`` is current must still capture on ``cuda:1``:
+    on the first GPU's stream its graphs came out empty (replays returned the capture's
+    outputs) or its capture failed and left ``cuda:0``'s generator unusable."""
+    warm = torch.cuda.CUDAGraph()
+    with torch.cuda.device(0), torch.cuda.graph(warm):  # PyTorch's default stream, on cuda:0
+        torch.ones(4, device="cuda:0").mul_(2)
+    dev = torch.device("cuda", 1)
+    torch.manual_seed(0)
+    model = PaddedSegToyEncoder(dim=32, budget_range=(8, 64), max_batch_size=4).to(dev).eval()
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
+    with torch.cuda.device(0):
+        for seed in (1, 2, 3):  # new values each call: a stale graph output shows
+            inputs = {k: v.to(dev) if torch.is_tensor(v) else v
+                      for k, v in _inputs([5, 11, 3], seed=seed).items()}
+            got = mgr.run(inputs)
+            for g, r in zip(got, _reference(model, inputs)):
+                assert g.device == dev
+                torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert mgr.num_graphs > 0 and mgr.stats.eager_items == 0, mgr.stats
+    torch.randn(8, device="cuda:0")  # cuda:0's generator is not left in capture mode
+    torch.cuda.synchronize(dev)

@@ -304,3 +304,41 @@ def test_cudnn_out_of_memory_while_building_is_tried_again(as_if_on_cuda, caplog
     assert ragged._cudnn.handles == 2
     assert list(ragged.state["refused"].values()) == ["RuntimeError: no plan in this fake"]
     assert ragged(q, k, v, offsets, 64, 0.25) is None and ragged._cudnn.handles == 2
+
+
+def test_cudnn_launches_on_the_stream_of_the_tensors_device(monkeypatch):
+    """The handle was made on the tensors' device: its launch takes that device's current stream
+    with that device current, not the current device's (another GPU's stream fails the launch:
+    ``benchmarks/results/gpu_suite_two_gpus_capture_stream_on_the_first_gpu_*``)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    entered, asked, launches = [], [], []
+
+    @contextlib.contextmanager
+    def device(d):
+        entered.append(d)
+        yield
+
+    def current_stream(d=None):
+        asked.append(d)
+        return SimpleNamespace(cuda_stream=f"stream of {d}")
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    ragged = RaggedAttention()
+    graph = SimpleNamespace(execute=lambda feeds, workspace, handle: launches.append(
+        (entered[-1] if entered else None, handle)))
+    plan = SimpleNamespace(inputs=("q", "k", "v"), out="o", seq="s", offsets={}, workspace=0,
+                           graph=graph)
+    monkeypatch.setattr(ragged, "_build", lambda *args: plan)
+    streams = []
+    ragged._cudnn = SimpleNamespace(set_stream=lambda handle, stream: streams.append(stream))
+    q, k, v = (torch.randn(70, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    ragged._handles[q.device.index] = "handle of q's device"
+    out = ragged(q, k, v, torch.tensor([0, 64, 70], dtype=torch.int32), 64, 0.25)
+    assert out is not None and out.shape == q.shape
+    assert asked == [q.device] and streams == [f"stream of {q.device}"]
+    assert launches == [(q.device, "handle of q's device")]

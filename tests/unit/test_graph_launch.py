@@ -73,5 +73,52 @@ def test_torch_still_offers_what_graph_launch_and_capture_use():
     assert "keep_graph" in inspect.signature(torch.cuda.CUDAGraph.__new__).parameters
     for name in ("raw_cuda_graph", "instantiate", "replay", "pool"):
         assert callable(getattr(torch.cuda.CUDAGraph, name, None)), name
+    assert "stream" in inspect.signature(torch.cuda.graph).parameters
     assert hasattr(torch.cuda, "default_generators")
     assert callable(getattr(torch.Generator, "get_offset", None))
+
+
+class _FakeStream:
+    def __init__(self, device):
+        self.device_index = device
+
+
+def test_one_capture_stream_per_device_made_once(monkeypatch):
+    """Not ``torch.cuda.graph``'s one default stream for the process: each device its own,
+    reused by every later capture on it (the pool's blocks go to the stream that freed them)."""
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(graph_launch, "_capture_streams", {})
+    first = graph_launch.capture_stream(torch.device("cuda", 0))
+    second = graph_launch.capture_stream(torch.device("cuda", 1))
+    assert (first.device_index, second.device_index) == (0, 1)
+    assert graph_launch.capture_stream(torch.device("cuda", 0)) is first
+    assert graph_launch.capture_stream(torch.device("cuda", 1)) is second
+
+
+def test_a_budget_is_captured_on_its_device_s_stream(monkeypatch):
+    """``capture_budget_graph`` names the capture stream of the encoder's device, whichever
+    device is current (on a GPU: ``tests/gpu/test_graph_runtime_gpu.py``'s second-GPU test)."""
+    import contextlib
+
+    from vit_graph_backend import graph_capture
+
+    used = []
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        used.append(stream)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(graph_launch, "_capture_streams", {})
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda keep_graph=False: _FakeGraph())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(graph_capture, "make_launcher", lambda g, *args: g)
+    outcome = graph_capture.capture_budget_graph(
+        8, lambda static: static["x"] + 1, {"x": torch.zeros(2)}, pool=(0, 1),
+        device=torch.device("cuda", 1), warmup_iters=0, memory=graph_capture.GraphMemory(),
+        held=0, new_static=0)
+    assert outcome.skipped is None, outcome.skipped
+    assert len(used) == 1 and used[0] is graph_launch.capture_stream(torch.device("cuda", 1))
+    assert used[0].device_index == 1

@@ -243,3 +243,28 @@ def test_a_manager_follows_one_weight_written_to_its_table(caplog, monkeypatch):
     monkeypatch.setattr(WeightWatch, "devices_added", lambda self: {torch.device("meta")})
     mgr.run(call)
     assert "moved some of them to meta" in mgr.memory_report()["graphs_off_reason"]
+
+
+def test_a_budget_is_captured_with_the_encoder_s_device_current(monkeypatch):
+    """The warm-up's timed choices and the capture follow the current device
+    (``gpu_timing.graph_ms``): ``_capture_budget`` makes the encoder's device current for them,
+    whichever device the caller has current (on two GPUs: ``tests/gpu/test_graph_runtime_gpu.py``)."""
+    import contextlib
+
+    from vit_graph_backend.graph_capture import CaptureOutcome
+
+    _, mgr = _setup()
+    current = []
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(d)
+        yield
+        current.pop()
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(mgr.graphs, "capture",
+                        lambda budget: seen.append(list(current)) or CaptureOutcome(skipped="x"))
+    mgr._capture_budget(mgr.token_budgets[0])
+    assert seen == [[mgr.device]]

@@ -354,7 +354,8 @@ def _race(rows: int, what: str, kernels: dict[str, Callable[[], torch.Tensor | N
             if any(out is None for out in outs):  # refused (its reason is in its state)
                 return None
             diff = (outs[0][:compared].float() - outs[1][:compared].float()).abs().max().item()
-            ms = {name: graph_ms(run) for name, run in kernels.items()}
+            with torch.cuda.device(outs[0].device):  # graph_ms captures on the current device
+                ms = {name: graph_ms(run) for name, run in kernels.items()}
     except Exception as exc:  # a kernel that refuses these shapes: flash varlen serves
         log.warning("vitgraph: %s not timed for %d rows (%s: %s); the varlen kernel serves",
                     what, rows, type(exc).__name__, str(exc).split("\n")[0])

@@ -164,8 +164,12 @@ class RaggedAttention:
                 feeds[desc] = cache[row]
             workspace = torch.empty(max(plan.workspace, 1), device=q.device, dtype=torch.uint8)
             handle = self._handles[q.device.index]
-            self._cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-            plan.graph.execute(feeds, workspace, handle=handle)
+            # the tensors' device and its stream, whichever device is current: the handle was
+            # made on theirs, and another device's stream fails the launch
+            with torch.cuda.device(q.device):
+                self._cudnn.set_stream(handle=handle,
+                                       stream=torch.cuda.current_stream(q.device).cuda_stream)
+                plan.graph.execute(feeds, workspace, handle=handle)
             return out
 
     def _build(self, key: tuple[Any, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -51,6 +51,8 @@ class PoolPoisoner:
     def __init__(self, manager: Any) -> None:
         import torch
 
+        from ..graph_launch import capture_stream
+
         self.manager = manager
         self.graph: Any = None
         self.blocks = 0
@@ -62,10 +64,11 @@ class PoolPoisoner:
         if not sizes:
             return
         graph = torch.cuda.CUDAGraph()
-        # the capture stream of the manager's graphs (torch.cuda.graph's default): the pool's
-        # free blocks go only to allocations on the stream that freed them. thread_local: the
-        # other threads keep running their own work meanwhile
+        # the capture stream of the manager's graphs: the pool's free blocks go only to
+        # allocations on the stream that freed them. thread_local: the other threads keep
+        # running their own work meanwhile
         with manager.order, torch.cuda.graph(graph, pool=pool,
+                                             stream=capture_stream(manager.device),
                                              capture_error_mode="thread_local"):
             held = []
             for size in sorted(sizes, reverse=True):
