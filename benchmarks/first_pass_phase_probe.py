@@ -30,8 +30,13 @@ and the most cumulative time: where the 0.07 to 0.13 s of host time per new shap
 ``--patch-embedding conv|gemm``: that option (default: the package's), to see whether cuDNN's
 first convolution at each new batch size is part of the warm-up runs' host time.
 
+``--quantization fp8``: that option, to time FP8's first pass cold and warm. Every run also
+prints what AOTAutograd's and Inductor's compile caches did (hits, misses, bypasses): a warm
+run whose graphs bypass the cache traces and lowers them again.
+
 Usage: python benchmarks/first_pass_phase_probe.py [--profile N] [--sdpa-without-cudnn]
-[--without-empty-cache] [--patch-embedding conv|gemm] [--profile-warm-up N]
+[--without-empty-cache] [--patch-embedding conv|gemm] [--quantization fp8]
+[--profile-warm-up N]
 """
 
 from __future__ import annotations
@@ -133,6 +138,8 @@ def main() -> None:
     options = {"max_budget": 48}
     if "--patch-embedding" in sys.argv:
         options["patch_embedding"] = sys.argv[sys.argv.index("--patch-embedding") + 1]
+    if "--quantization" in sys.argv:
+        options["quantization"] = sys.argv[sys.argv.index("--quantization") + 1]
     compiled = torch.compile(model, backend="vitgraph", options=options)
     start = time.perf_counter()
     with torch.no_grad():
@@ -143,6 +150,8 @@ def main() -> None:
     report = backend.report()
     print(f"first pass {wall:.2f} s; Dynamo compiles {report['compiles']}; graphs captured "
           f"{report['graphs_captured']}")
+    print("compile caches: " + ", ".join(f"{k} {v}" for k, v in
+                                          sorted(_compat.compile_cache_counts().items()) if v))
     for label, (calls, seconds) in _spent.items():
         print(f"phase {label:<42} {calls:>5} calls {seconds:8.2f} s")
     print("warm-up by budget: " + ", ".join(f"{b}: {t * 1e3:.0f} ms" for b, t in _by_budget))

@@ -18,8 +18,12 @@ gate/up weight (``fused_linear.pack_gated``, 2 x 3456 rows) then Inductor's SiLU
 or our SiLU-mul kernel, and the gated Triton kernel in each 256-wide tile configuration of
 ``CONFIGS`` (and one warp-specialized).
 
-Usage: python benchmarks/linear_act_probe.py [clip | gated] (clip: CLIP-L's fc1 in the first two
-configurations only; gated: the gated shapes only). Text to stdout and
+``occupancy``: CLIP-L's fc1 and SigLIP's at the default configuration beside tiles small enough
+that two persistent programs fit one SM (``CONFIGS``' seventh field), so that one's epilogue
+overlaps the other's GEMM; the gated shapes likewise in 256-wide tiles.
+
+Usage: python benchmarks/linear_act_probe.py [clip | gated | occupancy] (clip: CLIP-L's fc1 in
+the first two configurations only; gated: the gated shapes only). Text to stdout and
 $OUT/linear_act_probe.txt.
 """
 
@@ -53,10 +57,28 @@ ALL_SHAPES = {
 GATED_SHAPES = {f"qwen2.5 gate/up {rows} rows": (rows, 1280, 3420)
                 for rows in (1024, 4096, 16384)}
 
+#: ``occupancy``: (BM, BN, BK, stages, warps, warp-specialized, programs per SM). Shared memory
+#: per program: stages x (BM + BN) x BK x 2 bytes, plus BM x BN bytes for the half-tile store;
+#: an H100 SM has 228 KB.
+OCCUPANCY_CONFIGS = (
+    (128, 256, 64, 3, 8, 0),       # the default, one program per SM
+    (128, 128, 64, 4, 8, 0),       # the small-shape default, one per SM
+    (128, 128, 64, 2, 4, 0, 2),    # 80 KB a program
+    (128, 128, 64, 3, 4, 0, 2),    # 112 KB
+    (128, 128, 32, 4, 4, 0, 2),    # 80 KB
+    (128, 128, 64, 2, 8, 0, 2),
+    (128, 128, 64, 3, 8, 0, 2),
+    (64, 256, 64, 2, 4, 0, 2),     # 96 KB
+    (64, 256, 64, 3, 4, 0, 2),     # 136 KB: one fits
+    (128, 256, 32, 3, 8, 0, 2),    # 104 KB, but 128 accumulator registers a thread
+)
 REPEAT = 10
+#: time the exact-tanh variant of each configuration too (not in ``occupancy``)
+EXACT = True
 #: ``--shapes clip``: only CLIP-L's fc1, for quick comparisons of tile configurations
 SHAPES = ALL_SHAPES
 CONFIGS = K.CONFIGS
+GATED_CONFIGS = [c for c in K.CONFIGS if c[1] == 256] + [(128, 256, 64, 3, 8, 1)]
 
 
 def reference_act(y, activation):
@@ -116,6 +138,8 @@ def probe(name, rows, k, n, activation, lines):
             if activation != "none":
                 results[label + " no act"] = ms_per_call(
                     lambda cfg=cfg: K.linear_act(x, w, b, "none", cfg))
+                if not EXACT:
+                    continue
                 out = K.linear_act(x, w, b, activation, cfg, approx=False)
                 errors[label + " exact tanh"] = (out.float() - ref).abs().max().item()
                 results[label + " exact tanh"] = ms_per_call(
@@ -171,7 +195,7 @@ def probe_gated(name, rows, k, width, lines):
               .item(),
               "cublas packed+our silu_mul": (K.silu_mul_packed(F.linear(x, pw, pb), GATE_CHUNK)
                                              [:, :width].float() - ref).abs().max().item()}
-    for cfg in [c for c in K.CONFIGS if c[1] == 2 * GATE_CHUNK] + [(128, 256, 64, 3, 8, 1)]:
+    for cfg in GATED_CONFIGS:
         label = "gated " + "x".join(map(str, cfg))
         try:
             out = K.linear_act(x, pw, pb, "silu_mul", cfg)
@@ -190,8 +214,12 @@ def probe_gated(name, rows, k, width, lines):
 
 
 def main():
-    global SHAPES, CONFIGS
+    global SHAPES, CONFIGS, GATED_CONFIGS, EXACT
     gated = dict(GATED_SHAPES)
+    if "occupancy" in sys.argv[1:]:
+        SHAPES = {k: v for k, v in ALL_SHAPES.items() if "fc1" in k and not k.startswith("vit")}
+        CONFIGS, EXACT = OCCUPANCY_CONFIGS, False
+        GATED_CONFIGS = [c for c in OCCUPANCY_CONFIGS if c[1] == 256]
     if "gated" in sys.argv[1:]:
         SHAPES = {}
     if "clip" in sys.argv[1:]:

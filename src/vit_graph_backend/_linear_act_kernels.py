@@ -43,10 +43,13 @@ __all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act", "precompile",
 ACTIVATIONS = {"none": 0, "quick_gelu": 1, "gelu": 2, "gelu_tanh": 3, "silu_mul": 4}
 _GATED = 4
 
-#: Tile configurations (BM, BN, BK, stages, warps, warp-specialized) that
+#: Tile configurations (BM, BN, BK, stages, warps, warp-specialized[, programs per SM]) that
 #: ``benchmarks/linear_act_probe.py`` times; the first is the default. The output is stored in
 #: two half-width tiles: a whole-tile store was slower at every CLIP-L fc1 size on an H100 and is
-#: gone. Triton's warp specialization was no faster; the probe still times it.
+#: gone. Triton's warp specialization was no faster; the probe still times it. Programs per SM
+#: (1 when left out) above 1 launch that many persistent programs per multiprocessor, for tiles
+#: small enough that two fit one at a time: one's epilogue then runs while the other's GEMM
+#: keeps the tensor cores busy.
 CONFIGS = (
     (128, 256, 64, 3, 8, 0),
     (128, 256, 64, 4, 8, 0),
@@ -96,12 +99,12 @@ def _tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
 def _linear_act_kernel(x_desc, w_desc, out_desc, bias_ptr, M, N, K,
                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                       NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                       PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                        APPROX: tl.constexpr):
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True,
+    for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
         pm, pn = _tile(tile, num_m, num_n, GROUP_M)
         om = pm * BM
@@ -185,7 +188,7 @@ def _arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                ) -> tuple[torch.Tensor, tuple[int], tuple[object, ...], dict[str, object]]:
     """The output :func:`linear_act` returns, and the grid, arguments and options it launches
     the kernel with."""
-    bm, bn, bk, stages, warps, specialize = config
+    bm, bn, bk, stages, warps, specialize, *per_sm = config
     m, k = x.shape
     gated = ACTIVATIONS[activation] == _GATED
     if gated and weight.shape[0] % bn:
@@ -195,14 +198,15 @@ def _arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out = torch.empty((m, n // 2 if gated else n), device=x.device, dtype=x.dtype)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    programs = sms * (per_sm[0] if per_sm else 1)  # a constant: not one compile per row count
     args = (TensorDescriptor.from_tensor(x, [bm, bk]),
             TensorDescriptor.from_tensor(weight, [bn, bk]),
             TensorDescriptor.from_tensor(out, [bm, bn // 2]), out if bias is None else bias,
             m, n, k)
     options = dict(HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], BM=bm, BN=bn, BK=bk,
-                   GROUP_M=8, NUM_SMS=sms, WARP_SPECIALIZE=bool(specialize), APPROX=approx,
+                   GROUP_M=8, PROGRAMS=programs, WARP_SPECIALIZE=bool(specialize), APPROX=approx,
                    num_stages=stages, num_warps=warps)
-    return out, (min(sms, tiles),), args, options
+    return out, (min(programs, tiles),), args, options
 
 
 def activation_(x: torch.Tensor, activation: str) -> torch.Tensor:

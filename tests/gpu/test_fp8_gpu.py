@@ -83,3 +83,40 @@ def test_weights_loaded_after_capture_reach_the_graphs():
     assert err <= 5e-2
     assert report()["stats"]["graph_replays"] >= 3
     torch.compiler.reset()
+
+
+@torch.no_grad()
+def test_a_second_compile_comes_from_the_cache_and_reads_its_own_weights(tmp_path, monkeypatch):
+    """On CUDA, where ``fp8_linear`` runs ``torch._scaled_mm``: the second model's compile (same
+    shapes, other weights) is an AOTAutograd cache hit, not a bypass, and its graphs give that
+    model's results, also after new weights are loaded in place."""
+    from compile_caches import cache_outcomes
+
+    _needs_fp8()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counts = []
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+    for seed in (3, 4):
+        torch.compiler.reset()
+        ref_model = _clip(seed)
+        model = copy.deepcopy(ref_model).to(torch.bfloat16)
+        with cache_outcomes() as outcomes:
+            fn = torch.compile(model, backend="vitgraph", options=OPTIONS)
+            for rows in (4, 6, 4):
+                xi = x if rows == 4 else torch.randn(rows, 3, 64, 64, device="cuda")
+                out = fn(pixel_values=xi.bfloat16()).last_hidden_state
+                assert _rel(out, ref_model(pixel_values=xi).last_hidden_state) <= 5e-2
+        counts.append(outcomes)
+    new = _clip(5)
+    model.load_state_dict(new.state_dict())
+    err = _rel(fn(pixel_values=x.bfloat16()).last_hidden_state,
+               new(pixel_values=x).last_hidden_state)
+    stats = report()["stats"]
+    torch.compiler.reset()
+    print(f"fp8 compile cache: first model {counts[0]}, second {counts[1]}; after "
+          f"load_state_dict {err:.3g}; stats {stats}")
+    assert counts[0].get("autograd_cache_bypass", 0) == 0 and counts[0], counts
+    assert counts[1].get("autograd_cache_hit", 0) >= 1, counts
+    assert counts[1].get("autograd_cache_bypass", 0) == 0, counts
+    assert err <= 5e-2
+    assert stats["graph_replays"] >= 2, stats
