@@ -54,11 +54,11 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     :data:`LONG_REPLAY_MS` or more.
 
     ``fn`` runs once outside the capture first (a Triton compile, lazy modules). It runs on the
-    current device's timing stream (the caller makes the device of ``fn``'s tensors current: on
-    another device's stream its kernels would run outside the capture), which waits for the caller's stream, and the caller's stream waits
-    for it in turn, so ``fn`` may read tensors the caller just wrote. The capture is
-    thread-local: another thread's work stays legal meanwhile. Raises what ``fn`` raises, with
-    the capture closed.
+    current device's timing stream, which waits for the caller's stream, and the caller's stream
+    waits for it in turn, so ``fn`` may read tensors the caller just wrote. The caller makes the
+    device of ``fn``'s tensors current: on another device's stream their kernels would run
+    outside the capture. The capture is thread-local: another thread's work stays legal
+    meanwhile. Raises what ``fn`` raises, with the capture closed.
     """
     caller = torch.cuda.current_stream()
     with _lock:

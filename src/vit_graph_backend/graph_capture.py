@@ -19,12 +19,11 @@ static inputs hold, the bound ``max_graph_memory`` resolves to, and each budget'
 3. **Capture** into the shared pool on the device's capture stream (:func:`capture_stream`),
    with ``keep_graph=True``: the graph is then instantiated as ``graph_launch.py`` decides (for
    device launch where the driver allows, which makes a launch cheap for the host). If it fails
-   (out of memory, a
-   host sync in the forward), the pool it was capturing into may be unusable for later captures:
-   PyTorch's allocator was seen to fail an internal assert (``use_count > 0``) on every later
-   capture into it, leaving 0 graphs. So the caller continues in a fresh pool, and the thread's
-   current stream, which ``torch.cuda.graph`` leaves on the capture stream when ending the
-   capture raises, is put back.
+   (out of memory, a host sync in the forward), the pool it was capturing into may be unusable
+   for later captures: PyTorch's allocator was seen to fail an internal assert
+   (``use_count > 0``) on every later capture into it, leaving 0 graphs. So the caller continues
+   in a fresh pool, and the thread's current stream, which ``torch.cuda.graph`` leaves on the
+   capture stream when ending the capture raises, is put back.
 
 Budgets are captured largest first (see ``runtime.py``), so under pressure the small budgets that
 fit are captured and a call for a skipped budget replays the next larger captured graph or runs
