@@ -22,8 +22,11 @@ or our SiLU-mul kernel, and the gated Triton kernel in each 256-wide tile config
 that two persistent programs fit one SM (``CONFIGS``' seventh field), so that one's epilogue
 overlaps the other's GEMM; the gated shapes likewise in 256-wide tiles.
 
-Usage: python benchmarks/linear_act_probe.py [clip | gated | occupancy] (clip: CLIP-L's fc1 in
-the first two configurations only; gated: the gated shapes only). Text to stdout and
+``cublaslt``: the tanh-GELU shapes (SigLIP's fc1) beside cuBLASLt's GEMM with the bias and the
+GELU in its epilogue (``_compat.addmm_gelu_tanh``, ``torch._addmm_activation``).
+
+Usage: python benchmarks/linear_act_probe.py [clip | gated | occupancy | cublaslt] (clip: CLIP-L's
+fc1 in the first two configurations only; gated: the gated shapes only). Text to stdout and
 $OUT/linear_act_probe.txt.
 """
 
@@ -51,6 +54,8 @@ ALL_SHAPES = {
     "vit-b fc1 b32": (32 * 197, 768, 3072, "gelu"),
     # SigLIP so400m/14-384: 729 tokens, hidden 1152, MLP 4304, tanh GELU
     "siglip fc1 b16": (16 * 729, 1152, 4304, "gelu_tanh"),
+    "siglip fc1 b4": (4 * 729, 1152, 4304, "gelu_tanh"),
+    "siglip fc1 b1": (729, 1152, 4304, "gelu_tanh"),
 }
 
 #: Qwen2.5-VL-3B's vision MLP: hidden 1280, gate and up 3420 wide padded to 3424, SiLU
@@ -129,6 +134,12 @@ def probe(name, rows, k, n, activation, lines):
         "cublas+our act": ms_per_call(lambda: K.activation_(F.linear(x, w, b), activation)),
     }
     errors = {"cublas+inductor act": (compiled(x).float() - ref).abs().max().item()}
+    if activation == "gelu_tanh":  # cuBLASLt's GEMM with bias and tanh GELU in its epilogue
+        from vit_graph_backend._compat import addmm_gelu_tanh
+
+        errors["cublaslt gelu epilogue"] = (addmm_gelu_tanh(x, w, b).float() - ref).abs().max() \
+            .item()
+        results["cublaslt gelu epilogue"] = ms_per_call(lambda: addmm_gelu_tanh(x, w, b))
     for cfg in CONFIGS:
         label = "fused " + "x".join(map(str, cfg))
         try:
@@ -222,6 +233,10 @@ def main():
         GATED_CONFIGS = [c for c in OCCUPANCY_CONFIGS if c[1] == 256]
     if "gated" in sys.argv[1:]:
         SHAPES = {}
+    if "cublaslt" in sys.argv[1:]:  # the tanh-GELU shapes, where cuBLASLt has an epilogue
+        gated, EXACT = {}, False
+        SHAPES = {k: v for k, v in ALL_SHAPES.items() if v[3] == "gelu_tanh"}
+        CONFIGS = [c for c in K.CONFIGS if c[:3] in ((128, 256, 64), (128, 128, 64))]
     if "clip" in sys.argv[1:]:
         gated = {}
         SHAPES = {k: v for k, v in ALL_SHAPES.items() if k.startswith("clip-l fc1")}

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from packaging.version import Version
 
 __all__ = [
@@ -272,6 +273,22 @@ def scaled_mm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     """
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
                             out_dtype=torch.bfloat16)
+
+
+def addmm_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu(x @ weight.T + bias, approximate="tanh")`` for 2-D ``x`` ([M, K]), ``weight``
+    ([N, K]) and 1-D ``bias`` ([N]).
+
+    ``torch._addmm_activation`` is the op Inductor's post-grad patterns lower ``addmm`` with a
+    tanh GELU to: on CUDA, PyTorch runs it as one cuBLASLt GEMM with the bias and the GELU in its
+    epilogue (``CUBLASLT_EPILOGUE_GELU_BIAS``, whose GELU is the tanh form) where its operands
+    allow, else as the GEMM and a separate GELU. No public function offers that epilogue. Off
+    CUDA the op's GELU is the exact one (ATen's CPU kernel in torch 2.11 to 2.14), so there this
+    takes PyTorch's public ops instead.
+    """
+    if x.device.type != "cuda":
+        return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+    return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
 
 
 def register_dynamo_backend(name: str, backend: Callable[..., Any]) -> None:

@@ -9,11 +9,12 @@ sees it: each ``F.linear`` whose only consumer is an activation this module know
 ``y * sigmoid(1.702 y)``, exact GELU, tanh GELU) becomes one call of the custom op
 ``vitgraph::linear_act`` defined here.
 
-The op picks, per shape, between a Triton GEMM with bias and activation in its epilogue (two tile
-configurations, ``_linear_act_kernels.py``) and cuBLAS followed by an in-place activation kernel,
-by timing them on the call's own tensors the first time the shape runs outside a CUDA graph
-capture (the runtime's warm-up runs before each capture are such runs); a shape first met inside
-a capture takes cuBLAS + activation and is timed at its next run outside one. Each candidate is
+The op picks, per shape, among a Triton GEMM with bias and activation in its epilogue (tile
+configurations of ``_linear_act_kernels.py``), cuBLAS followed by an in-place activation kernel
+and, for the tanh GELU with a bias, cuBLASLt's GEMM with both in its epilogue, by timing them on
+the call's own tensors the first time the shape runs outside a CUDA graph capture (the runtime's
+warm-up runs before each capture are such runs); a shape first met inside a capture takes cuBLAS
++ activation and is timed at its next run outside one. Each candidate is
 timed from the replays of a small CUDA graph (``gpu_timing.graph_ms``), as the budget's graph
 will run it: timed as single launches, a shape of up to a few tenths of a millisecond of GPU
 time reads mostly as the host's launch time, and the pick was as much the host's as the GPU's
@@ -55,6 +56,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import _compat
 from .gpu_timing import graph_ms, time_each
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
@@ -86,6 +88,9 @@ MIN_CAPABILITY = (9, 0)
 #: The dtypes the fused kernels take.
 DTYPES = (torch.bfloat16, torch.float16)
 _UNFUSED = "cublas+activation"  # cuBLAS, then one activation (or SiLU-mul) kernel
+#: cuBLASLt's GEMM with bias and tanh GELU in its epilogue (``_compat.addmm_gelu_tanh``): won
+#: SigLIP so400m's fc1 at one image on an H100, lost from 4 up (``linear_act_probe_cublaslt_*``)
+_CUBLASLT = "cublaslt epilogue"
 _PYTORCH = "pytorch"  # what runs when neither Triton path does for a shape
 #: Calls per timing graph and replays timed (``gpu_timing.graph_ms``): every candidate of every
 #: shape runs at most ``1 + calls * (reps + 1)`` times, in the first pass of each new model.
@@ -239,7 +244,8 @@ def _kernels() -> tuple[Any, str | None]:
         return None, f"Triton's kernels do not import ({type(exc).__name__}: {exc})"
 
 
-#: What runs for a shape: ``_UNFUSED``, ``_PYTORCH`` or a fused tile configuration.
+#: What runs for a shape: ``_UNFUSED``, ``_CUBLASLT``, ``_PYTORCH`` or a fused tile
+#: configuration.
 Choice = str | tuple[int, ...]
 
 
@@ -247,10 +253,11 @@ class LinearActChoices:
     """Which way each shape runs, timed once per shape (thread-safe; one per process)."""
 
     def __init__(self) -> None:
-        #: (device index, dtype, rows, K, N, activation, has bias) -> ``_UNFUSED``, ``_PYTORCH``
-        #: or a fused tile configuration (``CONFIGS``' fields)
+        #: (device index, dtype, rows, K, N, activation, has bias) -> ``_UNFUSED``,
+        #: ``_CUBLASLT``, ``_PYTORCH`` or a fused tile configuration (``CONFIGS``' fields)
         self.chosen: dict[tuple[Any, ...], Choice] = {}
-        #: (gated, fused configuration) -> why it failed to compile or run (not tried again)
+        #: (gated, fused configuration or ``_CUBLASLT``) -> why it failed to compile or run
+        #: (not tried again)
         self.refused: dict[tuple[bool, tuple[int, ...]], str] = {}
         #: (device index, dtype, K, N, activation, has bias) -> the build :meth:`prefetch` began
         self._builds: dict[tuple[Any, ...], Future[None]] = {}
@@ -330,6 +337,8 @@ class LinearActChoices:
             if activation == GATED:
                 return kernels.silu_mul_packed(F.linear(rows, weight, bias), GATE_CHUNK)
             return kernels.activation_(F.linear(rows, weight, bias), activation)
+        if choice == _CUBLASLT:
+            return _compat.addmm_gelu_tanh(rows, weight, bias)
         return kernels.linear_act(rows, weight, bias, activation, choice)
 
     def _time(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -340,7 +349,9 @@ class LinearActChoices:
         gated = activation == GATED
         fused = [c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
                  if (gated, c) not in self.refused]
-        candidates: list[Choice] = [_UNFUSED, *fused]
+        lt = ([_CUBLASLT] if activation == "gelu_tanh" and bias is not None
+              and (False, _CUBLASLT) not in self.refused else [])
+        candidates: list[Choice] = [_UNFUSED, *lt, *fused]
         kernels = _kernels()[0]
         build = self._builds.get((rows.device.index, rows.dtype, rows.shape[1], weight.shape[0],
                                   activation, bias is not None))
@@ -362,7 +373,7 @@ class LinearActChoices:
                             "(%s)", activation, *rows.shape, weight.shape[0], reason)
             else:
                 self.refused[(gated, choice)] = reason  # type: ignore[index]
-                log.warning("vitgraph: fused linear+%s tile %s refused (%s); not tried again",
+                log.warning("vitgraph: linear+%s: %s refused (%s); not tried again",
                             activation, _name(choice), reason)
         if not times:  # out of memory: cuBLAS + activation, as for a shape met in a capture
             return _UNFUSED if short_of_memory else _PYTORCH
@@ -374,7 +385,8 @@ class LinearActChoices:
 
 
 def _name(choice: Choice) -> str:
-    """``"cublas+activation"``, ``"pytorch"`` or ``"fused "`` and the tile's fields."""
+    """``"cublas+activation"``, ``"cublaslt epilogue"``, ``"pytorch"`` or ``"fused "`` and the
+    tile's fields."""
     return choice if isinstance(choice, str) else "fused " + "x".join(map(str, choice))
 
 

@@ -36,6 +36,11 @@ _T = TypeVar("_T")
 #: (tens of MiB on Hopper) for each stream it has run on, for the process's life, so a fresh pool
 #: stream per timing grew a ViT-B/16 stream's peak memory by 363 MiB over its 18 budgets.
 _streams: dict[int, torch.cuda.Stream] = {}
+#: One element per device, written inside a timing capture whose work raised before it launched
+#: anything (out of memory at its first allocation, say): PyTorch warns of an empty graph at the
+#: capture's end as one "captured on wrong device or stream", which would send whoever reads
+#: the log after a timing that only ran out of memory looking for the wrong fault.
+_marks: dict[int, torch.Tensor] = {}
 #: One timing at a time: a stream can hold only one capture. Re-entrant, for an ``fn`` whose
 #: first run (outside the capture) times something itself.
 _lock = threading.RLock()
@@ -62,9 +67,11 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     """
     caller = torch.cuda.current_stream()
     with _lock:
-        side = _streams.get(caller.device.index)
+        index = caller.device.index
+        side = _streams.get(index)
         if side is None:
-            side = _streams[caller.device.index] = torch.cuda.Stream(device=caller.device)
+            _marks[index] = torch.zeros(1, device=caller.device)
+            side = _streams[index] = torch.cuda.Stream(device=caller.device)
         side.wait_stream(caller)
         try:
             with torch.cuda.stream(side):
@@ -75,6 +82,7 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
                     for _ in range(calls):
                         fn()
                 except BaseException:
+                    _write_in_capture(_marks[index])
                     try:
                         graph.capture_end()
                     except RuntimeError:  # invalidated: close the allocator's side too
@@ -107,6 +115,14 @@ def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int,
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             failures[candidate] = (reason, out_of_memory(exc))
     return times, failures
+
+
+def _write_in_capture(mark: torch.Tensor) -> None:
+    """One kernel into a capture that is being abandoned, so that it never ends empty."""
+    try:
+        mark.zero_()
+    except Exception:  # an invalidated capture: its end raises next, and says why
+        pass
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> float:

@@ -7,6 +7,7 @@ at a small, launch-bound shape."""
 from __future__ import annotations
 
 import statistics
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -111,7 +112,7 @@ def test_the_work_waits_for_the_callers_stream():
     assert torch.all(dst == 7)
 
 
-@pytest.mark.parametrize("failure", ["raises", "syncs"])
+@pytest.mark.parametrize("failure", ["raises", "syncs", "out of memory"])
 def test_work_that_fails_inside_the_capture_leaves_none_open(failure):
     x = torch.ones(16, device=DEV)
     runs = []
@@ -121,11 +122,18 @@ def test_work_that_fails_inside_the_capture_leaves_none_open(failure):
         if len(runs) > 1:   # the first run is outside the capture; the second inside it
             if failure == "raises":
                 raise ValueError("boom")
+            if failure == "out of memory":   # before any kernel: the capture holds nothing
+                return torch.empty(1 << 50, dtype=torch.uint8, device=DEV)
             return (x * 2).sum().item()   # a host sync: invalidates the capture
         return x * 2
 
-    with pytest.raises(Exception):
-        graph_ms(fn)
+    expected = torch.OutOfMemoryError if failure == "out of memory" else Exception
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(expected):
+            graph_ms(fn)
+    # an abandoned capture is not reported as one on the wrong device or stream
+    assert not [w for w in seen if "Graph is empty" in str(w.message)]
     assert not torch.cuda.is_current_stream_capturing()
     # later captures, and timings, still work
     g = torch.cuda.CUDAGraph()

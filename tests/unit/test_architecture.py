@@ -86,7 +86,7 @@ LAYERS: dict[str, set[str]] = {
     # epilogue_fusion="auto": linear + GELU (or a SiLU gate) as one op, called by the adapters
     # and by the graphs the rewrite below makes; its Triton kernels (imported only when a CUDA
     # graph uses them) are the private module below it.
-    "fused_linear": {"_linear_act_kernels", "gpu_timing"},
+    "fused_linear": {"_linear_act_kernels", "gpu_timing", "_compat"},
     # attention_kernel="timed": SDPA -> the op that times SDPA against the packed towers' Triton
     # segment kernel per shape (imported only when a CUDA graph runs it).
     "attention_op": {"adapters", "fused_linear", "gpu_timing"},
@@ -279,6 +279,28 @@ def test_the_check_sees_the_package():
     """Guard against checking nothing: the core modules are found and have rows."""
     layers = {layer_of(p, SRC) for p in SRC.rglob("*.py")}
     assert {"errors", "specs", "budgets", "planner", "stats", "protocol", "testing"} <= layers
+
+
+#: The most lines a module of the package may have (CONTRIBUTING.md: keep modules small).
+MAX_MODULE_LINES = 400
+
+
+def modules_over(root: Path, limit: int) -> list[str]:
+    """``path: N lines`` for each module under ``root`` longer than ``limit`` lines."""
+    sizes = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in root.rglob("*.py")}
+    return [f"{p.relative_to(root)}: {n} lines" for p, n in sorted(sizes.items()) if n > limit]
+
+
+def test_every_module_stays_within_the_line_limit():
+    over = modules_over(SRC, MAX_MODULE_LINES)
+    assert not over, f"split these modules (at most {MAX_MODULE_LINES} lines): {over}"
+
+
+def test_the_line_limit_check_sees_a_long_module(tmp_path):
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert modules_over(tmp_path, MAX_MODULE_LINES) == [f"sub/long.py: {MAX_MODULE_LINES + 1} lines"]
 
 
 # --- the checker catches what it should ---------------------------------------------------------

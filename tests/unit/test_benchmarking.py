@@ -26,7 +26,8 @@ from vit_graph_backend.benchmarking import (
     validate,
 )
 from vit_graph_backend.benchmarking.models import availability, build_model, call_specs
-from vit_graph_backend.benchmarking.runner import attention_note, stream_budget_range
+from vit_graph_backend.benchmarking.attention_note import attention_note
+from vit_graph_backend.benchmarking.runner import stream_budget_range
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.plan_preview import plan_stream, summarize_plans
 from vit_graph_backend.benchmarking.timing import CallTimer, percentile, summarize

@@ -3,6 +3,7 @@ private API fails here, loudly, rather than in a user's call."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vit_graph_backend import _compat
@@ -158,6 +159,20 @@ def test_scaled_mm_rowwise_runs_on_this_torch():
     out = _compat.scaled_mm_rowwise(a.to(e4m3), w.to(e4m3).t(), scale_a, scale_b, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (16, 16)
     torch.testing.assert_close(out.float(), a @ w.t() + bias.float())
+
+
+def test_addmm_gelu_tanh_is_the_tanh_gelu_of_the_linear_layer_off_cuda():
+    """Off CUDA the wrapper takes PyTorch's public ops: there ``torch._addmm_activation``'s GELU
+    is the exact one, not the tanh form its CUDA epilogue computes (checked on a GPU in
+    ``tests/gpu/test_fused_linear_gpu.py``)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=gen) for shape in ((24, 32), (48, 32), (48,)))
+    y = torch.nn.functional.linear(x, w, b)
+    tanh = torch.nn.functional.gelu(y, approximate="tanh")
+    torch.testing.assert_close(_compat.addmm_gelu_tanh(x, w, b), tanh)
+    op = torch._addmm_activation(b, x, w.t(), use_gelu=True)   # the op's signature still holds
+    torch.testing.assert_close(op, torch.nn.functional.gelu(y))
+    assert (op - tanh).abs().max() > 1e-4
 
 
 def test_current_raw_stream_without_the_binding_takes_the_public_route(monkeypatch):
