@@ -12,7 +12,7 @@ for part in ${*:-tests stream peak stress}; do
   case $part in
   tests)
     echo "== packed GPU tests"
-    python3 -m pytest tests/gpu/test_packed_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 \
+    python3 -m pytest tests/gpu/test_packed_gpu.py tests/gpu/test_packed_followed_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 \
       | tee "$OUT/packed_tests.log" | grep -E "attention=|returned while|queued behind|passed|failed|Error" | cut -c1-400 | tail -20 ;;
   stream)
     echo "== single-image streams"

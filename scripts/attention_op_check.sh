@@ -17,7 +17,7 @@ for part in ${*:-tests probe fixed profile vitb stress}; do
   tests)
     echo "== attention op GPU tests (with the HF and fused linear GPU tests)"
     python3 -m pytest tests/gpu/test_attention_op_gpu.py tests/unit/test_attention_op.py \
-      tests/gpu/test_fused_linear_gpu.py tests/gpu/test_hf_gpu.py -q -p no:cacheprovider 2>&1 \
+      tests/gpu/test_fused_linear_gpu.py tests/gpu/test_fused_linear_choices_gpu.py tests/gpu/test_hf_gpu.py -q -p no:cacheprovider 2>&1 \
       | tee "$OUT/tests.log" | grep -vE "Warning|warn" | tail -25 ;;
   probe)
     echo "== attention kernels at the batched ViTs' shapes"

@@ -21,8 +21,8 @@ for part in ${*:-tests probe e2e firstpass}; do
   case $part in
   tests)
     echo "== timer, fused linear, short-segment and packed GPU tests"
-    python3 -m pytest tests/gpu/test_gpu_timing_gpu.py tests/gpu/test_fused_linear_gpu.py \
-      tests/gpu/test_short_attention_gpu.py tests/gpu/test_packed_gpu.py -m gpu -q -s \
+    python3 -m pytest tests/gpu/test_gpu_timing_gpu.py tests/gpu/test_fused_linear_gpu.py tests/gpu/test_fused_linear_choices_gpu.py \
+      tests/gpu/test_short_attention_gpu.py tests/gpu/test_packed_gpu.py tests/gpu/test_packed_followed_gpu.py -m gpu -q -s \
       -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" \
       | grep -E "graph_ms|chose|passed|failed|Error" | cut -c1-300 | tail -20 ;;
   probe)

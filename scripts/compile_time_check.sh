@@ -21,7 +21,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 parts=" ${PARTS:-probe firstpass tests} "
 case ${KERNEL:-linear_act} in
   linear_act) variants="specialized shipped shipped-threads"; first_pass=()
-    tests="tests/gpu/test_fused_linear_gpu.py tests/gpu/test_gpu_timing_gpu.py" ;;
+    tests="tests/gpu/test_fused_linear_gpu.py tests/gpu/test_fused_linear_choices_gpu.py tests/gpu/test_gpu_timing_gpu.py" ;;
   segment_attention) variants="before shipped shipped-threads"
     first_pass=(--attention-kernel timed)
     tests="tests/gpu/test_segment_attention_gpu.py tests/gpu/test_attention_op_gpu.py" ;;

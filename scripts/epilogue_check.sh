@@ -16,8 +16,8 @@ for part in ${*:-tests probe fixed profile vitb}; do
   case $part in
   tests)
     echo "== fused linear GPU tests"
-    python3 -m pytest tests/gpu/test_fused_linear_gpu.py tests/unit/test_fused_linear.py \
-      tests/gpu/test_packed_gpu.py tests/unit/test_adapters_qwen.py -q -p no:cacheprovider 2>&1 \
+    python3 -m pytest tests/gpu/test_fused_linear_gpu.py tests/gpu/test_fused_linear_choices_gpu.py tests/unit/test_fused_linear.py \
+      tests/gpu/test_packed_gpu.py tests/gpu/test_packed_followed_gpu.py tests/unit/test_adapters_qwen.py tests/unit/test_adapters_qwen_serving.py -q -p no:cacheprovider 2>&1 \
       | tee "$OUT/tests.log" | grep -vE "Warning|warn" | tail -25 ;;
   probe)
     echo "== linear + activation probe"

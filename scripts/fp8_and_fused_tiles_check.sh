@@ -18,7 +18,7 @@ for part in ${*:-tests probe firstpass}; do
   case $part in
   tests)
     echo "== FP8 and fused-linear GPU tests"
-    python3 -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fused_linear_gpu.py -m gpu -q -s \
+    python3 -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fused_linear_gpu.py tests/gpu/test_fused_linear_choices_gpu.py -m gpu -q -s \
       -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" \
       | grep -E "fp8|passed|failed|Error" | cut -c1-300 | tail -20 ;;
   probe)

@@ -22,7 +22,7 @@ echo "== where the host time goes, this tree"
 (cd benchmarks && PYTHONPATH="$PWD/../src" python3 graph_launch_probe.py --parts parts 2>&1) \
   | grep -v WARNING | tee "$OUT/parts_this.log" | tail -34
 echo "== packed, graph launch and stream order GPU tests"
-PYTHONPATH="$PWD/src" python3 -m pytest tests/gpu/test_packed_gpu.py tests/gpu/test_graph_launch_gpu.py \
+PYTHONPATH="$PWD/src" python3 -m pytest tests/gpu/test_packed_gpu.py tests/gpu/test_packed_followed_gpu.py tests/gpu/test_graph_launch_gpu.py \
   tests/gpu/test_concurrency_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 \
   | tee "$OUT/packed_tests.log" | grep -E "returned while|queued behind|max relative|passed|failed|Error" | cut -c1-300 | tail -20
 echo "== summary"

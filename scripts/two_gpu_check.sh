@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pytest tests/gpu/test_parallel_gpu.py -m gpu -q -s -p no:cacheprovider 2>&1 \
   | tee "$OUT/parallel_gpu_tests.log" | grep -E "data_parallel on CUDA|passed|failed|Error" | tail -8
 # operands and towers on the second GPU while the first is current (fused ops, packed serving)
-python3 -m pytest tests/gpu/test_fused_linear_gpu.py tests/gpu/test_packed_gpu.py -m gpu -q -s \
+python3 -m pytest tests/gpu/test_fused_linear_gpu.py tests/gpu/test_fused_linear_choices_gpu.py tests/gpu/test_packed_gpu.py tests/gpu/test_packed_followed_gpu.py -m gpu -q -s \
   -p no:cacheprovider -k "whichever" 2>&1 | tee "$OUT/second_gpu_tests.log" \
   | grep -E "on cuda:1|passed|failed|Error" | tail -8
 [ "${VITGRAPH_SECOND_GPU_ONLY:-0}" = 1 ] && exit 0

@@ -14,7 +14,7 @@ for part in ${*:-tests peak profile}; do
   case $part in
   tests)
     echo "== short-segment, packed and cuDNN attention GPU tests"
-    python3 -m pytest tests/gpu/test_short_attention_gpu.py tests/gpu/test_packed_gpu.py \
+    python3 -m pytest tests/gpu/test_short_attention_gpu.py tests/gpu/test_packed_gpu.py tests/gpu/test_packed_followed_gpu.py \
       tests/gpu/test_cudnn_attention_gpu.py -q -s -p no:cacheprovider 2>&1 \
       | tee "$OUT/tests.log" | grep -E "short-segment|served qwen2.5|window layers|passed|failed|Error" | tail -30 ;;
   probe)

@@ -101,6 +101,15 @@ def run_alone(model, inputs):
     return out
 
 
+def fill_static_floats_with_nan(manager) -> None:
+    """Every floating static buffer of ``manager``'s captured budgets filled with NaN, as stale
+    memory would leave them: a replay must write every one of them that its graph reads."""
+    for entry in manager.graphs.entries.values():
+        for t in entry.static.values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+
+
 def randomize_weights(model: nn.Module, seed: int) -> nn.Module:
     """Seeded weights with std 0.2, so outputs are O(10) and every path matters; eval mode."""
     gen = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fused_linear_gpu import _clip, _compiled_matches_eager
+from linear_act_operands import _clip, _compiled_matches_eager
 
 from vit_graph_backend import attention_op
 from vit_graph_backend.attention_op import CHOICES, TRITON_CONFIGS, _describe

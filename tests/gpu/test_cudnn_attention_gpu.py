@@ -128,7 +128,7 @@ def test_a_refused_shape_is_remembered_with_its_reason():
 def test_served_towers_with_cudnn_attention_match_hf(kind):
     """Several images per graph (full attention over frames, Qwen2.5-VL's window layers too),
     every segment kernel in the graphs cuDNN's."""
-    from test_packed_gpu import PATCH, _tower, _worst_error_vs_hf
+    from packed_towers import PATCH, _tower, _worst_error_vs_hf
 
     from vit_graph_backend import serve
 

@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from toy_encoders import PaddedSegToyEncoder
+from toy_encoders import PaddedSegToyEncoder, fill_static_floats_with_nan
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.runtime import EncoderCudaGraphManager
 
@@ -101,10 +101,7 @@ def test_nan_poisoned_static_buffers_do_not_change_outputs():
     mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=4))
     inputs = _inputs([5, 11, 3])
     clean = mgr.run(inputs)
-    for entry in mgr.graphs.entries.values():
-        for t in entry.static.values():
-            if t.is_floating_point():
-                t.fill_(float("nan"))
+    fill_static_floats_with_nan(mgr)
     poisoned = mgr.run(inputs)
     for a, b in zip(clean, poisoned):
         assert torch.isfinite(b).all()

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from test_short_attention_gpu import (
+from segment_operands import (
     _first_call_in_a_capture,
     _layout,
     _offsets,

@@ -3,7 +3,7 @@ choice of full-attention kernel (``_attention_choice``), on CPU.
 
 What only a GPU can show (the timed choice between flash varlen and dense SDPA, graphs that
 replay the chosen kernel, cuDNN's ragged kernel against a reference) is in
-``tests/gpu/test_packed_gpu.py`` and ``tests/gpu/test_cudnn_attention_gpu.py``.
+``tests/gpu/test_packed*_gpu.py`` and ``tests/gpu/test_cudnn_attention_gpu.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The Python blocks of the document are executed in order; the last one asserts that the runtime's
 per-item outputs equal the example model's own forward. A second check runs the reference dispatch
-of ``test_adapters_qwen`` (NaN-poisoned static buffers) on the example model.
+of ``tests/qwen_towers.py`` (NaN-poisoned static buffers) on the example model.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import torch
-from test_adapters_qwen import reference_dispatch
+from qwen_towers import reference_dispatch
 
 from vit_graph_backend.budgets import BudgetConfig
 from vit_graph_backend.protocol import supports_encoder_cudagraph

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
-from test_adapters_qwen import FAMILIES, MAX_BUDGET, MERGE, MIN_BUDGET, PATCH, _inputs  # noqa: E402
+from qwen_towers import FAMILIES, MAX_BUDGET, MERGE, MIN_BUDGET, PATCH, _inputs  # noqa: E402
 
 from vit_graph_backend.adapters import adapt  # noqa: E402
 from vit_graph_backend.adapters._packed_attention import (  # noqa: E402

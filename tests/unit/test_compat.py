@@ -3,7 +3,6 @@ private API fails here, loudly, rather than in a user's call."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from vit_graph_backend import _compat
@@ -164,7 +163,7 @@ def test_scaled_mm_rowwise_runs_on_this_torch():
 def test_addmm_gelu_tanh_is_the_tanh_gelu_of_the_linear_layer_off_cuda():
     """Off CUDA the wrapper takes PyTorch's public ops: there ``torch._addmm_activation``'s GELU
     is the exact one, not the tanh form its CUDA epilogue computes (checked on a GPU in
-    ``tests/gpu/test_fused_linear_gpu.py``)."""
+    ``tests/gpu/test_compat_gpu.py``)."""
     gen = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*shape, generator=gen) for shape in ((24, 32), (48, 32), (48,)))
     y = torch.nn.functional.linear(x, w, b)

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toy_encoders import PaddedSegToyEncoder, run_alone, ToyPackedEncoder, Wrapper
+from toy_encoders import (PaddedSegToyEncoder, ToyPackedEncoder, Wrapper,
+                          fill_static_floats_with_nan, run_alone)
 import logging
 
 from vit_graph_backend.errors import InvalidInputError, InvalidOptionError
@@ -81,10 +82,7 @@ def test_nan_poisoned_static_buffers_leave_outputs_equal():
     model, mgr = _setup()
     inputs = _call([5, 11, 3])
     clean = mgr.run(inputs)
-    for entry in mgr.graphs.entries.values():
-        for t in entry.static.values():
-            if t.is_floating_point():
-                t.fill_(float("nan"))
+    fill_static_floats_with_nan(mgr)
     poisoned = mgr.run(inputs)
     for a, b in zip(clean, poisoned):
         assert torch.isfinite(b).all()
