@@ -13,9 +13,9 @@ The op picks, per shape, among a Triton GEMM with bias and activation in its epi
 configurations of ``_linear_act_kernels.py``), cuBLAS followed by an in-place activation kernel
 and, for the tanh GELU with a bias, cuBLASLt's GEMM with both in its epilogue, by timing them on
 the call's own tensors the first time the shape runs outside a CUDA graph capture (the runtime's
-warm-up runs before each capture are such runs); a shape first met inside a capture takes cuBLAS
-+ activation and is timed at its next run outside one. Each candidate is
-timed from the replays of a small CUDA graph (``gpu_timing.graph_ms``), as the budget's graph
+warm-up runs before each capture are such runs); a shape first met inside a capture takes
+cuBLAS + activation and is timed at its next run outside one. Each candidate is timed from the
+replays of a small CUDA graph (``gpu_timing.graph_ms``), as the budget's graph
 will run it: timed as single launches, a shape of up to a few tenths of a millisecond of GPU
 time reads mostly as the host's launch time, and the pick was as much the host's as the GPU's
 (``benchmarks/results/linear_act_choice_timing_single_launch_vs_graph_*``). The fused kernel
@@ -258,7 +258,7 @@ class LinearActChoices:
         self.chosen: dict[tuple[Any, ...], Choice] = {}
         #: (gated, fused configuration or ``_CUBLASLT``) -> why it failed to compile or run
         #: (not tried again)
-        self.refused: dict[tuple[bool, tuple[int, ...]], str] = {}
+        self.refused: dict[tuple[bool, Choice], str] = {}
         #: (device index, dtype, K, N, activation, has bias) -> the build :meth:`prefetch` began
         self._builds: dict[tuple[Any, ...], Future[None]] = {}
         self._builder: ThreadPoolExecutor | None = None
@@ -372,7 +372,7 @@ class LinearActChoices:
                 log.warning("vitgraph: the %s kernel after cuBLAS failed at %d x %d -> %d "
                             "(%s)", activation, *rows.shape, weight.shape[0], reason)
             else:
-                self.refused[(gated, choice)] = reason  # type: ignore[index]
+                self.refused[(gated, choice)] = reason
                 log.warning("vitgraph: linear+%s: %s refused (%s); not tried again",
                             activation, _name(choice), reason)
         if not times:  # out of memory: cuBLAS + activation, as for a shape met in a capture

@@ -20,20 +20,9 @@ from vit_graph_backend.fused_linear import (
     GATED_CONFIGS,
     linear_silu_mul_reference,
 )
-from linear_act_operands import (
-    FUSED_KERNEL_TESTS,
-    _clip,
-    _compiled_matches_eager,
-    DEV,
-    DT,
-    OP,
-    GATED_OP,
-    _operands,
-    _fp32,
-    _bf16_close,
-    _gated_operands,
-    _gated_fp32,
-)
+from linear_act_operands import (DEV, DT, FUSED_KERNEL_TESTS, GATED_OP, OP, _bf16_close, _clip,
+                                 _compiled_matches_eager, _fp32, _gated_fp32, _gated_operands,
+                                 _operands)
 
 pytestmark = FUSED_KERNEL_TESTS
 

@@ -21,17 +21,8 @@ from vit_graph_backend.fused_linear import (
     linear_act_reference,
     linear_silu_mul_reference,
 )
-from linear_act_operands import (
-    FUSED_KERNEL_TESTS,
-    DEV,
-    DT,
-    GATED_OP,
-    _operands,
-    _fp32,
-    _bf16_close,
-    _gated_operands,
-    _gated_fp32,
-)
+from linear_act_operands import (DEV, DT, FUSED_KERNEL_TESTS, GATED_OP, _bf16_close, _fp32,
+                                 _gated_fp32, _gated_operands, _operands)
 
 pytestmark = FUSED_KERNEL_TESTS
 

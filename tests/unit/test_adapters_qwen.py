@@ -41,24 +41,10 @@ from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
 from vit_graph_backend.replay_io import write_inputs  # noqa: E402
 from vit_graph_backend.testing import image_grids  # noqa: E402
 
-from qwen_towers import (  # noqa: E402, F401 (towers: a fixture)
-    PATCH,
-    MERGE,
-    EAGER_ATOL,
-    GRAPH_ATOL,
-    MIN_BUDGET,
-    MAX_BUDGET,
-    FAST,
-    FAMILIES,
-    GRID_SETS,
-    towers,
-    _as_tuple,
-    _hf,
-    _inputs,
-    _hf_per_item,
-    _assert_close,
-    reference_dispatch,
-)
+from qwen_towers import (EAGER_ATOL, FAMILIES, FAST, GRAPH_ATOL, GRID_SETS,  # noqa: E402
+                         MAX_BUDGET, MERGE, MIN_BUDGET, PATCH, reference_dispatch,
+                         _as_tuple, _assert_close, _hf, _hf_per_item, _inputs)
+from qwen_towers import towers  # noqa: E402, F401 (a fixture)
 
 
 # --------------------------------------------------------------------------- eager equivalence

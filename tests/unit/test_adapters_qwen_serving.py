@@ -43,21 +43,10 @@ from vit_graph_backend.errors import (  # noqa: E402
 )
 from vit_graph_backend.protocol import supports_encoder_cudagraph  # noqa: E402
 
-from qwen_towers import (  # noqa: E402, F401 (towers: a fixture)
-    GRAPH_ATOL,
-    MIN_BUDGET,
-    MAX_BUDGET,
-    FAMILIES,
-    GRID_SETS,
-    _qwen2,
-    _qwen2_5,
-    towers,
-    _as_tuple,
-    _hf,
-    _inputs,
-    _hf_per_item,
-    _assert_close,
-)
+from qwen_towers import (FAMILIES, GRAPH_ATOL, GRID_SETS, MAX_BUDGET, MIN_BUDGET,  # noqa: E402
+                         _as_tuple, _assert_close, _hf, _hf_per_item, _inputs,
+                         _qwen2, _qwen2_5)
+from qwen_towers import towers  # noqa: E402, F401 (a fixture)
 
 
 # --------------------------------------------------------------------------- configuration
