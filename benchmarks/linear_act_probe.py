@@ -22,8 +22,9 @@ or our SiLU-mul kernel, and the gated Triton kernel in each 256-wide tile config
 that two persistent programs fit one SM (``CONFIGS``' seventh field), so that one's epilogue
 overlaps the other's GEMM; the gated shapes likewise in 256-wide tiles.
 
-``cublaslt``: the tanh-GELU shapes (SigLIP's fc1) beside cuBLASLt's GEMM with the bias and the
-GELU in its epilogue (``_compat.addmm_gelu_tanh``, ``torch._addmm_activation``).
+``cublaslt``: the tanh-GELU shapes (SigLIP's and Qwen3-VL-8B's fc1) beside cuBLASLt's GEMM with the
+bias and the GELU in its epilogue (``_compat.addmm_gelu_tanh``, ``torch._addmm_activation``), and
+what the op's own timing measured for the same operands.
 
 Usage: python benchmarks/linear_act_probe.py [clip | gated | occupancy | cublaslt] (clip: CLIP-L's
 fc1 in the first two configurations only; gated: the gated shapes only). Text to stdout and
@@ -56,6 +57,9 @@ ALL_SHAPES = {
     "siglip fc1 b16": (16 * 729, 1152, 4304, "gelu_tanh"),
     "siglip fc1 b4": (4 * 729, 1152, 4304, "gelu_tanh"),
     "siglip fc1 b1": (729, 1152, 4304, "gelu_tanh"),
+    # Qwen3-VL-8B's vision MLP (SigLIP so400m's width): budgets of its single-image stream
+    "qwen3-vl-8b fc1 4096 rows": (4096, 1152, 4304, "gelu_tanh"),
+    "qwen3-vl-8b fc1 6396 rows": (6396, 1152, 4304, "gelu_tanh"),
 }
 
 #: Qwen2.5-VL-3B's vision MLP: hidden 1280, gate and up 3420 wide padded to 3424, SiLU
@@ -80,6 +84,8 @@ OCCUPANCY_CONFIGS = (
 REPEAT = 10
 #: time the exact-tanh variant of each configuration too (not in ``occupancy``)
 EXACT = True
+#: ``cublaslt``: also time each shape through the op's own choice and print what it measured
+OP_TIMES = False
 #: ``--shapes clip``: only CLIP-L's fc1, for quick comparisons of tile configurations
 SHAPES = ALL_SHAPES
 CONFIGS = K.CONFIGS
@@ -140,6 +146,22 @@ def probe(name, rows, k, n, activation, lines):
         errors["cublaslt gelu epilogue"] = (addmm_gelu_tanh(x, w, b).float() - ref).abs().max() \
             .item()
         results["cublaslt gelu epilogue"] = ms_per_call(lambda: addmm_gelu_tanh(x, w, b))
+        if OP_TIMES:  # what the op's own timing (gpu_timing.graph_ms, 3 calls) measures here
+            import logging
+
+            from vit_graph_backend.fused_linear import linear_act
+
+            seen = []
+            handler = logging.Handler()
+            handler.emit = lambda record: seen.append(record.getMessage())
+            logger = logging.getLogger("vit_graph_backend.fused_linear")
+            logger.addHandler(handler)
+            logger.setLevel(logging.DEBUG)
+            try:
+                linear_act(x, w, b, activation)
+            finally:
+                logger.removeHandler(handler)
+            lines.append(f"the op's own timing: {seen[-1] if seen else 'none logged'}")
     for cfg in CONFIGS:
         label = "fused " + "x".join(map(str, cfg))
         try:
@@ -225,7 +247,7 @@ def probe_gated(name, rows, k, width, lines):
 
 
 def main():
-    global SHAPES, CONFIGS, GATED_CONFIGS, EXACT
+    global SHAPES, CONFIGS, GATED_CONFIGS, EXACT, OP_TIMES
     gated = dict(GATED_SHAPES)
     if "occupancy" in sys.argv[1:]:
         SHAPES = {k: v for k, v in ALL_SHAPES.items() if "fc1" in k and not k.startswith("vit")}
@@ -234,7 +256,7 @@ def main():
     if "gated" in sys.argv[1:]:
         SHAPES = {}
     if "cublaslt" in sys.argv[1:]:  # the tanh-GELU shapes, where cuBLASLt has an epilogue
-        gated, EXACT = {}, False
+        gated, EXACT, OP_TIMES = {}, False, True
         SHAPES = {k: v for k, v in ALL_SHAPES.items() if v[3] == "gelu_tanh"}
         CONFIGS = [c for c in K.CONFIGS if c[:3] in ((128, 256, 64), (128, 128, 64))]
     if "clip" in sys.argv[1:]:

@@ -88,8 +88,8 @@ MIN_CAPABILITY = (9, 0)
 #: The dtypes the fused kernels take.
 DTYPES = (torch.bfloat16, torch.float16)
 _UNFUSED = "cublas+activation"  # cuBLAS, then one activation (or SiLU-mul) kernel
-#: cuBLASLt's GEMM with bias and tanh GELU in its epilogue (``_compat.addmm_gelu_tanh``): won
-#: SigLIP so400m's fc1 at one image on an H100, lost from 4 up (``linear_act_probe_cublaslt_*``)
+#: cuBLASLt's GEMM with bias and tanh GELU in its epilogue (``_compat.addmm_gelu_tanh``): at
+#: SigLIP so400m's fc1 on an H100 it won at 729/4,096/6,396 rows, lost at 2,916/11,664
 _CUBLASLT = "cublaslt epilogue"
 _PYTORCH = "pytorch"  # what runs when neither Triton path does for a shape
 #: Calls per timing graph and replays timed (``gpu_timing.graph_ms``): every candidate of every
