@@ -35,12 +35,11 @@ _T = TypeVar("_T")
 #: One side stream per device for every timing, created on first use: cuBLAS keeps a workspace
 #: (tens of MiB on Hopper) for each stream it has run on, for the process's life, so a fresh pool
 #: stream per timing grew a ViT-B/16 stream's peak memory by 363 MiB over its 18 budgets.
-_streams: dict[int, torch.cuda.Stream] = {}
-#: One element per device, written inside a timing capture whose work raised before it launched
-#: anything (out of memory at its first allocation, say): PyTorch warns of an empty graph at the
-#: capture's end as one "captured on wrong device or stream", which would send whoever reads
-#: the log after a timing that only ran out of memory looking for the wrong fault.
-_marks: dict[int, torch.Tensor] = {}
+#: With each stream, one element of that device, written inside a timing capture whose work raised
+#: before it launched anything (out of memory at its first allocation, say): PyTorch warns of an
+#: empty graph at the capture's end as one "captured on wrong device or stream", which would send
+#: whoever reads the log after a timing that only ran out of memory looking for the wrong fault.
+_streams: dict[int, tuple[torch.cuda.Stream, torch.Tensor]] = {}
 #: One timing at a time: a stream can hold only one capture. Re-entrant, for an ``fn`` whose
 #: first run (outside the capture) times something itself.
 _lock = threading.RLock()
@@ -67,11 +66,10 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     """
     caller = torch.cuda.current_stream()
     with _lock:
-        index = caller.device.index
-        side = _streams.get(index)
-        if side is None:
-            _marks[index] = torch.zeros(1, device=caller.device)
-            side = _streams[index] = torch.cuda.Stream(device=caller.device)
+        if caller.device.index not in _streams:
+            _streams[caller.device.index] = (torch.cuda.Stream(device=caller.device),
+                                             torch.zeros(1, device=caller.device))
+        side, mark = _streams[caller.device.index]
         side.wait_stream(caller)
         try:
             with torch.cuda.stream(side):
@@ -82,7 +80,7 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
                     for _ in range(calls):
                         fn()
                 except BaseException:
-                    _write_in_capture(_marks[index])
+                    _write_in_capture(mark)
                     try:
                         graph.capture_end()
                     except RuntimeError:  # invalidated: close the allocator's side too
