@@ -38,8 +38,11 @@ def main() -> None:
     watch = manager.checks.watch if hasattr(manager, "checks") else manager._watch
     slots = getattr(watch, "_slots", None)
     watched = len(slots[1]) if slots is not None else 1
+    checked = getattr(watch, "_checked", slots)   # less those left to the MLP copies' check
+    checked = len(checked[1]) if checked is not None else 1
     print(f"source {Path(vit_graph_backend.__file__).parent}; device "
-          f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; tensors watched {watched}")
+          f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; tensors watched {watched}"
+          f", checked before the launch {checked}")
     kids = getattr(watch, "_kids", None)
     kernels = getattr(served.encoder, "kernels", None)
     checks = [("WeightWatch.moved()", watch.moved)]

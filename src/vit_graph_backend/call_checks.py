@@ -19,6 +19,12 @@ between a call and its graphs (``runtime.py``):
   4.0 % off one small image's latency
   (``benchmarks/results/packed_call_checks_after_the_graph_launch_*``).
 
+The weights that every graph captured since the watch was made reads only through such copies
+(``get_encoder_cudagraph_copied_weights``, asked after each capture) are left to the copies'
+check after the launch rather than watched before it: copies are never freed while a graph may
+read them, and copies that cannot follow in place (``StaleWeightCopiesError``) give the call to
+eager and the graphs to a new capture at the next call.
+
 Python that a call runs in this process waits for all of them instead: a capture (which records
 what it runs: a hook's or a patched function's effect would be kept in the graph), the forward
 over the static buffers without a graph (CPU) and an eager batch, where a hook would fire for a
@@ -34,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .errors import StaleWeightCopiesError
 from .replay_io import needs_grad
 from .weight_watch import WeightWatch
 
@@ -70,7 +77,12 @@ class CallChecks:
                  log_once: Callable[[str], None]) -> None:
         self._model, self._module, self._code, self._log_once = model, module, code, log_once
         self._refresh = getattr(model, "refresh_encoder_cudagraph_weights", None)
+        self._copied = getattr(model, "get_encoder_cudagraph_copied_weights", None)
         self.watch = WeightWatch.of(module, code)
+        #: the weights every graph captured since the watch was made reads through copies only
+        #: (``None``: no capture yet), and whether the copies were found unable to follow
+        self._skipped: frozenset[tuple[Any, str]] | None = None
+        self._copies_stale = False
 
     def grad(self, inputs: Any) -> str | None:
         """Why ``inputs`` cannot be served from graphs for autograd, else ``None``."""
@@ -81,14 +93,28 @@ class CallChecks:
         return reason
 
     def moved(self) -> bool:
-        """Whether a watched weight has other storage, or a submodule is another module."""
-        return self.watch is not None and self.watch.moved()
+        """Whether a watched weight has other storage, or a submodule is another module, or
+        the encoder's weight copies could not follow its weights in place."""
+        return self._copies_stale or self.watch is not None and self.watch.moved()
+
+    def captured(self) -> None:
+        """After a capture: the watch leaves out the weights that no graph captured since it
+        was made reads, only copies of them (the encoder's optional
+        ``get_encoder_cudagraph_copied_weights()``: ``(module, name)`` pairs), which
+        ``refresh_encoder_cudagraph_weights`` follows after each launch. A graph that reads one
+        directly puts it back before it ever replays."""
+        if self._copied is None or self.watch is None:
+            return
+        now = frozenset(self._copied())
+        self._skipped = now if self._skipped is None else self._skipped & now
+        self.watch.skip(self._skipped)
 
     def follow(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """After :meth:`moved`, watch the module as it is now; ``None`` if its weights are
         still on the graphs' ``device`` and ``dtype`` (they can be captured again), else why the
         graphs cannot serve them."""
         watch, self.watch = self.watch, WeightWatch.of(self._module, self._code)
+        self._skipped, self._copies_stale = None, False
         param = watch.param() if watch is not None else None
         place = (None, None) if param is None else (param.device, param.dtype)
         added = watch.devices_added() if watch is not None else set()
@@ -112,5 +138,10 @@ class CallChecks:
             call.reason = f"{hooked}, which graphs do not run"
             self._log_once("vitgraph: " + call.reason + "; running eagerly")
         elif self._refresh is not None:
-            call.stale = bool(self._refresh())
+            try:
+                call.stale = bool(self._refresh())
+            except StaleWeightCopiesError as exc:  # the graphs' copies stay valid memory
+                call.reason = f"the encoder's weight copies cannot follow its weights: {exc}"
+                self._log_once("vitgraph: " + call.reason + "; its graphs are captured again")
+                self._copies_stale = True   # moved(): the next call captures again
         return call.reason

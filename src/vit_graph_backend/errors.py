@@ -13,6 +13,7 @@ __all__ = [
     "InvalidInputError",
     "InvalidOptionError",
     "MissingDependencyError",
+    "StaleWeightCopiesError",
     "UnsupportedGraphError",
     "UnsupportedModelError",
     "VitGraphError",
@@ -47,6 +48,13 @@ class MissingDependencyError(VitGraphError, ImportError):
 
 class UnsupportedGraphError(VitGraphError):
     """A traced graph cannot be served by CUDA graphs; callers fall back to eager."""
+
+
+class StaleWeightCopiesError(VitGraphError):
+    """Raised by an encoder's ``refresh_encoder_cudagraph_weights()`` when the weight copies its
+    graphs read cannot be brought up to date in place: the weights they copy moved to another
+    device or dtype, changed shape, or can no longer be followed (inference tensors). The runtime
+    serves the call eagerly and captures the graphs again (``call_checks.py``)."""
 
 
 class CaptureError(VitGraphError):

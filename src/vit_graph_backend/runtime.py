@@ -19,9 +19,8 @@ are not, and the cached plans over them: ``served_budgets.py``. This module repl
 (copies into the static buffers, replays, output copies, eager batches) is ordered after the
 previous call's on the device through :class:`~vit_graph_backend.stream_order.StreamOrder`, so
 any number of threads on any streams get the outputs eager PyTorch would give them; outputs are
-made on the caller's current stream.
-
-Without CUDA the same plan, pad, run and slice path runs without graphs (CPU tests use it).
+made on the caller's current stream. Without CUDA the same plan, pad, run and slice path runs
+without graphs (CPU tests use it).
 
 Encoders reach the manager through :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`;
 one of independent rows may add ``prepare_encoder_cudagraph_replay_segments`` and
@@ -361,6 +360,7 @@ class EncoderCudaGraphManager:
     def _capture_budget(self, budget: int) -> None:
         with torch.cuda.device(self.device):  # the encoder's, whichever is current (graph_ms)
             outcome = self.graphs.capture(budget)
+        self.checks.captured()  # before its first replay: which weights it reads directly
         if outcome.skipped is not None:
             # a capture that failed for another reason than memory also warns: a host sync in
             # the forward, an op graphs cannot hold

@@ -306,3 +306,78 @@ def test_a_tower_built_under_inference_mode_runs_its_own_mlps(caplog):
     assert not adapter.kernels.use_aligned and adapter.aligned_mlp_bytes == 0
     assert "inference tensors" in adapter.kernels.untracked
     assert "padded MLP weights off" in caplog.text
+
+
+def _pinned(hf: torch.nn.Module):
+    """An adapter over ``hf`` with its copies made and pinned, as a capture on CUDA pins them
+    (a capture on CPU has no graph, so it does not)."""
+    adapter = adapt(hf, align_mlp=True)
+    adapter.kernels.sync(torch.device("cpu"), capture=True)
+    assert not adapter.kernels.aligned.pinned
+    adapter.kernels.aligned.pinned = True
+    return adapter
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("how", ["dtype", "shape"])
+def test_pinned_copies_are_never_moved_and_a_replay_asks_for_a_new_capture(how):
+    """A graph reads pinned copies by address: an MLP weight moved to another dtype, or of
+    another shape, leaves them where they are; an eager forward runs the tower's own MLPs, a
+    replay's refresh raises ``StaleWeightCopiesError`` (the runtime captures again) and unpins
+    them, so the next forward makes copies where the weights are."""
+    from vit_graph_backend.errors import StaleWeightCopiesError
+
+    hf = _tower()
+    kernels = _pinned(hf).kernels
+    copies = [t for w in kernels.aligned.weights for t in w.tensors()]
+    gate = hf.blocks[1].mlp.gate_proj
+    gate.weight.data = gate.weight.double() if how == "dtype" else torch.zeros(WIDTH + 1, HIDDEN)
+    cpu = torch.device("cpu")
+    kernels.sync(cpu)
+    assert not kernels.use_aligned
+    assert all(map(torch.Tensor.is_set_to, copies,
+                   (t for w in kernels.aligned.weights for t in w.tensors())))
+    with pytest.raises(StaleWeightCopiesError, match="padded MLP weights: the MLP parameters "
+                       "moved to cpu float32, cpu float64" if how == "dtype" else "in place"):
+        kernels.sync(cpu, follow=False)
+    assert not kernels.aligned.pinned
+    if how == "dtype":
+        kernels.sync(cpu)
+        assert kernels.use_aligned and kernels.aligned.weights[1].ins[0][0].dtype == torch.float64
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("wrapped", [False, True], ids=["tensor", "parameter"])
+def test_pinned_copies_of_a_weight_made_an_inference_tensor_ask_for_a_new_capture(wrapped):
+    """An inference tensor written to a parameter table (no hook fires), as it is or as a
+    Parameter made outside inference_mode (whose version counter reads 0 whatever is written
+    to it under inference_mode): the copies could go stale unseen, so they are given up."""
+    from vit_graph_backend.errors import StaleWeightCopiesError
+
+    hf = _tower()
+    adapter = _pinned(hf)
+    up = hf.blocks[0].mlp.up_proj
+    with torch.inference_mode():
+        weight = up.weight * 2.0
+    up._parameters["weight"] = (torch.nn.Parameter(weight, requires_grad=False) if wrapped
+                                else weight)
+    with pytest.raises(StaleWeightCopiesError, match="inference tensors"):
+        adapter.kernels.sync(torch.device("cpu"), follow=False)
+    pv, grid = _call(GRIDS)
+    torch.testing.assert_close(adapter(pv, grid), hf(pv, grid).pooler_output, atol=ATOL, rtol=0)
+    assert not adapter.kernels.use_aligned
+
+
+def test_the_copied_weights_are_named_only_while_pinned_copies_are_in_use():
+    """What the runtime's watch may leave to the copies: every MLP in-projection weight and
+    bias and out-projection weight, and only while a graph reads pinned copies."""
+    hf = _tower()
+    assert adapt(hf, align_mlp=True).get_encoder_cudagraph_copied_weights() == []
+    assert adapt(hf, align_mlp=False).get_encoder_cudagraph_copied_weights() == []
+    adapter = _pinned(hf)
+    names = (("gate_proj", ("weight", "bias")), ("up_proj", ("weight", "bias")),
+             ("down_proj", ("weight",)))
+    expected = {(id(getattr(block.mlp, n)), p) for block in hf.blocks for n, ps in names
+                for p in ps}
+    got = adapter.get_encoder_cudagraph_copied_weights()
+    assert len(got) == len(expected) and {(id(m), p) for m, p in got} == expected

@@ -73,7 +73,7 @@ LAYERS: dict[str, set[str]] = {
     "code_watch": set(),
     "served_budgets": {"budgets", "planner", "specs"},
     # What a manager checks for each call, before and after its graphs launch.
-    "call_checks": {"replay_io", "weight_watch"},
+    "call_checks": {"replay_io", "weight_watch", "errors"},
     "runtime": _RUNTIME_DEPS,
     # The batched [B, C, H, W] layout: pads the batch axis and drives the runtime's graphs.
     "batched": _RUNTIME_DEPS | {"runtime", "batched_layout"},

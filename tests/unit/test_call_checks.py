@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from toy_encoders import PaddedSegToyEncoder, run_alone
 
+from vit_graph_backend.errors import StaleWeightCopiesError
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.runtime import EncoderCudaGraphManager
 
@@ -60,10 +61,10 @@ def _call(lengths, seed=0):
     return {"x": torch.randn(sum(lengths), 8, generator=g), "lengths": list(lengths)}
 
 
-def _served(lengths):
+def _served(lengths, toy=_CopyToy):
     """A manager over the toy whose budgets for ``lengths`` hold stand-in graphs."""
     torch.manual_seed(0)
-    model = _CopyToy().eval()
+    model = toy().eval()
     mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
     mgr.run(_call(lengths))   # makes the budgets' static buffers
     for entry in mgr.graphs.entries.values():
@@ -169,3 +170,72 @@ def test_a_call_whose_checks_fail_runs_once_as_one_eager_batch(lengths):
         _assert_eager_equal(out, model, call)
     finally:
         handle.remove()
+
+
+class _FollowedToy(_CopyToy):
+    """The copy toy that says its graphs read ``lin2.weight`` only through the copy (as the
+    Qwen adapters' graphs read padded MLP copies), and whose copy stops following on demand
+    (pinned copies of weights moved to another dtype)."""
+
+    answer = True
+    follows = True
+
+    def get_encoder_cudagraph_copied_weights(self):
+        return [(self.lin2, "weight")] if self.answer else []
+
+    def refresh_encoder_cudagraph_weights(self) -> bool:
+        if not self.follows:
+            self.events.append("refresh")
+            raise StaleWeightCopiesError("lin2.weight moved elsewhere")
+        return super().refresh_encoder_cudagraph_weights()
+
+
+@torch.no_grad()
+def test_new_storage_of_a_copied_weight_is_left_to_its_copy():
+    """After a capture, the watch leaves the copied weight to the refresh: new storage for it
+    is followed by the copy after the launch (the call replays again), not by capturing again."""
+    lengths = [5, 9]
+    model, mgr = _served(lengths, _FollowedToy)
+    mgr.checks.captured()   # as the runtime does after each capture
+    graphs = dict(mgr.graphs.entries)
+    call = _call(lengths)
+    stale = mgr.run(call)
+    model.lin2.weight.data = model.lin2.weight * -2.0
+    model.events.clear()
+    out = mgr.run(call)
+    assert model.events == ["launch", "forward", "refresh", "launch", "forward"]
+    assert mgr.graphs.entries == graphs   # nothing captured again
+    _assert_eager_equal(out, model, call)
+    assert not torch.allclose(out[0], stale[0])
+
+
+@torch.no_grad()
+def test_a_weight_read_directly_by_any_graph_is_watched_again():
+    """The watch leaves out only what every graph captured since it was made reads through
+    copies: one capture that reads the weight directly puts it back for good."""
+    model, mgr = _served([5, 9], _FollowedToy)
+    mgr.checks.captured()
+    model.answer = False
+    mgr.checks.captured()
+    model.answer = True
+    mgr.checks.captured()
+    model.lin2.weight.data = model.lin2.weight * -2.0
+    assert mgr.checks.moved()
+
+
+@torch.no_grad()
+def test_copies_that_cannot_follow_give_the_eager_result_and_the_graphs_are_dropped():
+    lengths = [5, 9]
+    model, mgr = _served(lengths, _FollowedToy)
+    mgr.checks.captured()
+    graphs, call = mgr.num_graphs, _call(lengths)
+    model.follows = False
+    model.events.clear()
+    out = mgr.run(call)
+    assert model.events == ["launch", "forward", "refresh"]   # the launch's result dropped
+    _assert_eager_equal(out, model, call)
+    assert mgr.checks.moved() and mgr.num_graphs == graphs >= 1   # dropped at the next call
+    model.follows = True
+    _assert_eager_equal(mgr.run(call), model, call)
+    assert not mgr.checks.moved()
+    assert not any(isinstance(e.graph, _Graph) for e in mgr.graphs.entries.values())

@@ -17,7 +17,10 @@ one cuBLAS GEMM and takes the gate and up halves as views.
 The padded tensors are copies (the tower's own parameters are left alone, so saving, loading and
 ``.to()`` behave as before); :meth:`AlignedMLPs.refresh` brings them in step with the originals
 whenever a parameter was written in place, given new storage or replaced, copying into the same
-padded storage so a captured graph keeps reading valid weights. A replaced parameter is read from
+padded storage so a captured graph keeps reading valid weights. Copies a graph was captured with
+are ``pinned``: never freed nor moved, so a graph launched before a check reads valid memory; a
+parameter moved to another device or dtype, or of another shape, then raises
+:class:`CopiesPinned`, and the graphs are captured again (``_qwen_kernels.KernelChoices.sync``). A replaced parameter is read from
 its module's parameter table at every call: accelerate's ``set_module_tensor_to_device`` (how
 Hugging Face loads with a ``device_map``) writes that table directly, which no registration hook
 sees, so copies checked against parameters listed earlier would go stale without an error
@@ -52,8 +55,8 @@ from ..fused_linear import (
 )
 from ..weight_watch import registrations
 
-__all__ = ["ALIGNMENT", "AlignedMLPs", "MLPWeights", "UntrackedWeights", "intermediate_size",
-           "is_silu", "mlp_linears"]
+__all__ = ["ALIGNMENT", "AlignedMLPs", "CopiesPinned", "MLPWeights", "UntrackedWeights",
+           "intermediate_size", "is_silu", "mlp_linears"]
 
 #: Elements per row that make a bf16/fp16 GEMM operand 16-byte aligned.
 ALIGNMENT = 8
@@ -77,6 +80,11 @@ def _fingerprint(params: list[torch.Tensor | None]) -> tuple[int, ...]:
 
 class UntrackedWeights(RuntimeError):
     """The MLP parameters are inference tensors: in-place writes to them leave no trace."""
+
+
+class CopiesPinned(RuntimeError):
+    """The copies are pinned (a captured graph reads them) and cannot follow the parameters in
+    place: these moved to another device or dtype, or changed shape."""
 
 
 _UNTRACKED = ("the tower's MLP parameters are inference tensors (made under torch.inference_mode), "
@@ -158,6 +166,8 @@ class AlignedMLPs:
         self._slots_at = -1
         #: the fingerprint's parameters found to be inference tensors (refused without a scan)
         self._untracked: list[torch.Tensor | None] | None = None
+        #: a captured graph reads the copies: they are never freed nor moved, only written
+        self.pinned = False
         registrations()  # installs the process-wide registration count (``weight_watch.py``)
 
     @staticmethod
@@ -173,6 +183,14 @@ class AlignedMLPs:
     def nbytes(self) -> int:
         """Bytes the padded copies hold."""
         return sum(t.numel() * t.element_size() for w in self.weights for t in w.tensors())
+
+    def copied(self) -> list[tuple[nn.Module, str]]:
+        """``(module, name)`` of every parameter the copies are made from (see
+        :meth:`_read_slots`)."""
+        return [(linear, name) for mlp in self.mlps
+                for linear, names in ([(getattr(mlp, n), ("weight", "bias")) for n in self.ins]
+                                      + [(getattr(mlp, self.out), ("weight",))])
+                for name in names]
 
     def _read_slots(self) -> tuple[list[dict[str, Any]], list[str]]:
         """Where each parameter the copies are made from lives: its module's parameter table and
@@ -210,11 +228,30 @@ class AlignedMLPs:
         self._untracked = None
         if fingerprint == self._fingerprint:
             return False
+        # a Parameter made outside inference_mode from an inference tensor reads version 0 even
+        # after in-place writes; a tensor is an inference tensor from birth, so new ones suffice
+        if any(p is not None and p.is_inference() for p in params):
+            self._untracked = params
+            raise UntrackedWeights(_UNTRACKED)
+        places = {(p.device, p.dtype) for p in params if p is not None}
+        if not self.weights or places != {(w.out_weight.device, w.out_weight.dtype)
+                                          for w in self.weights}:
+            if self.pinned and self.weights:
+                where = ", ".join(sorted(f"{d} {str(t).removeprefix('torch.')}" for d, t in places))
+                raise CopiesPinned(f"the MLP parameters moved to {where}")
+            self.weights = [self._allocate(mlp) for mlp in self.mlps]
+        try:
+            self._copy()
+        except (RuntimeError, TypeError) as exc:  # a parameter of another shape, or removed
+            if not self.pinned:
+                raise
+            raise CopiesPinned(f"an MLP parameter cannot be copied in place: {exc}") from None
+        # only the heads above are ever written: the padding stays zero
+        self._fingerprint = fingerprint
+        return True
+
+    def _copy(self) -> None:
         with torch.no_grad():
-            places = {(p.device, p.dtype) for p in params if p is not None}
-            if not self.weights or places != {(w.out_weight.device, w.out_weight.dtype)
-                                              for w in self.weights}:
-                self.weights = [self._allocate(mlp) for mlp in self.mlps]
             for mlp, w in zip(self.mlps, self.weights):
                 if self.gated:
                     self._pack(mlp, w)
@@ -227,9 +264,6 @@ class AlignedMLPs:
                         else:
                             bias[:self.width].copy_(linear.bias)
                 w.out_weight[:, :self.width].copy_(getattr(mlp, self.out).weight)
-        # only the heads above are ever written: the padding stays zero
-        self._fingerprint = fingerprint
-        return True
 
     def _pack(self, mlp: nn.Module, w: MLPWeights) -> None:
         gate, up = (getattr(mlp, name) for name in self.ins)

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, StaleWeightCopiesError
 from ..fused_linear import GATED, activation_of, linear_act
 from ..options import EPILOGUE_FUSIONS
 from ..weight_watch import WeightWatch
-from ._aligned_mlp import AlignedMLPs, UntrackedWeights, is_silu, mlp_linears
+from ._aligned_mlp import AlignedMLPs, CopiesPinned, UntrackedWeights, is_silu, mlp_linears
 from ._fused import Ops, fusion_available, ops
 
 __all__ = ["KernelChoices"]
@@ -115,16 +115,29 @@ class KernelChoices:
                         and AlignedMLPs.needed(mlps, gated) else None)
         self.use_aligned, self.untracked = False, None
 
-    def sync(self, device: torch.device, follow: bool = True) -> bool:
+    def sync(self, device: torch.device, follow: bool = True, capture: bool = False) -> bool:
         """Decide whether the padded MLP weights are used on ``device`` and bring them up to
         date (a copy only after the tower's MLP parameters changed); True if one was copied.
         With ``follow``, first make the choices again if one of the tower's MLP modules was
         replaced; a graph's replay passes ``False``: it replays the choices made at its
-        capture."""
+        capture. ``capture``: a CUDA graph is captured with the choices (the copies it reads
+        are then pinned: ``_aligned_mlp``).
+
+        Raises:
+            StaleWeightCopiesError: at a replay, when pinned copies cannot follow the
+                parameters in place; they are unpinned, for the runtime drops every graph
+                before it replays one again (``call_checks.py``).
+        """
         if follow:
             self._follow()
         if self.aligned is None:
             return False
+        if not follow and self.aligned.pinned:  # the graphs read the copies
+            try:
+                return self.aligned.refresh()
+            except (UntrackedWeights, CopiesPinned) as exc:
+                self.aligned.pinned = False
+                raise StaleWeightCopiesError(f"padded MLP weights: {exc}") from None
         use = self.align_mlp if self.align_mlp is not None else torch.device(device).type == "cuda"
         copied = False
         if use:
@@ -136,8 +149,20 @@ class KernelChoices:
                     log.warning("vitgraph: padded MLP weights off: %s; build the tower outside "
                                 "inference_mode to have them", exc)
                 self.untracked = str(exc)
+            except CopiesPinned as exc:  # graphs read them: this forward runs the tower's MLPs
+                use = False
+                log.info("vitgraph: padded MLP weights not used for this forward: %s", exc)
+        if use and capture and torch.device(device).type == "cuda":
+            self.aligned.pinned = True
         self.use_aligned = use
         return copied
+
+    def copied(self) -> list[tuple[nn.Module, str]]:
+        """The tower's parameters that captured graphs read only through pinned copies:
+        ``(module, name)`` pairs (none when the copies are not in use)."""
+        aligned = self.aligned
+        return aligned.copied() if aligned is not None and aligned.pinned and self.use_aligned \
+            else []
 
     def mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Block ``layer``'s MLP: from the padded copies when in use, else the tower's own."""

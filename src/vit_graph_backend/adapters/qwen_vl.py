@@ -192,7 +192,7 @@ class _QwenVisionAdapter(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Static buffers of ``budget``'s graph (see :meth:`QwenPacker.capture_values`)."""
         self._device = torch.device(device)
-        self.kernels.sync(device)
+        self.kernels.sync(device, capture=True)
         values = self.packer.capture_values(budget, max_batch_size, max_frames_per_batch, device,
                                             dtype)
         attn = self.tower.blocks[0].attn
@@ -220,6 +220,12 @@ class _QwenVisionAdapter(nn.Module):
         replaced module is the manager's weight watch's to see, which captures again first
         (``_qwen_kernels``)."""
         return self._device is not None and self.kernels.sync(self._device, follow=False)
+
+    def get_encoder_cudagraph_copied_weights(self) -> list[tuple[nn.Module, str]]:
+        """The tower's MLP parameters the graphs captured last read only through the padded
+        copies, which :meth:`refresh_encoder_cudagraph_weights` follows: the runtime's weight
+        watch leaves their addresses to it (``call_checks.py``)."""
+        return self.kernels.copied()
 
     def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
         """The captured computation over the static buffers (pure tensor code: every Python int
