@@ -190,13 +190,16 @@ class WeightWatch:
         #: the encoder follows itself (:meth:`skip`), and the slots checked at every call
         self._skip: frozenset[tuple[int, str]] = frozenset()
         self._checked: tuple[list[dict[str, Any]], list[str]] = ([], [])
+        #: every slot's address when the watch was made, by slot, then the wrapper subclasses'
+        #: (``None`` until read), with the tables kept alive so their ids stay theirs
+        self._then: dict[tuple[int, str], int] | None = None
+        self._wrapped_then: tuple[int, ...] | None = None
         self._devices = self._read_slots()
-        # every slot's address now, by slot, and the tables kept alive so their ids stay theirs
         self._then_tables = self._slots[0]
         addresses = self._addresses(self._slots)
-        self._then: dict[tuple[int, str], int] | None = None if addresses is None else dict(
-            zip(zip(map(id, self._slots[0]), self._slots[1]), addresses))
-        self._wrapped_then = None if addresses is None else addresses[len(self._slots[1]):]
+        if addresses is not None:
+            self._then = dict(zip(zip(map(id, self._slots[0]), self._slots[1]), addresses))
+            self._wrapped_then = addresses[len(self._slots[1]):]
         self._checked_then = self._select()
         self._tree_then = self._tree
 
@@ -262,8 +265,7 @@ class WeightWatch:
         # holds another module than it did
         if self._at != _registrations[0] or tuple(map(_lookup, *self._kids)) != self._tree:
             self._read_slots()
-            if hasattr(self, "_then"):  # not while __init__ reads them first
-                self._checked_then = self._select()
+            self._checked_then = self._select()
 
     def _select(self) -> tuple[int, ...] | None:
         """The addresses the checked slots had when the watch was made (-1 for a slot that did

@@ -161,8 +161,8 @@ class KernelChoices:
         """The tower's parameters that captured graphs read only through pinned copies:
         ``(module, name)`` pairs (none when the copies are not in use)."""
         aligned = self.aligned
-        return aligned.copied() if aligned is not None and aligned.pinned and self.use_aligned \
-            else []
+        in_use = aligned is not None and aligned.pinned and self.use_aligned
+        return aligned.copied() if in_use else []
 
     def mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Block ``layer``'s MLP: from the padded copies when in use, else the tower's own."""
