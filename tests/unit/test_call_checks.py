@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from toy_encoders import PaddedSegToyEncoder, run_alone
 
 from vit_graph_backend.errors import StaleWeightCopiesError
@@ -239,3 +241,28 @@ def test_copies_that_cannot_follow_give_the_eager_result_and_the_graphs_are_drop
     _assert_eager_equal(mgr.run(call), model, call)
     assert not mgr.checks.moved()
     assert not any(isinstance(e.graph, _Graph) for e in mgr.graphs.entries.values())
+
+
+@settings(deadline=None, max_examples=60)
+@given(steps=st.lists(st.tuples(st.booleans(), st.sampled_from(["none", "data", "table"])),
+                      min_size=1, max_size=6))
+@torch.no_grad()
+def test_moved_exactly_when_a_weight_some_graph_reads_directly_has_another_address(steps):
+    """Captures that in turn read ``lin2.weight`` only through the copy or directly, with new
+    storage given to it between them: the check says "moved" exactly when some capture since
+    the watch was made read it directly and it is not where it was when the watch was made."""
+    torch.manual_seed(0)
+    model = _FollowedToy().eval()
+    checks = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS)).checks
+    first, direct, kept = model.lin2.weight.data_ptr(), False, []
+    for through_copy, change in steps:
+        model.answer = through_copy
+        checks.captured()
+        direct |= not through_copy
+        if change == "data":
+            kept.append(model.lin2.weight.data)   # held: no address reused
+            model.lin2.weight.data = model.lin2.weight * 2.0
+        elif change == "table":
+            kept.append(model.lin2.weight)
+            model.lin2._parameters["weight"] = torch.nn.Parameter(model.lin2.weight * 2.0)
+        assert checks.moved() == (direct and model.lin2.weight.data_ptr() != first)
