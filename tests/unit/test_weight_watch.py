@@ -91,6 +91,37 @@ def test_a_write_to_a_module_table_is_a_move():
     assert any(t is made.weight for t in watch.tensors())  # the new tree is what it reads
 
 
+class _RaisingEq(nn.Linear):
+    def __eq__(self, other):  # as a module comparing its weights elementwise might
+        raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+
+    __hash__ = nn.Linear.__hash__
+
+
+@torch.no_grad()
+def test_a_module_put_in_by_table_is_seen_whatever_its_equality_does():
+    """The module tables are compared whole (``WeightWatch._tables_changed``): a module whose
+    ``==`` raises is a move, not an error in the user's call; the watch then reads the tree
+    again and checks quietly from there."""
+    made = _RaisingEq(8, 8)
+    tower, watch = _watched()
+    tower.blocks._modules["1"] = made
+    assert watch.moved()
+    assert any(t is made.weight for t in watch.tensors())
+    assert WeightWatch.of(tower).moved() is False
+
+
+@torch.no_grad()
+def test_a_submodule_added_to_a_table_without_registration_is_seen():
+    """A table that gained an entry is another tree: the watch reads it again (and so its
+    weights), where a lookup of the names it knew would miss it."""
+    made = nn.Linear(8, 8)
+    tower, watch = _watched()
+    tower.blocks._modules["3"] = made
+    assert watch.moved()
+    assert any(t is made.weight for t in watch.tensors())
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("how", ["attribute", "table"])
 def test_a_submodule_without_weights_replaced_is_a_move(how):
