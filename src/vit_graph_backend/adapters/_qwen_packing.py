@@ -49,6 +49,10 @@ STAGED_DEVICE_BYTES = 64 << 20
 #: :meth:`QwenPacker.replay_values`); other towers have none.
 ROW_INDEX = "row_index"
 
+#: Specs kept by grid (:meth:`QwenPacker.item_specs`): serving streams repeat image sizes, and a
+#: spec's checks cost about a microsecond a call on the host; the table is emptied when full.
+KEPT_SPECS = 4096
+
 
 @dataclass(frozen=True, eq=False)
 class _Staged:
@@ -114,6 +118,8 @@ class QwenPacker:
         self._staged_lock = threading.Lock()
         #: bytes of GPU memory the staged batches' records hold
         self.staged_bytes = 0
+        #: each grid's spec, by its ``(t, h, w)`` (:data:`KEPT_SPECS`)
+        self._specs: dict[Grid, EncoderItemSpec] = {}
 
     def check(self, inputs: Mapping[str, object]) -> PackedInputs:
         """The one input check of specs, eager and replay (see ``_packed_inputs``); a
@@ -130,9 +136,20 @@ class QwenPacker:
 
     def item_specs(self, inputs: Mapping[str, torch.Tensor]) -> list[EncoderItemSpec]:
         """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``."""
-        m = self.merge
-        return [EncoderItemSpec(t * h * w, t * (h // m) * (w // m), t)
-                for t, h, w in self.check(inputs).grids]
+        specs, m = self._specs, self.merge
+        out = []
+        for grid in self.check(inputs).grids:
+            if type(grid) is not tuple:  # a row given as a list: a key must be hashable
+                grid = tuple(grid)
+            spec = specs.get(grid)
+            if spec is None:  # frozen: one spec serves every call of the grid
+                t, h, w = grid
+                spec = EncoderItemSpec(t * h * w, t * (h // m) * (w // m), t)
+                if len(specs) >= KEPT_SPECS:
+                    specs.clear()
+                specs[grid] = spec
+            out.append(spec)
+        return out
 
     def pack(self, grids: Sequence[Grid], indices: Sequence[int],
              slots: SegmentSlots | None = None) -> PackedMetadata:
