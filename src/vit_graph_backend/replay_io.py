@@ -31,7 +31,7 @@ import torch
 from .planner import Segment
 from .protocol import StampedBuffers
 
-__all__ = ["assemble", "copy_padded", "infer_device_dtype", "input_tensors",
+__all__ = ["assemble", "copy_padded", "head_copy", "infer_device_dtype", "input_tensors",
            "map_output", "max_rel_error", "needs_grad", "split_rows", "verify_tolerance",
            "write_inputs"]
 
@@ -48,6 +48,14 @@ def map_output(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(out, torch.Tensor):
         return fn(out)
     return type(out)(fn(t) for t in out)
+
+
+def head_copy(out: Any, rows: int) -> Any:
+    """A copy of the first ``rows`` rows of a tensor output, or of each tensor of a tuple/list
+    output (``map_output`` without a function built per call: this runs after every replay)."""
+    if isinstance(out, torch.Tensor):
+        return out[:rows].clone()
+    return type(out)(t[:rows].clone() for t in out)
 
 
 def max_rel_error(actual: Any, expected: Any) -> float:

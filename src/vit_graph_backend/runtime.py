@@ -44,8 +44,8 @@ from .errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError
 from .graph_capture import BudgetGraphs, mib
 from .options import VitGraphOptions
 from .planner import Batch, Segment
-from .replay_io import (assemble, infer_device_dtype, map_output, max_rel_error, split_rows,
-                        verify_tolerance, write_inputs)
+from .replay_io import (assemble, head_copy, infer_device_dtype, map_output, max_rel_error,
+                        split_rows, verify_tolerance, write_inputs)
 from .protocol import SupportsEncoderCudaGraph
 from .served_budgets import ServedBudgets
 from .stats import GraphStats
@@ -316,7 +316,7 @@ class EncoderCudaGraphManager:
             with torch.no_grad():
                 out = self.model.encoder_cudagraph_forward(entry.static)
         n = batch.tokens
-        real = map_output(out, lambda t: t[:n].clone())
+        real = head_copy(out, n)
         if self.options.verify and not entry.verified:
             expected = map_output(self._eager_packed(inputs, batch), lambda t: t[:n])
             err, tol = max_rel_error(real, expected), verify_tolerance(self.options, self.dtype)

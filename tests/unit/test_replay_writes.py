@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from vit_graph_backend.graph_capture import BudgetGraph
 from vit_graph_backend.protocol import StampedBuffers
-from vit_graph_backend.replay_io import copy_padded, write_inputs
+from vit_graph_backend.replay_io import copy_padded, head_copy, write_inputs
 
 ROWS = 12
 
@@ -191,3 +191,20 @@ def test_a_warm_up_out_of_memory_skips_the_budget_whatever_class_says_so(monkeyp
     else:
         with pytest.raises(RuntimeError, match="host sync"):
             capture()
+
+
+@pytest.mark.parametrize("kind", [torch.Tensor, tuple, list])
+def test_a_replay_output_head_is_copied_out_of_the_static_output(kind):
+    """The runtime returns ``head_copy`` of a graph's static output, which the next replay
+    overwrites: the copy holds the first rows of each tensor and shares no storage with them."""
+    static = [torch.arange(ROWS * 2.0).reshape(ROWS, 2), torch.arange(ROWS * 1.0)]
+    out = static[0] if kind is torch.Tensor else kind(static)
+    head = head_copy(out, 5)
+    heads = [head] if kind is torch.Tensor else head
+    assert type(head) is (torch.Tensor if kind is torch.Tensor else kind)
+    expected = [torch.arange(10.0).reshape(5, 2), torch.arange(5.0)][:len(heads)]
+    for tensor in static:
+        tensor.fill_(-1.0)  # the next replay
+    assert len(heads) == len(expected)
+    for got, want in zip(heads, expected):
+        assert torch.equal(got, want)
