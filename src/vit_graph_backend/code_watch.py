@@ -63,8 +63,10 @@ __all__ = ["CodeWatch", "foreign_code", "vouch"]
 #: Top-level packages whose code is the tower's own libraries: a function whose code lives
 #: elsewhere (``__main__``, a user's package, a patching library) on a watched class or module is
 #: code the adapter does not run. The standard library counts too (by module name: its folder
-#: may hold ``site-packages``).
-LIBRARIES = frozenset({"torch", "transformers", "vit_graph_backend", "triton", "numpy",
+#: may hold ``site-packages``). This package by its own name, as a copy imported under another
+#: name (benchmarks/host_time_two_trees_probe.py's baseline tree) vouches for its own code.
+_PACKAGE = __name__.split(".")[0]
+LIBRARIES = frozenset({"torch", "transformers", _PACKAGE, "triton", "numpy",
                        "flash_attn", "flash_attn_interface", "kernels", "einops", "accelerate",
                        "safetensors", "huggingface_hub"})
 _STDLIB = frozenset(sys.stdlib_module_names)
@@ -276,7 +278,7 @@ class CodeWatch:
         self._registry = _registry()
         # the modeling modules: those of the module classes outside torch and this package
         modules = {t.__module__ for t in self._types
-                   if t.__module__.split(".")[0] not in ("torch", "vit_graph_backend")}
+                   if t.__module__.split(".")[0] not in ("torch", _PACKAGE)}
         self._classes = tuple(dict.fromkeys(c for t in self._types for c in t.__mro__
                                             if c.__module__ in modules))
         # the namespaces of the library modules among them (a user's module holds the user's

@@ -32,7 +32,9 @@ from ..protocol import supports_encoder_cudagraph
 
 __all__ = ["adapt", "adapter_for", "adapter_keywords", "register_adapter", "supported_classes"]
 
-_QWEN = "vit_graph_backend.adapters.qwen_families:"
+# by this package's own name: a copy imported under another name (a vendored build, the
+# benchmarks' baseline tree in benchmarks/host_time_two_trees_probe.py) serves with its own code
+_QWEN = f"{__name__}.qwen_families:"
 
 #: fully qualified model class name -> adapter factory (``"module:attribute"`` or a callable).
 _REGISTRY: dict[str, str | Callable[..., Any]] = {
