@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,22 +32,27 @@ def arguments(doc: str, sides: str, name: str) -> argparse.Namespace:
 
 
 @contextmanager
-def launches(served: Any) -> Iterator[dict[str, int]]:
+def launches(*served: Any) -> Iterator[dict[str, int]]:
     """While open, the dict it yields holds under ``"launch"`` the ``perf_counter_ns`` of the
-    first graph launch since it was last cleared (every budget's graph is of one class)."""
+    first graph launch since it was last cleared (the graph classes of every tower given: two
+    builds of the package have a class each)."""
     marks: dict[str, int] = {}
-    graph_type = type(next(iter(served.manager.graphs.entries.values())).graph)
-    replay = graph_type.replay
+    types = {type(next(iter(one.manager.graphs.entries.values())).graph) for one in served}
+    replays = {graph_type: graph_type.replay for graph_type in types}
 
-    def marked(self, *args, **kwargs):
-        marks.setdefault("launch", time.perf_counter_ns())
-        return replay(self, *args, **kwargs)
+    def marked(replay):
+        def mark(self, *args, **kwargs):
+            marks.setdefault("launch", time.perf_counter_ns())
+            return replay(self, *args, **kwargs)
+        return mark
 
-    graph_type.replay = marked
+    for graph_type, replay in replays.items():
+        graph_type.replay = marked(replay)
     try:
         yield marks
     finally:
-        graph_type.replay = replay
+        for graph_type, replay in replays.items():
+            graph_type.replay = replay
 
 
 def interleaved(served: Any, pixels: Any, grid: Any, modes: Sequence[str],
@@ -55,11 +60,13 @@ def interleaved(served: Any, pixels: Any, grid: Any, modes: Sequence[str],
                 ) -> dict[tuple[str, str], dict[str, list[float]]]:
     """``calls`` calls of ``served(pixels, grid)`` per mode and condition, the modes taken in
     turn call by call (``set_mode(mode)`` before each, outside the timing), after ``warm``
-    calls not counted; us per call, by (condition, mode) and column."""
+    calls not counted; us per call, by (condition, mode) and column. ``served`` may also map
+    each mode to its own served tower (two builds of the package, say)."""
     import torch
 
+    per_mode = served if isinstance(served, Mapping) else dict.fromkeys(modes, served)
     rows: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    with launches(served) as marks, torch.inference_mode():
+    with launches(*per_mode.values()) as marks, torch.inference_mode():
         for condition in CONDITIONS:
             sync = condition == "after sync"
             for i in range(len(modes) * calls + warm):
@@ -68,8 +75,9 @@ def interleaved(served: Any, pixels: Any, grid: Any, modes: Sequence[str],
                 if sync:
                     torch.cuda.synchronize()
                 marks.clear()
+                call = per_mode[mode]
                 start = time.perf_counter_ns()
-                served(pixels, grid)
+                call(pixels, grid)
                 end = time.perf_counter_ns()
                 if sync:
                     torch.cuda.synchronize()

@@ -4,7 +4,8 @@ The Qwen2.5-VL-3B-shaped tower (random weights, bf16) served with the defaults a
 then ``WeightWatch.moved()`` of its manager, timed when nothing changed, and beside it the
 adapter's own checks: the padded MLP copies' (``AlignedMLPs.refresh``), and where the tree has
 them, the lookup of every submodule inside ``moved()`` and the MLP modules' check of the kernel
-choices (``KernelChoices._follow``, ``adapters/_qwen_kernels.py``), and the check of the
+choices (``KernelChoices._follow``, ``adapters/_qwen_kernels.py``; ``_follow`` reads the
+submodules through the watch, so it also shows that check), and the check of the
 classes' code inside ``hooked()`` (``code_watch.py``). In process, so a change of a few
 microseconds is not lost in the call-to-call spread of a whole packed call's host time between
 processes (``benchmarks/packed_host_overhead.py``). To compare two source trees, run it once per
@@ -46,7 +47,10 @@ def main() -> None:
     kids = getattr(watch, "_kids", None)
     kernels = getattr(served.encoder, "kernels", None)
     checks = [("WeightWatch.moved()", watch.moved)]
-    if kids is not None:
+    if hasattr(watch, "_tables_changed"):  # the module tables compared whole
+        checks.append((f"  of which the {len(kids[1])} submodules' {len(watch._tables)} tables"
+                       " compared whole", watch._tables_changed))
+    elif kids is not None:
         checks.append((f"  of which the {len(kids[1])} submodule lookups",
                        lambda: tuple(map(dict.get, *kids)) != watch._tree))
     if hasattr(watch, "hooked"):
