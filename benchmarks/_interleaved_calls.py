@@ -21,10 +21,14 @@ CONDITIONS = ("after sync", "back to back")
 _COLUMNS = (("to launch", 11), ("call", 9), ("call + sync", 13))
 
 
-def arguments(doc: str, sides: str, name: str) -> argparse.Namespace:
+def arguments(doc: str, sides: str, name: str,
+              required: Sequence[tuple[str, str]] = ()) -> argparse.Namespace:
     """The probes' options: ``--sides`` (image sides in patches, comma-separated), ``--calls``
-    (per mode and condition) and ``--name`` (of the output file)."""
+    (per mode and condition) and ``--name`` (of the output file), and a probe's own ``required``
+    ones, ``(flag, help)``."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for flag, text in required:
+        parser.add_argument(flag, required=True, help=text)
     parser.add_argument("--sides", default=sides)
     parser.add_argument("--calls", type=int, default=60)
     parser.add_argument("--name", default=name)

@@ -52,15 +52,15 @@ def _baseline_package(source: str):
 def main() -> None:
     from _interleaved_calls import arguments, header, interleaved, table_lines
 
-    sys.argv, baseline = _split_baseline(sys.argv)
-    args = arguments(__doc__, "32,64", "host_time_two_trees_probe")
+    args = arguments(__doc__, "32,64", "host_time_two_trees_probe",
+                     [("--baseline", "a folder holding the other tree's vit_graph_backend/")])
     import torch
     from _bench_out import emit
     from qwen_stream import tower, warm_image
 
     import vit_graph_backend
 
-    then = _baseline_package(baseline)
+    then = _baseline_package(args.baseline)
     hf = tower()
     served = {"baseline": then.serve(hf), "this tree": vit_graph_backend.serve(hf)}
     for (mode, one), package in zip(served.items(), (then, vit_graph_backend)):
@@ -88,13 +88,6 @@ def main() -> None:
           f"Qwen2.5-VL-3B-shaped tower served by two builds: baseline {then.__file__}, this tree "
           f"{vit_graph_backend.__file__}; {args.calls} calls per build and condition, "
           "interleaved call by call; us, median", *lines], args.name)
-
-
-def _split_baseline(argv: list[str]) -> tuple[list[str], str]:
-    if "--baseline" not in argv or argv.index("--baseline") + 1 >= len(argv):
-        raise SystemExit("usage: host_time_two_trees_probe.py --baseline SRC [--sides ...]")
-    i = argv.index("--baseline")
-    return argv[:i] + argv[i + 2:], argv[i + 1]
 
 
 if __name__ == "__main__":
