@@ -12,7 +12,9 @@ two builds' code returns wrong numbers: one's runtime does not know the other's 
 each build's output is compared once with HF's eager output, and its counts of items served from
 graphs and eagerly are printed: both must serve from graphs. The builds share the ``vitgraph::``
 custom ops (``fused_linear.py``, ``attention_op.py``): the later registration, the baseline's,
-serves both, so the probe compares the host code around them.
+serves both, so the probe compares the host code around them. A third mode serves this tree's
+tower with its native checks' loops set aside (``native_checks.py``: the Python checks), so
+the loops' share is measured in the same run; the loops are built before the first call.
 
 Usage: python benchmarks/host_time_two_trees_probe.py --baseline baseline/src [--sides 32,64]
 [--calls 60] [--name NAME]. Text to stdout and to $OUT/NAME.txt when $OUT is set.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-MODES = ("baseline", "this tree")
+MODES = ("baseline", "this tree", "python checks")
 
 
 def _baseline_package(source: str):
@@ -60,10 +62,14 @@ def main() -> None:
 
     import vit_graph_backend
 
+    from vit_graph_backend import native_checks
+
+    built = native_checks.build()
     then = _baseline_package(args.baseline)
     hf = tower()
-    served = {"baseline": then.serve(hf), "this tree": vit_graph_backend.serve(hf)}
-    for (mode, one), package in zip(served.items(), (then, vit_graph_backend)):
+    ours = vit_graph_backend.serve(hf)
+    served = {"baseline": then.serve(hf), "this tree": ours, "python checks": ours}
+    for (mode, one), package in zip(served.items(), (then, vit_graph_backend, vit_graph_backend)):
         adapter = type(one.encoder).__module__
         if not adapter.startswith(package.__name__ + "."):
             raise SystemExit(f"{mode} serves with {adapter}, not its own build's adapter")
@@ -72,21 +78,30 @@ def main() -> None:
         for one in served.values():
             pv, grid = warm_image(one, side)
         with torch.inference_mode():
-            outs = [one(pv, grid).float() for one in served.values()]
+            outs = [one(pv, grid).float() for one in (served["baseline"], ours)]
             ref = hf(pv, grid_thw=torch.tensor(grid, device=pv.device))
             ref = getattr(ref, "pooler_output", ref).float()
         errors = ", ".join(f"{(out - ref).abs().max().item():.3g}" for out in outs)
         largest = ref.abs().max().item()
-        rows = interleaved(served, pv, grid, MODES, lambda mode: None, args.calls)
+        def set_mode(mode: str) -> None:
+            native_checks.loops = (lambda: None) if mode == "python checks" else loops
+
+        loops = native_checks.loops
+        try:
+            rows = interleaved(served, pv, grid, MODES, set_mode, args.calls)
+        finally:
+            native_checks.loops = loops
         counts = [(one.manager.stats.graph_items, one.manager.stats.eager_items)
-                  for one in served.values()]
+                  for one in (served["baseline"], ours)]
         lines += [f"side {side}: largest difference from HF's eager output per build {errors} "
                   f"(bf16; its largest magnitude {largest:.3g}); (graph, eager) items per build "
                   f"{counts}",
                   header("build", 10), *table_lines(rows, side * side, MODES, 10)]
     emit([f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; one "
           f"Qwen2.5-VL-3B-shaped tower served by two builds: baseline {then.__file__}, this tree "
-          f"{vit_graph_backend.__file__}; {args.calls} calls per build and condition, "
+          f"{vit_graph_backend.__file__} (native checks: {native_checks.status()}, "
+          f"{getattr(built, '__name__', None)}; 'python checks': this tree's tower with them set "
+          f"aside); {args.calls} calls per build and condition, "
           "interleaved call by call; us, median", *lines], args.name)
 
 

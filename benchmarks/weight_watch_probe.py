@@ -9,7 +9,9 @@ submodules through the watch, so it also shows that check), and the check of the
 classes' code inside ``hooked()`` (``code_watch.py``). In process, so a change of a few
 microseconds is not lost in the call-to-call spread of a whole packed call's host time between
 processes (``benchmarks/packed_host_overhead.py``). To compare two source trees, run it once per
-tree with ``PYTHONPATH=<tree>/src``.
+tree with ``PYTHONPATH=<tree>/src``. Where the tree has native checks' loops
+(``native_checks.py``), they are built first and each check is timed with them and with them set
+aside (the Python checks), in the same process.
 
 Usage: python benchmarks/weight_watch_probe.py (CUDA).
 """
@@ -29,6 +31,12 @@ import vit_graph_backend  # noqa: E402
 
 
 def main() -> None:
+    try:
+        from vit_graph_backend import native_checks
+    except ImportError:  # a tree without them
+        native_checks = None
+    else:
+        native_checks.build()
     hf = tower()
     served = vit_graph_backend.serve(hf)
     pixels = torch.randn(32 * 32, 3 * 2 * 14 * 14, device="cuda", dtype=torch.bfloat16)
@@ -66,9 +74,19 @@ def main() -> None:
         checks.append(("AlignedMLPs.refresh()", kernels.aligned.refresh))
     if hasattr(kernels, "_follow"):
         checks.append(("KernelChoices._follow()", kernels._follow))
-    for name, fn in checks:
-        print(f"{name}, nothing changed: " + " / ".join(f"{us:.1f}" for us in per_call_us(fn, 3000))
-              + " us per call")
+    modes = [("", None)]
+    if native_checks is not None:
+        loops = native_checks.loops
+        print(f"native checks: {native_checks.status()}")
+        modes = [("native loops: ", loops), ("Python checks: ", lambda: None)]
+    for label, mode in modes:
+        if native_checks is not None:
+            native_checks.loops = mode
+        for name, fn in checks:
+            print(f"{label}{name}, nothing changed: "
+                  + " / ".join(f"{us:.1f}" for us in per_call_us(fn, 3000)) + " us per call")
+    if native_checks is not None:
+        native_checks.loops = loops
 
 
 if __name__ == "__main__":

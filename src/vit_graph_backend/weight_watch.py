@@ -10,15 +10,15 @@ reads freed memory and returns wrong numbers without an error (an H100 run:
 
 So the watch keeps, for every parameter and buffer of the module, the table it lives in and its
 address, and before every call looks each one up again and compares: a ``dict.get`` and a
-``data_ptr()`` per tensor, through C-level ``map``: 40 to 80 us in process for the 392 tensors of
-the Qwen2.5-VL-3B tower on an H100's host
-(``benchmarks/results/weight_watch_check_every_tensor_vs_first_parameter_*``). No hook fires for
+``data_ptr()`` per tensor, in one call of the native loops where they are built
+(``native_checks.py``), else through C-level ``map`` (40 to 80 us for the 392 tensors of the
+Qwen2.5-VL-3B tower on an H100's host:
+``benchmarks/results/weight_watch_check_every_tensor_vs_first_parameter_*``). No hook fires for
 ``p.data = t`` or a table write, hence a look at every call (PEFT's ``merge(safe_merge=True)``
 of a LoRA adapter writes ``base_layer.weight.data``). Weights the graphs read only through
 copies that the encoder follows itself after each launch are left out (:meth:`WeightWatch.skip`:
-160 of the 3B tower's 392, its MLP weights: 81 to 84 us a check before, 61 to 62 after, on an
-H200's host: ``benchmarks/results/weight_watch_mlp_weights_left_to_their_copies_*``); put back,
-each is compared with its address when the watch was made. Modules attached after the watch was
+160 of the 3B tower's 392, ``benchmarks/results/weight_watch_mlp_weights_left_to_their_copies_*``);
+put back, each is compared with its address when the watch was made. Modules attached after the watch was
 made register their parameters, buffers or themselves, which a process-wide count of those
 registrations notices; the module tree is walked again only then. A weight that is a wrapper
 tensor subclass (a quantized weight, a ``DTensor``) has no address of its own (its
@@ -32,10 +32,8 @@ tables too: a submodule replaced is a move, with weights of its own or without (
 swapped). Assignment registers the new module, but torch.ao's ``convert`` and quantizers that
 swap linear layers write the table directly, and the old module's tables stay where the watch
 looks, its weights kept alive and stale. The tables are compared whole with copies of them (one
-C-level comparison, the modules by identity first; a table that gained an entry differs too): 7
-to 10 us for the 102 tables of the 3B tower's 363 submodules on an H200's host, against 14 to 19
-for a ``dict.get`` per submodule
-(``benchmarks/results/submodule_tables_compared_whole_check_time_before_after_*``).
+C-level comparison, the modules by identity first; a table that gained an entry differs too:
+``benchmarks/results/submodule_tables_compared_whole_check_time_before_after_*``).
 
 Nor does a graph run forward hooks, or a ``forward`` replaced on a module instance (how
 accelerate's hooks, offloading among them, and hand-patched attention that records its maps
@@ -43,8 +41,7 @@ work). :meth:`WeightWatch.hooked` says which module inside the watched one has e
 a global forward hook is registered), so the call can run eagerly where they run. The watched
 module and the modules it wraps alone (an adapter around its tower) are not counted: their hooks
 run around the whole call, graphs or not. A truth test per hook table and a key test per
-instance dict, three per module (8.4 to 8.7 us for the 724 hook tables of the 3B tower on an
-H100's host: ``benchmarks/results/forward_hooks_inside_served_towers_*``). The hook tables are
+instance dict (``benchmarks/results/forward_hooks_inside_served_towers_*``). The hook tables are
 tested only after a hook was registered somewhere in the process (PyTorch numbers every hook
 handle it makes) or the tree was read again; the ``forward`` keys, which nothing announces, at
 every call. A class set on a module inside (``module.__class__ = Other``: its tables and weights
@@ -79,6 +76,7 @@ from ._compat import (
     module_table,
     parameter_table,
 )
+from . import native_checks
 from .code_watch import CodeWatch
 
 __all__ = ["WeightWatch", "registrations"]
@@ -195,7 +193,7 @@ class WeightWatch:
         #: slots (``id`` of the table, name) whose tensors the graphs read through copies that
         #: the encoder follows itself (:meth:`skip`), and the slots checked at every call
         self._skip: frozenset[tuple[int, str]] = frozenset()
-        self._checked: tuple[list[dict[str, Any]], list[str]] = ([], [])
+        self._checked: tuple[tuple[dict[str, Any], ...], tuple[str, ...]] = ((), ())
         #: every slot's address when the watch was made, by slot, then the wrapper subclasses'
         #: (``None`` until read), with the tables kept alive so their ids stay theirs
         self._then: dict[tuple[int, str], int] | None = None
@@ -208,6 +206,7 @@ class WeightWatch:
             self._wrapped_then = addresses[len(self._slots[1]):]
         self._checked_then = self._select()
         self._tree_then = self._tree
+        native_checks.loops()  # the build, if any, starts while the graphs are captured
 
     @staticmethod
     def of(module: Any, code: bool = False) -> WeightWatch | None:
@@ -247,8 +246,8 @@ class WeightWatch:
                     devices.add(tensor.device)
         self._slots, self._wrapped, self._first = (tables, names), wrapped, first
         keep = [(id(t), n) not in self._skip for t, n in zip(tables, names)]
-        self._checked = ([t for t, k in zip(tables, keep) if k],
-                         [n for n, k in zip(names, keep) if k])
+        self._checked = (tuple(t for t, k in zip(tables, keep) if k),
+                         tuple(n for n, k in zip(names, keep) if k))
         self._kids, self._tree = kids, tuple(map(_lookup, *kids))
         self._tables = tuple({id(t): t for t in kids[0]}.values())
         self._table_copies = tuple(map(dict, self._tables))
@@ -312,10 +311,11 @@ class WeightWatch:
         return list(map(_lookup, *self._slots)) + list(map(_lookup, *self._wrapped))
 
     def _addresses(self, slots: tuple[list[dict[str, Any]], list[str]] | None = None,
-                   ) -> tuple[int, ...] | None:
+                   refresh: bool = True) -> tuple[int, ...] | None:
         """The addresses of ``slots`` (default: the checked ones), then the wrapper
         subclasses'; ``None`` if one was removed or has no storage."""
-        self._refresh()
+        if refresh:
+            self._refresh()
         try:
             addresses = tuple(map(_data_ptr, map(_lookup, *(slots or self._checked))))
             if self._wrapped[1]:
@@ -347,8 +347,14 @@ class WeightWatch:
                 return self._name_hooked()
             self._clear_at = made if made == self._looked_at else None
             self._looked_at = made
-        found = self._name_hooked() if any(map(_has, self._dicts, self._forward)) else None
-        if found is None and tuple(map(type, self._mods)) != self._types:
+        forward = native_checks.any_has_key(self._dicts, "forward")
+        if forward is None:
+            forward = any(map(_has, self._dicts, self._forward))
+        found = self._name_hooked() if forward else None
+        same = native_checks.same_types(self._mods, self._types)
+        if same is None:
+            same = tuple(map(type, self._mods)) == self._types
+        if found is None and not same:
             found = self._name_swapped()
         return found if found is not None or self._code is None else self._code.replaced()
 
@@ -385,5 +391,10 @@ class WeightWatch:
     def moved(self) -> bool:
         """Whether any watched tensor is gone or has other storage than when watched, or any
         submodule is another module."""
-        return (self._addresses() != self._checked_then
+        self._refresh()
+        then = self._checked_then
+        # the native loops' "yes" stands; anything else is the Python check's to decide
+        same = (not self._wrapped[1] and then is not None and then is not _GONE
+                and native_checks.same_tensors(*self._checked, then, None))
+        return (not same and self._addresses(refresh=False) != then
                 or self._tree is not self._tree_then and self._tree != self._tree_then)

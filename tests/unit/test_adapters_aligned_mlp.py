@@ -37,6 +37,11 @@ PATCH, MERGE, HIDDEN, WIDTH, DEPTH = 2, 2, 32, 42, 2
 ATOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def _both_check_paths(check_paths):
+    """Every test here, with the native checks' loops and with the Python checks alone."""
+
+
 def _tower(seed: int = 0) -> torch.nn.Module:
     model = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
         depth=DEPTH, hidden_size=HIDDEN, intermediate_size=WIDTH, num_heads=2, out_hidden_size=24,

@@ -33,7 +33,7 @@ _CORE = {"errors", "specs", "budgets", "stats", "planner", "plan_preview", "assi
 #: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
 #: its memory book, the book of served budgets and their plans, and the tensor helpers of a replay.
 _GRAPH_PARTS = {"stream_order", "graph_capture", "graph_launch", "replay_io", "graph_report",
-                "served_budgets", "weight_watch", "code_watch", "call_checks"}
+                "served_budgets", "weight_watch", "code_watch", "call_checks", "native_checks"}
 _RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
                   "_compat"} | _GRAPH_PARTS)
 #: What ``backend`` may import: every layer below it.
@@ -60,15 +60,17 @@ LAYERS: dict[str, set[str]] = {
     "_compat": set(),
     # fused_linear's op: the Qwen-VL adapters run fc1 + GELU through it (it imports nothing above)
     "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear",
-                 "gpu_timing", "weight_watch", "code_watch", "_threaded_builds"},
+                 "gpu_timing", "weight_watch", "code_watch", "_threaded_builds", "native_checks"},
     "stream_order": {"_compat"},
     "graph_capture": {"_compat", "graph_launch", "errors"},
     # How a captured graph is instantiated and launched (the CUDA driver through ctypes).
     "graph_launch": {"_compat"},
     "replay_io": {"planner", "protocol"},
-    "graph_report": {"stats"},
+    "graph_report": {"stats", "native_checks"},
     # Whether a module's weights still live where its graphs were captured.
-    "weight_watch": {"_compat", "code_watch"},
+    "weight_watch": {"_compat", "code_watch", "native_checks"},
+    # The per-call checks' loops in C++, built on the user's machine (Python fallback).
+    "native_checks": set(),
     # Whether a module tree's classes run their libraries' code (no patched forward).
     "code_watch": set(),
     "served_budgets": {"budgets", "planner", "specs"},

@@ -21,6 +21,11 @@ from vit_graph_backend.runtime import EncoderCudaGraphManager
 MBS = 4
 
 
+@pytest.fixture(autouse=True)
+def _both_check_paths(check_paths):
+    """Every test here, with the native checks' loops and with the Python checks alone."""
+
+
 class _CopyToy(PaddedSegToyEncoder):
     """The toy encoder whose graph forward reads a copy of ``lin2.weight`` (as the Qwen adapters'
     graphs read padded MLP copies), brought up to date by its refresh; it records what ran."""

@@ -20,6 +20,11 @@ from toy_encoders import Nested, Wrapper
 from vit_graph_backend.weight_watch import WeightWatch, registrations
 
 
+@pytest.fixture(autouse=True)
+def _both_check_paths(check_paths):
+    """Every test here, with the native checks' loops and with the Python checks alone."""
+
+
 class _Tower(nn.Module):
     def __init__(self) -> None:
         super().__init__()

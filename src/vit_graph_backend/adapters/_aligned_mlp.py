@@ -53,6 +53,7 @@ from ..fused_linear import (
     linear_silu_mul,
     pack_gated,
 )
+from .. import native_checks
 from ..weight_watch import registrations
 
 __all__ = ["ALIGNMENT", "AlignedMLPs", "CopiesPinned", "MLPWeights", "UntrackedWeights",
@@ -160,9 +161,12 @@ class AlignedMLPs:
                              else ceil_div(width, ALIGNMENT) * ALIGNMENT)
         self.weights: list[MLPWeights] = []
         self._fingerprint: tuple | None = None
+        #: the fingerprint as (addresses, versions), -1 for a missing bias: what the native
+        #: loops compare (``native_checks.py``)
+        self._native_fingerprint: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         #: (parameter tables, names) of every parameter the copies are made from, and the
         #: registration count they were read at
-        self._slots: tuple[list[dict[str, Any]], list[str]] | None = None
+        self._slots: tuple[tuple[dict[str, Any], ...], tuple[str, ...]] | None = None
         self._slots_at = -1
         #: the fingerprint's parameters found to be inference tensors (refused without a scan)
         self._untracked: list[torch.Tensor | None] | None = None
@@ -192,7 +196,7 @@ class AlignedMLPs:
                                       + [(getattr(mlp, self.out), ("weight",))])
                 for name in names]
 
-    def _read_slots(self) -> tuple[list[dict[str, Any]], list[str]]:
+    def _read_slots(self) -> tuple[tuple[dict[str, Any], ...], tuple[str, ...]]:
         """Where each parameter the copies are made from lives: its module's parameter table and
         name (not the out projection's bias, which is read where it is: one tensor fewer per
         block to check before every call)."""
@@ -204,7 +208,7 @@ class AlignedMLPs:
                 names += ["weight", "bias"]
             tables.append(parameter_table(getattr(mlp, self.out)))
             names.append("weight")
-        return tables, names
+        return tuple(tables), tuple(names)
 
     def refresh(self) -> bool:
         """Bring the padded copies in step with the MLPs' parameters; True if anything was
@@ -215,6 +219,8 @@ class AlignedMLPs:
         if self._slots is None or self._slots_at != seen:
             self._slots_at = seen
             self._slots = self._read_slots()
+        if self._unchanged():
+            return False
         params = list(map(_lookup, *self._slots))  # C-level, like _fingerprint
         if self._untracked is not None and all(map(operator.is_, params, self._untracked)):
             raise UntrackedWeights(_UNTRACKED)  # the same tensors as last time: no scan per call
@@ -228,6 +234,8 @@ class AlignedMLPs:
         self._untracked = None
         if fingerprint == self._fingerprint:
             return False
+        native = (tuple(-1 if p is None else _data_ptr(p) for p in params),
+                  tuple(-1 if p is None else p._version for p in params))
         # a Parameter made outside inference_mode from an inference tensor reads version 0 even
         # after in-place writes; a tensor is an inference tensor from birth, so new ones suffice
         if any(p is not None and p.is_inference() for p in params):
@@ -247,8 +255,14 @@ class AlignedMLPs:
                 raise
             raise CopiesPinned(f"an MLP parameter cannot be copied in place: {exc}") from None
         # only the heads above are ever written: the padding stays zero
-        self._fingerprint = fingerprint
+        self._fingerprint, self._native_fingerprint = fingerprint, native
         return True
+
+    def _unchanged(self) -> bool:
+        """The native loops' "every parameter as at the last copy" (``native_checks.py``);
+        False where they are not built or not sure, and the Python check decides."""
+        return (self._native_fingerprint is not None and self._untracked is None
+                and native_checks.same_tensors(*self._slots, *self._native_fingerprint))
 
     def _copy(self) -> None:
         with torch.no_grad():

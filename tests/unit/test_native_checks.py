@@ -1,0 +1,224 @@
+"""The native checks' loops (``native_checks.py``): built where a compiler and ninja are, and
+never "yes" where the Python checks they stand in for would say something changed.
+
+The loops' answers are compared with plain Python over random tables of tensors and random
+changes (new storage, in-place writes, entries replaced, removed or set to None, inference
+tensors, other objects); the watch and the padded MLP copies are checked to take their "yes"
+and to fall back on anything else. The build itself is tested where it can run: a PyTorch
+release that moves the headers it includes fails here, not in a user's process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from vit_graph_backend import native_checks
+from vit_graph_backend.weight_watch import WeightWatch
+
+_BUILDABLE = shutil.which("ninja") is not None and (
+    shutil.which(os.environ.get("CXX", "c++")) is not None)
+
+
+@pytest.fixture(scope="module")
+def loops():
+    built = native_checks.loops()
+    if built is None:
+        pytest.skip(f"native checks not built here ({native_checks.status()})")
+    return built
+
+
+@pytest.mark.skipif(not _BUILDABLE, reason="no C++ compiler or no ninja on PATH")
+def test_builds_wherever_a_compiler_and_ninja_are() -> None:
+    assert native_checks.build(timeout=600) is not None, native_checks.status()
+    assert native_checks.status() == "built"
+
+
+def _python_same(tables, names, addresses, versions) -> bool:
+    """What the Python checks decide: every entry a tensor at its address (and version)."""
+    for table, name, address, i in zip(tables, names, addresses, range(len(names))):
+        if name not in table:
+            return False
+        value = table[name]
+        if value is None:
+            if versions is None or (address, versions[i]) != (-1, -1):
+                return False
+            continue
+        if not isinstance(value, torch.Tensor) or value.data_ptr() != address:
+            return False
+        if versions is not None and (value.is_inference() or value._version != versions[i]):
+            return False
+    return True
+
+
+_CHANGES = st.sampled_from(["none", "new storage", "in place", "replaced", "removed",
+                            "set None", "inference", "not a tensor", "same storage view"])
+
+
+@given(n=st.integers(1, 12), changes=st.lists(st.tuples(st.integers(0, 11), _CHANGES),
+                                              max_size=4),
+       with_versions=st.booleans(), bias_none=st.booleans())
+def test_same_tensors_agrees_with_python(loops, n, changes, with_versions, bias_none) -> None:
+    params = [nn.Parameter(torch.randn(3)) for _ in range(n)]
+    tables = tuple({"weight": p} for p in params)
+    names = ("weight",) * n
+    if bias_none:
+        tables[0]["weight"] = None
+    addresses = tuple(-1 if t["weight"] is None else t["weight"].data_ptr() for t in tables)
+    versions = tuple(-1 if t["weight"] is None else t["weight"]._version for t in tables)
+    with torch.no_grad():
+        for index, change in changes:
+            table = tables[index % n]
+            value = table.get("weight")
+            if not isinstance(value, torch.Tensor) or value.is_inference():
+                value = None  # nothing to write through: only the table changes
+            if change == "new storage" and value is not None:
+                value.data = torch.randn(3)
+            elif change == "in place" and value is not None:
+                value.add_(1)
+            elif change == "replaced":
+                table["weight"] = nn.Parameter(torch.randn(3))
+            elif change == "removed":
+                table.pop("weight", None)
+            elif change == "set None":
+                table["weight"] = None
+            elif change == "inference":
+                with torch.inference_mode():
+                    table["weight"] = torch.randn(3)
+            elif change == "not a tensor":
+                table["weight"] = 1.5
+            elif change == "same storage view" and value is not None:
+                table["weight"] = value.detach()
+    saved = versions if with_versions else None
+    assert loops.same_tensors(tables, names, addresses, saved) == _python_same(
+        tables, names, addresses, saved)
+
+
+@given(keys=st.lists(st.sets(st.sampled_from(["forward", "weight", "training", "forward_"])),
+                     max_size=8))
+def test_any_has_key_is_dict_contains(loops, keys) -> None:
+    dicts = tuple(dict.fromkeys(k) for k in keys)
+    assert loops.any_has_key(dicts, "forward") == any("forward" in d for d in dicts)
+
+
+@given(kinds=st.lists(st.sampled_from([nn.ReLU, nn.GELU, nn.Identity]), max_size=8),
+       swap=st.one_of(st.none(), st.integers(0, 7)))
+def test_same_types_is_type_identity(loops, kinds, swap) -> None:
+    objects = tuple(k() for k in kinds)
+    types = tuple(type(o) for o in objects)
+    if swap is not None and objects:
+        objects[swap % len(objects)].__class__ = nn.Tanh
+    assert loops.same_types(objects, types) == (tuple(map(type, objects)) == types)
+
+
+def test_bad_arguments_raise_instead_of_answering(loops) -> None:
+    with pytest.raises(TypeError):
+        loops.same_tensors(([],), ("weight",), (0,), None)  # a table that is no dict
+    with pytest.raises(ValueError):
+        loops.same_tensors(({},), ("weight",), (), None)
+    with pytest.raises(TypeError):
+        loops.any_has_key(([],), "forward")
+    with pytest.raises(ValueError):
+        loops.same_types((1,), ())
+
+
+class _Counting:
+    """The loops, counting calls of each."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, {}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return getattr(self.inner, name)(*args)
+        return call
+
+
+def test_the_watch_takes_the_loops_yes_and_checks_a_no_itself(loops, monkeypatch) -> None:
+    tower = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    watch = WeightWatch.of(tower)
+    counting = _Counting(loops)
+    monkeypatch.setattr(native_checks, "loops", lambda: counting)
+    python = []
+    addresses = watch._addresses
+    monkeypatch.setattr(watch, "_addresses",
+                        lambda *a, **k: python.append(1) or addresses(*a, **k))
+    assert not watch.moved() and watch.hooked() is None
+    assert counting.calls == {"same_tensors": 1, "any_has_key": 1, "same_types": 1}
+    assert python == []  # the loops' yes stood
+    # a loop that says no (wrongly, here) only sends the watch to its Python check
+    monkeypatch.setattr(counting, "inner", type("No", (), {
+        "same_tensors": staticmethod(lambda *a: False),
+        "any_has_key": staticmethod(lambda *a: True),
+        "same_types": staticmethod(lambda *a: False)})())
+    assert not watch.moved() and watch.hooked() is None
+    assert python == [1]
+    tower[0].weight.data = torch.zeros(4, 4)
+    monkeypatch.setattr(counting, "inner", loops)
+    assert watch.moved()
+
+
+def test_a_loop_that_raises_leaves_the_python_check_to_decide(loops, monkeypatch) -> None:
+    def broken(*_):
+        raise RuntimeError("boom")
+
+    tower = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    watch = WeightWatch.of(tower)
+    monkeypatch.setattr(native_checks, "loops", lambda: type("Broken", (), {
+        "same_tensors": staticmethod(broken), "any_has_key": staticmethod(broken),
+        "same_types": staticmethod(broken)})())
+    assert not watch.moved() and watch.hooked() is None
+    tower[1].forward = lambda x: x
+    assert watch.hooked() == "1's forward, replaced on the instance"
+    tower[0].weight.data = torch.zeros(4, 4)
+    assert watch.moved()
+
+
+def test_the_name_follows_torch_and_python(monkeypatch) -> None:
+    source = native_checks.SOURCE.read_bytes()
+    name = native_checks._name(source)
+    assert name.startswith("vitgraph_native_checks_")
+    assert native_checks._name(source + b" ") != name
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert native_checks._name(source) != name
+
+
+def _in_fresh_process(code: str, **env: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, **env}, timeout=600, check=True)
+    return result.stdout.strip()
+
+
+def test_off_never_builds_and_a_bad_value_is_named() -> None:
+    code = ("from vit_graph_backend import native_checks as n\n"
+            "print(n.loops(), n.build(), n.status(), sep='|')")
+    assert _in_fresh_process(code, VITGRAPH_NATIVE_CHECKS="off") == (
+        "None|None|off: VITGRAPH_NATIVE_CHECKS=off")
+    out = _in_fresh_process(code, VITGRAPH_NATIVE_CHECKS="fast")
+    assert out == ("None|None|off: VITGRAPH_NATIVE_CHECKS='fast' is not one of auto, off")
+
+
+def test_a_failed_build_is_logged_and_the_python_checks_serve(monkeypatch, caplog) -> None:
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_):
+        raise RuntimeError("no C++ compiler\nmore")
+
+    for name, value in (("_loops", None), ("_thread", None), ("_failed", None)):
+        monkeypatch.setattr(native_checks, name, value)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend.native_checks"):
+        assert native_checks.build(timeout=60) is None
+    assert native_checks.status() == "off: RuntimeError: no C++ compiler"
+    assert "were not built (RuntimeError: no C++ compiler)" in caplog.text
+    assert native_checks.loops() is None
