@@ -58,6 +58,8 @@ from itertools import repeat
 from types import CodeType, ModuleType
 from typing import Any
 
+from . import native_checks
+
 __all__ = ["CodeWatch", "foreign_code", "vouch"]
 
 #: Top-level packages whose code is the tower's own libraries: a function whose code lives
@@ -320,12 +322,30 @@ class CodeWatch:
 
     def _state(self) -> tuple[Any, ...]:
         return (*map(getattr, self._owners, self._names, repeat(None)),
-                *map(dict.get, self._namespaces, self._globals),
-                *map(_lookup, repeat(self._registry), (read() for read in self._readers)))
+                *map(dict.get, self._namespaces, self._globals), *self._registered())
+
+    def _registered(self) -> tuple[Any, ...]:
+        return tuple(map(_lookup, repeat(self._registry), (read() for read in self._readers)))
+
+    def _unchanged(self) -> bool:
+        """The native loops' "every object is the one last seen" (``native_checks.py``), with
+        the attention registry's entries compared here; False where they are not sure."""
+        seen = self._seen
+        if not seen:
+            return False
+        a, b = len(self._owners), len(self._owners) + len(self._globals)
+        try:
+            return (native_checks.same_attributes(self._owners, self._names, seen[:a])
+                    and native_checks.same_entries(self._namespaces, self._globals, seen[a:b])
+                    and self._registered() == seen[b:])
+        except Exception:  # a reader that failed: the check below meets it again
+            return False
 
     def replaced(self) -> str | None:
         """``"CLASS.NAME set to FUNCTION (file:line)"`` (or ``"MODULE.NAME set to ..."``) for
         the first function found from outside :data:`LIBRARIES`, else ``None``."""
+        if self._unchanged():
+            return self._reason
         try:
             state: tuple[Any, ...] | None = self._state()
             same = state == self._seen  # equal objects are identical ones unless one was set

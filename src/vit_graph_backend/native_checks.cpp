@@ -149,11 +149,106 @@ PyObject* same_types(PyObject*, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
+// same_dicts(dicts, copies) -> bool: whether each dict holds the same keys and values, by
+// identity and in the same order, as its copy. A "no" says nothing: a dict whose entries were
+// taken out and put back in another order is equal all the same (the caller compares with ==).
+PyObject* same_dicts(PyObject*, PyObject* args) {
+  PyObject *dicts, *copies;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &dicts, &PyTuple_Type, &copies)) {
+    return nullptr;
+  }
+  if (!same_length(dicts, copies)) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(dicts);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = PyTuple_GET_ITEM(dicts, i);
+    PyObject* b = PyTuple_GET_ITEM(copies, i);
+    if (!PyDict_Check(a) || !PyDict_Check(b)) {
+      PyErr_SetString(PyExc_TypeError, "not a dict");
+      return nullptr;
+    }
+    if (PyDict_GET_SIZE(a) != PyDict_GET_SIZE(b)) {
+      Py_RETURN_FALSE;
+    }
+    Py_ssize_t pa = 0, pb = 0;
+    PyObject *ka, *va, *kb, *vb;
+    while (PyDict_Next(a, &pa, &ka, &va)) {
+      if (!PyDict_Next(b, &pb, &kb, &vb) || ka != kb || va != vb) {
+        Py_RETURN_FALSE;
+      }
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+// same_entries(tables, names, saved) -> bool: whether tables[i].get(names[i]) is saved[i] (None
+// for a missing name) for every i.
+PyObject* same_entries(PyObject*, PyObject* args) {
+  PyObject *tables, *names, *saved;
+  if (!PyArg_ParseTuple(args, "O!O!O!", &PyTuple_Type, &tables, &PyTuple_Type, &names,
+                        &PyTuple_Type, &saved)) {
+    return nullptr;
+  }
+  if (!same_length(tables, names) || !same_length(tables, saved)) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(tables);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* value = lookup(tables, names, i);
+    if (value == nullptr) {
+      if (PyErr_Occurred()) {
+        return nullptr;
+      }
+      value = Py_None;
+    }
+    if (value != PyTuple_GET_ITEM(saved, i)) {
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+// same_attributes(owners, names, saved) -> bool: whether getattr(owners[i], names[i], None) is
+// saved[i] for every i. An attribute read may run Python (a descriptor, a metaclass): its
+// errors other than AttributeError propagate, as getattr's would.
+PyObject* same_attributes(PyObject*, PyObject* args) {
+  PyObject *owners, *names, *saved;
+  if (!PyArg_ParseTuple(args, "O!O!O!", &PyTuple_Type, &owners, &PyTuple_Type, &names,
+                        &PyTuple_Type, &saved)) {
+    return nullptr;
+  }
+  if (!same_length(owners, names) || !same_length(owners, saved)) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(owners);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* value = PyObject_GetAttr(PyTuple_GET_ITEM(owners, i), PyTuple_GET_ITEM(names, i));
+    if (value == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        return nullptr;
+      }
+      PyErr_Clear();
+      value = Py_NewRef(Py_None);
+    }
+    const bool same = value == PyTuple_GET_ITEM(saved, i);
+    Py_DECREF(value);  // compared by address only: no use of it after this
+    if (!same) {
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
 PyMethodDef methods[] = {
     {"same_tensors", same_tensors, METH_VARARGS,
      "same_tensors(tables, names, addresses, versions) -> bool"},
     {"any_has_key", any_has_key, METH_VARARGS, "any_has_key(dicts, key) -> bool"},
     {"same_types", same_types, METH_VARARGS, "same_types(objects, types) -> bool"},
+    {"same_dicts", same_dicts, METH_VARARGS, "same_dicts(dicts, copies) -> bool"},
+    {"same_entries", same_entries, METH_VARARGS, "same_entries(tables, names, saved) -> bool"},
+    {"same_attributes", same_attributes, METH_VARARGS,
+     "same_attributes(owners, names, saved) -> bool"},
     {nullptr, nullptr, 0, nullptr},
 };
 

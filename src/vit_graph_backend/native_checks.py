@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENV", "any_has_key", "build", "loops", "same_tensors", "same_types", "status"]
+__all__ = ["ENV", "LOOPS", "any_has_key", "build", "loops", "same_attributes", "same_dicts",
+           "same_entries", "same_tensors", "same_types", "status"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 ENV = "VITGRAPH_NATIVE_CHECKS"
 _VALUES = ("auto", "off")
 SOURCE = Path(__file__).with_name("native_checks.cpp")
+#: The loops the source defines.
+LOOPS = ("same_tensors", "same_dicts", "same_entries", "same_attributes", "any_has_key",
+         "same_types")
 
 _lock = threading.Lock()
 _loops: Any = None
@@ -88,7 +92,7 @@ def _build() -> None:
             loops = cpp_extension.load(name=_name(source), sources=[str(SOURCE)],
                                        extra_cflags=["-O2"], is_python_module=True,
                                        verbose=False)
-        for name in ("same_tensors", "any_has_key", "same_types"):
+        for name in LOOPS:
             getattr(loops, name)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the Python checks
         _failed = f"{type(exc).__name__}: {exc}".split("\n")[0]
@@ -100,7 +104,7 @@ def _build() -> None:
 
 
 def loops() -> Any:
-    """The built loops (``same_tensors``, ``any_has_key``, ``same_types``), or ``None`` while
+    """The built loops (:data:`LOOPS`), or ``None`` while
     they are not built: the first call starts the build in a background thread, unless
     ``VITGRAPH_NATIVE_CHECKS=off``."""
     if _thread is None and _failed is None:
@@ -145,34 +149,52 @@ def status() -> str:
     return "building" if _thread is not None else "not started"
 
 
+
+def _ask(name: str, *args: Any) -> bool | None:
+    """The loop ``name``'s answer; ``None`` without the loops, or where it raised (bad
+    arguments, or an attribute read that failed: the caller's Python check meets it again)."""
+    built = loops()
+    if built is None:
+        return None
+    try:
+        return bool(getattr(built, name)(*args))
+    except Exception:  # noqa: BLE001 - the caller's Python check decides
+        return None
+
+
 def same_tensors(tables: tuple[Any, ...], names: tuple[str, ...], addresses: tuple[int, ...],
                  versions: tuple[int, ...] | None) -> bool:
     """True if the loops are built and find every ``tables[i][names[i]]`` a tensor at
     ``addresses[i]`` (with ``versions``: at version ``versions[i]``, or ``None`` where both are
     -1); False for a change, a doubt or no loops: the caller's Python check then decides."""
-    built = loops()
-    if built is None:
-        return False
-    try:
-        return bool(built.same_tensors(tables, names, addresses, versions))
-    except Exception:  # noqa: BLE001 - bad arguments: the Python check decides
-        return False
+    return _ask("same_tensors", tables, names, addresses, versions) is True
+
+
+def same_dicts(dicts: tuple[dict[Any, Any], ...], copies: tuple[dict[Any, Any], ...]) -> bool:
+    """True if the loops find each dict holding its copy's keys and values, by identity and in
+    order; False otherwise (the caller compares with ``==``)."""
+    return _ask("same_dicts", dicts, copies) is True
+
+
+def same_entries(tables: tuple[dict[Any, Any], ...], names: tuple[Any, ...],
+                 saved: tuple[Any, ...]) -> bool:
+    """True if the loops find ``tables[i].get(names[i]) is saved[i]`` for every ``i``."""
+    return _ask("same_entries", tables, names, saved) is True
+
+
+def same_attributes(owners: tuple[Any, ...], names: tuple[str, ...],
+                    saved: tuple[Any, ...]) -> bool:
+    """True if the loops find ``getattr(owners[i], names[i], None) is saved[i]`` for every
+    ``i``."""
+    return _ask("same_attributes", owners, names, saved) is True
 
 
 def any_has_key(dicts: tuple[dict[str, Any], ...], key: str) -> bool | None:
     """Whether ``key`` is in any of ``dicts``; ``None`` without the loops (or on an error)."""
-    built = loops()
-    try:
-        return None if built is None else bool(built.any_has_key(dicts, key))
-    except Exception:  # noqa: BLE001 - the caller's Python look decides
-        return None
+    return _ask("any_has_key", dicts, key)
 
 
 def same_types(objects: tuple[Any, ...], types: tuple[type, ...]) -> bool | None:
     """Whether ``type(objects[i]) is types[i]`` for every ``i``; ``None`` without the loops
     (or on an error)."""
-    built = loops()
-    try:
-        return None if built is None else bool(built.same_types(objects, types))
-    except Exception:  # noqa: BLE001 - the caller's Python look decides
-        return None
+    return _ask("same_types", objects, types)

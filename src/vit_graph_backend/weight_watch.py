@@ -40,9 +40,8 @@ accelerate's hooks, offloading among them, and hand-patched attention that recor
 work). :meth:`WeightWatch.hooked` says which module inside the watched one has either (or that
 a global forward hook is registered), so the call can run eagerly where they run. The watched
 module and the modules it wraps alone (an adapter around its tower) are not counted: their hooks
-run around the whole call, graphs or not. A truth test per hook table and a key test per
-instance dict (``benchmarks/results/forward_hooks_inside_served_towers_*``). The hook tables are
-tested only after a hook was registered somewhere in the process (PyTorch numbers every hook
+run around the whole call, graphs or not (``benchmarks/results/forward_hooks_inside_*``). The
+hook tables are tested only after a hook was registered in the process (PyTorch numbers every hook
 handle it makes) or the tree was read again; the ``forward`` keys, which nothing announces, at
 every call. A class set on a module inside (``module.__class__ = Other``: its tables and weights
 stay, its code changes) is named too, against the class the watch first saw it with (a type per
@@ -275,9 +274,10 @@ class WeightWatch:
             self._checked_then = self._select()
 
     def _tables_changed(self) -> bool:
-        # dict equality compares the values by identity first, in C: half the time of a lookup
-        # per submodule (benchmarks/results/submodule_tables_compared_whole_*); a table that
-        # gained or lost an entry differs too
+        # the native loops' identity walk, else dict equality (values by identity first, in C;
+        # benchmarks/results/submodule_tables_compared_whole_*); an entry gained differs too
+        if native_checks.same_dicts(self._tables, self._table_copies):
+            return False
         try:
             return self._tables != self._table_copies
         except Exception:  # a module class whose == raises: read the tree again

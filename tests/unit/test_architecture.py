@@ -72,7 +72,7 @@ LAYERS: dict[str, set[str]] = {
     # The per-call checks' loops in C++, built on the user's machine (Python fallback).
     "native_checks": set(),
     # Whether a module tree's classes run their libraries' code (no patched forward).
-    "code_watch": set(),
+    "code_watch": {"native_checks"},
     "served_budgets": {"budgets", "planner", "specs"},
     # What a manager checks for each call, before and after its graphs launch.
     "call_checks": {"replay_io", "weight_watch", "errors"},

@@ -24,6 +24,11 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from vit_graph_backend.code_watch import CodeWatch, foreign_code  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _both_check_paths(check_paths):
+    """Every test here, with the native checks' loops and with the Python checks alone."""
+
+
 def _tower() -> nn.Module:
     return mq.Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
         depth=1, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=2)).eval()

@@ -120,6 +120,74 @@ def test_same_types_is_type_identity(loops, kinds, swap) -> None:
     assert loops.same_types(objects, types) == (tuple(map(type, objects)) == types)
 
 
+_VALUES = st.sampled_from([None, 0, 1, "a", (), "b"])
+
+
+@given(pairs=st.lists(st.lists(st.tuples(st.sampled_from("abcde"), _VALUES), max_size=5),
+                      max_size=5),
+       change=st.sampled_from(["none", "set", "add", "remove", "reorder", "equal value"]),
+       where=st.integers(0, 4))
+def test_same_dicts_says_yes_only_for_identical_entries_in_order(loops, pairs, change,
+                                                                 where) -> None:
+    dicts = tuple(dict(p) for p in pairs)
+    copies = tuple(map(dict, dicts))
+    if dicts:
+        d = dicts[where % len(dicts)]
+        if change == "set" and d:
+            d[next(iter(d))] = object()
+        elif change == "add":
+            d["z"] = 1
+        elif change == "remove" and d:
+            del d[next(iter(d))]
+        elif change == "reorder" and len(d) > 1:
+            first = next(iter(d))
+            d[first] = d.pop(first)
+        elif change == "equal value" and d:
+            d[next(iter(d))] = [1]  # equal to another [1], never identical
+            copies[where % len(dicts)][next(iter(d))] = [1]
+    identical = all(list(a) == list(b) and all(a[k] is b[k] for k in a)
+                    for a, b in zip(dicts, copies))
+    assert loops.same_dicts(dicts, copies) == identical
+    if identical:
+        assert dicts == copies  # its yes is the comparison's yes
+
+
+class _Owner:
+    kept = staticmethod(len)
+
+    @property
+    def broken(self):
+        raise KeyError("not an AttributeError")
+
+
+@given(names=st.lists(st.sampled_from(["kept", "missing", "__init__"]), max_size=6),
+       change=st.sampled_from(["none", "reset", "delete"]))
+def test_same_attributes_and_entries_are_getattr_and_get_by_identity(loops, names,
+                                                                     change) -> None:
+    owners = (_Owner,) * len(names)
+    saved = tuple(getattr(o, n, None) for o, n in zip(owners, names))
+    namespace = {"kept": len}
+    tables = (namespace,) * len(names)
+    entries = tuple(namespace.get(n) for n in names)
+    if change == "reset":
+        _Owner.kept = staticmethod(abs)
+        namespace["kept"] = abs
+    elif change == "delete":
+        del _Owner.kept, namespace["kept"]
+    try:
+        assert loops.same_attributes(tuple(owners), tuple(names), saved) == (
+            tuple(getattr(o, n, None) for o, n in zip(owners, names)) == saved)
+        assert loops.same_entries(tables, tuple(names), entries) == (
+            tuple(namespace.get(n) for n in names) == entries)
+    finally:
+        _Owner.kept = staticmethod(len)
+
+
+def test_an_attribute_read_that_raises_is_raised(loops) -> None:
+    with pytest.raises(KeyError):
+        loops.same_attributes((_Owner(),), ("broken",), (None,))
+
+
 def test_bad_arguments_raise_instead_of_answering(loops) -> None:
     with pytest.raises(TypeError):
         loops.same_tensors(([],), ("weight",), (0,), None)  # a table that is no dict
@@ -154,7 +222,8 @@ def test_the_watch_takes_the_loops_yes_and_checks_a_no_itself(loops, monkeypatch
     monkeypatch.setattr(watch, "_addresses",
                         lambda *a, **k: python.append(1) or addresses(*a, **k))
     assert not watch.moved() and watch.hooked() is None
-    assert counting.calls == {"same_tensors": 1, "any_has_key": 1, "same_types": 1}
+    assert counting.calls == {"same_dicts": 2, "same_tensors": 1, "any_has_key": 1,
+                              "same_types": 1}
     assert python == []  # the loops' yes stood
     # a loop that says no (wrongly, here) only sends the watch to its Python check
     monkeypatch.setattr(counting, "inner", type("No", (), {
