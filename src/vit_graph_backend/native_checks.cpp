@@ -34,6 +34,19 @@ bool same_length(PyObject* a, PyObject* b) {
   return true;
 }
 
+// Two tuples of one length as args; false with an error set otherwise.
+bool two_tuples(PyObject* args, PyObject** a, PyObject** b) {
+  return PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, a, &PyTuple_Type, b) &&
+         same_length(*a, *b);
+}
+
+// Three tuples of one length as args; false with an error set otherwise.
+bool three_tuples(PyObject* args, PyObject** a, PyObject** b, PyObject** c) {
+  return PyArg_ParseTuple(args, "O!O!O!", &PyTuple_Type, a, &PyTuple_Type, b, &PyTuple_Type,
+                          c) &&
+         same_length(*a, *b) && same_length(*a, *c);
+}
+
 bool equals(PyObject* saved, std::int64_t value) {
   // a saved value that is no int, or out of range, is never equal
   int overflow = 0;
@@ -133,10 +146,7 @@ PyObject* any_has_key(PyObject*, PyObject* args) {
 // same_types(objects, types) -> bool: whether type(objects[i]) is types[i] for every i.
 PyObject* same_types(PyObject*, PyObject* args) {
   PyObject *objects, *types;
-  if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &objects, &PyTuple_Type, &types)) {
-    return nullptr;
-  }
-  if (!same_length(objects, types)) {
+  if (!two_tuples(args, &objects, &types)) {
     return nullptr;
   }
   const Py_ssize_t n = PyTuple_GET_SIZE(objects);
@@ -154,10 +164,7 @@ PyObject* same_types(PyObject*, PyObject* args) {
 // taken out and put back in another order is equal all the same (the caller compares with ==).
 PyObject* same_dicts(PyObject*, PyObject* args) {
   PyObject *dicts, *copies;
-  if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &dicts, &PyTuple_Type, &copies)) {
-    return nullptr;
-  }
-  if (!same_length(dicts, copies)) {
+  if (!two_tuples(args, &dicts, &copies)) {
     return nullptr;
   }
   const Py_ssize_t n = PyTuple_GET_SIZE(dicts);
@@ -182,54 +189,45 @@ PyObject* same_dicts(PyObject*, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
-// same_entries(tables, names, saved) -> bool: whether tables[i].get(names[i]) is saved[i] (None
-// for a missing name) for every i.
-PyObject* same_entries(PyObject*, PyObject* args) {
-  PyObject *tables, *names, *saved;
-  if (!PyArg_ParseTuple(args, "O!O!O!", &PyTuple_Type, &tables, &PyTuple_Type, &names,
-                        &PyTuple_Type, &saved)) {
+// The value under name in the dict table, None for a missing name: a new reference, or nullptr
+// with an error set.
+PyObject* entry(PyObject* table, PyObject* name) {
+  if (!PyDict_Check(table)) {
+    PyErr_SetString(PyExc_TypeError, "a table is not a dict");
     return nullptr;
   }
-  if (!same_length(tables, names) || !same_length(tables, saved)) {
-    return nullptr;
+  PyObject* value = PyDict_GetItemWithError(table, name);
+  if (value == nullptr) {
+    return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
   }
-  const Py_ssize_t n = PyTuple_GET_SIZE(tables);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* value = lookup(tables, names, i);
-    if (value == nullptr) {
-      if (PyErr_Occurred()) {
-        return nullptr;
-      }
-      value = Py_None;
-    }
-    if (value != PyTuple_GET_ITEM(saved, i)) {
-      Py_RETURN_FALSE;
-    }
-  }
-  Py_RETURN_TRUE;
+  return Py_NewRef(value);
 }
 
-// same_attributes(owners, names, saved) -> bool: whether getattr(owners[i], names[i], None) is
-// saved[i] for every i. An attribute read may run Python (a descriptor, a metaclass): its
-// errors other than AttributeError propagate, as getattr's would.
-PyObject* same_attributes(PyObject*, PyObject* args) {
-  PyObject *owners, *names, *saved;
-  if (!PyArg_ParseTuple(args, "O!O!O!", &PyTuple_Type, &owners, &PyTuple_Type, &names,
-                        &PyTuple_Type, &saved)) {
+// getattr(owner, name, None): a new reference, or nullptr with an error set. An attribute read
+// may run Python (a descriptor, a metaclass): its errors other than AttributeError propagate,
+// as getattr's would.
+PyObject* attribute(PyObject* owner, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(owner, name);
+  if (value == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    return Py_NewRef(Py_None);
+  }
+  return value;
+}
+
+// same_reads<read>(holders, names, saved) -> bool: whether read(holders[i], names[i]) is
+// saved[i] for every i (same_entries: entry; same_attributes: attribute).
+template <PyObject* (*read)(PyObject*, PyObject*)>
+PyObject* same_reads(PyObject*, PyObject* args) {
+  PyObject *holders, *names, *saved;
+  if (!three_tuples(args, &holders, &names, &saved)) {
     return nullptr;
   }
-  if (!same_length(owners, names) || !same_length(owners, saved)) {
-    return nullptr;
-  }
-  const Py_ssize_t n = PyTuple_GET_SIZE(owners);
+  const Py_ssize_t n = PyTuple_GET_SIZE(holders);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* value = PyObject_GetAttr(PyTuple_GET_ITEM(owners, i), PyTuple_GET_ITEM(names, i));
+    PyObject* value = read(PyTuple_GET_ITEM(holders, i), PyTuple_GET_ITEM(names, i));
     if (value == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-        return nullptr;
-      }
-      PyErr_Clear();
-      value = Py_NewRef(Py_None);
+      return nullptr;
     }
     const bool same = value == PyTuple_GET_ITEM(saved, i);
     Py_DECREF(value);  // compared by address only: no use of it after this
@@ -246,9 +244,11 @@ PyMethodDef methods[] = {
     {"any_has_key", any_has_key, METH_VARARGS, "any_has_key(dicts, key) -> bool"},
     {"same_types", same_types, METH_VARARGS, "same_types(objects, types) -> bool"},
     {"same_dicts", same_dicts, METH_VARARGS, "same_dicts(dicts, copies) -> bool"},
-    {"same_entries", same_entries, METH_VARARGS, "same_entries(tables, names, saved) -> bool"},
-    {"same_attributes", same_attributes, METH_VARARGS,
-     "same_attributes(owners, names, saved) -> bool"},
+    {"same_entries", same_reads<entry>, METH_VARARGS,
+     "same_entries(tables, names, saved) -> bool: tables[i].get(names[i]) is saved[i]"},
+    {"same_attributes", same_reads<attribute>, METH_VARARGS,
+     "same_attributes(owners, names, saved) -> bool: getattr(owners[i], names[i], None) is "
+     "saved[i]"},
     {nullptr, nullptr, 0, nullptr},
 };
 
