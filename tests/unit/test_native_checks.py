@@ -291,3 +291,44 @@ def test_a_failed_build_is_logged_and_the_python_checks_serve(monkeypatch, caplo
     assert native_checks.status() == "off: RuntimeError: no C++ compiler"
     assert "were not built (RuntimeError: no C++ compiler)" in caplog.text
     assert native_checks.loops() is None
+
+
+def test_threads_asking_at_once_start_one_build(monkeypatch) -> None:
+    import threading
+    import time
+    import types
+
+    from torch.utils import cpp_extension
+
+    calls = []
+    fake = types.SimpleNamespace(__name__="fake", **dict.fromkeys(native_checks.LOOPS, len))
+
+    def slow_load(**kwargs):
+        calls.append(kwargs["name"])
+        time.sleep(0.2)
+        return fake
+
+    for name, value in (("_loops", None), ("_thread", None), ("_failed", None)):
+        monkeypatch.setattr(native_checks, name, value)
+    monkeypatch.setattr(cpp_extension, "load", slow_load)
+
+    class SlowThread(threading.Thread):  # widens the window between the check and the start
+        def __init__(self, *args, **kwargs) -> None:
+            time.sleep(0.01)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(native_checks, "threading", types.SimpleNamespace(Thread=SlowThread))
+    start = threading.Barrier(8)
+    got = []
+
+    def ask(i: int) -> None:
+        start.wait()
+        native_checks.loops() if i % 2 else None
+        got.append(native_checks.build(timeout=60))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and got == [fake] * 8 and native_checks.status() == "built"
