@@ -332,3 +332,14 @@ def test_threads_asking_at_once_start_one_build(monkeypatch) -> None:
     for t in threads:
         t.join()
     assert len(calls) == 1 and got == [fake] * 8 and native_checks.status() == "built"
+
+
+def test_the_source_ships_with_the_package() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = native_checks.SOURCE.parents[2] / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("not a source checkout")
+    data = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]
+    assert native_checks.SOURCE.name in data["vit_graph_backend"]
+    assert any(dep.split(">")[0].split("=")[0].strip() == "ninja"
+               for dep in tomllib.loads(pyproject.read_text())["project"]["dependencies"])
