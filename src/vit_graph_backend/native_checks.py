@@ -8,8 +8,8 @@ each module's class and instance ``forward``. In Python each look is one C-level
 ``map``, 50 to 100 ns apiece, and there is no batch API in PyTorch that reads many tensors'
 addresses or version counters at once (``torch._C._tensors_data_ptrs_at_indices_equal`` casts
 each tensor through pybind and costs as much). The loops of ``native_checks.cpp`` do the same
-looks in one call each, in a third to a fifth of the time (on an H200's host ``WeightWatch.moved()``
-took 9.2 against 29 to 32 us, the padded copies' check 5.5 against 28.7:
+looks in one call each, in a third to a fifth of the time (on an H200's host
+``WeightWatch.moved()`` took 9.2 against 29 to 32 us, the padded copies' check 5.5 against 28.7:
 ``benchmarks/results/per_call_checks_native_loops_vs_python_checks_in_process_*``).
 
 They answer one question, "is everything as it was?", and only a "yes" is taken from them: a
@@ -18,9 +18,9 @@ says so. So a build changes how fast a call is checked, never what the check dec
 (``tests/unit/test_native_checks.py`` compares the two on random changes).
 
 The source is compiled once per machine by ``torch.utils.cpp_extension.load`` (it needs a C++
-compiler and ``ninja``; 8 s on an H200's host), into PyTorch's extension cache (``TORCH_EXTENSIONS_DIR``),
-under a name made of the source's and the running torch's and Python's versions, so an upgrade
-builds anew. The build starts in a background thread the first time a check asks for the
+compiler and ``ninja``; 8 s on an H200's host), into PyTorch's extension cache
+(``TORCH_EXTENSIONS_DIR``), under a name made of the source's and the running torch's and
+Python's versions, so an upgrade builds anew. The build starts in a background thread the first time a check asks for the
 loops, and the Python checks serve until it is done. A build that fails is logged once, with
 the reason, and the Python checks serve the process.
 

@@ -17,9 +17,10 @@ Qwen2.5-VL-3B tower on an H100's host:
 ``p.data = t`` or a table write, hence a look at every call (PEFT's ``merge(safe_merge=True)``
 of a LoRA adapter writes ``base_layer.weight.data``). Weights the graphs read only through
 copies that the encoder follows itself after each launch are left out (:meth:`WeightWatch.skip`:
-160 of the 3B tower's 392, ``benchmarks/results/weight_watch_mlp_weights_left_to_their_copies_*``);
-put back, each is compared with its address when the watch was made. Modules attached after the watch was
-made register their parameters, buffers or themselves, which a process-wide count of those
+160 of the 3B tower's 392:
+``benchmarks/results/weight_watch_mlp_weights_left_to_their_copies_*``); put back, each is
+compared with its address when the watch was made. Modules attached after the watch was made
+register their parameters, buffers or themselves, which a process-wide count of those
 registrations notices; the module tree is walked again only then. A weight that is a wrapper
 tensor subclass (a quantized weight, a ``DTensor``) has no address of its own (its
 ``data_ptr()`` reads 0 in torch 2.13, whatever it holds); the graph reads the tensors it holds
@@ -274,8 +275,7 @@ class WeightWatch:
             self._checked_then = self._select()
 
     def _tables_changed(self) -> bool:
-        # the native loops' identity walk, else dict equality (values by identity first, in C;
-        # benchmarks/results/submodule_tables_compared_whole_*); an entry gained differs too
+        # the loops' identity walk, else dict equality (identity first; an entry gained differs)
         if native_checks.same_dicts(self._tables, self._table_copies):
             return False
         try:
@@ -351,11 +351,11 @@ class WeightWatch:
         if forward is None:
             forward = any(map(_has, self._dicts, self._forward))
         found = self._name_hooked() if forward else None
-        same = native_checks.same_types(self._mods, self._types)
-        if same is None:
-            same = tuple(map(type, self._mods)) == self._types
-        if found is None and not same:
-            found = self._name_swapped()
+        if found is None:
+            same = native_checks.same_types(self._mods, self._types)
+            if same is None:
+                same = tuple(map(type, self._mods)) == self._types
+            found = None if same else self._name_swapped()
         return found if found is not None or self._code is None else self._code.replaced()
 
     def _name_swapped(self) -> str | None:
