@@ -67,16 +67,17 @@ _version = operator.attrgetter("_version")
 _lookup = dict.get
 
 
-def _fingerprint(params: list[torch.Tensor | None]) -> tuple[int, ...]:
-    """Each parameter's address and version counter: a move to another device or dtype gives
-    new storage, so the two suffice. Read with map over C-level getters: this runs before every
-    packed call (Qwen2.5-VL-3B: 160 parameters), where a generator of tuples cost as much as a
-    small kernel launch."""
+def _fingerprint(params: list[torch.Tensor | None]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each parameter's address, then each one's version counter (-1 for both where a
+    projection has no bias): a move to another device or dtype gives new storage, so the two
+    suffice. The layout the native loops compare (``native_checks.same_tensors``). Read with map
+    over C-level getters: without the loops this runs at every packed call (Qwen2.5-VL-3B: 160
+    parameters), where a generator of tuples cost as much as a small kernel launch."""
     try:
-        return (*map(_data_ptr, params), *map(_version, params))
+        return tuple(map(_data_ptr, params)), tuple(map(_version, params))
     except TypeError:  # a projection without a bias: None in its slot
-        return tuple(v for p in params for v in ((-1, -1) if p is None else (_data_ptr(p),
-                                                                             p._version)))
+        return (tuple(-1 if p is None else _data_ptr(p) for p in params),
+                tuple(-1 if p is None else p._version for p in params))
 
 
 class UntrackedWeights(RuntimeError):
@@ -160,10 +161,8 @@ class AlignedMLPs:
         self.padded_width = (gated_width(width) if self.gated
                              else ceil_div(width, ALIGNMENT) * ALIGNMENT)
         self.weights: list[MLPWeights] = []
-        self._fingerprint: tuple | None = None
-        #: the fingerprint as (addresses, versions), -1 for a missing bias: what the native
-        #: loops compare (``native_checks.py``)
-        self._native_fingerprint: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        #: the parameters' (addresses, versions) at the last copy (:func:`_fingerprint`)
+        self._fingerprint: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         #: (parameter tables, names) of every parameter the copies are made from, and the
         #: registration count they were read at
         self._slots: tuple[tuple[dict[str, Any], ...], tuple[str, ...]] | None = None
@@ -234,8 +233,6 @@ class AlignedMLPs:
         self._untracked = None
         if fingerprint == self._fingerprint:
             return False
-        native = (tuple(-1 if p is None else _data_ptr(p) for p in params),
-                  tuple(-1 if p is None else p._version for p in params))
         # a Parameter made outside inference_mode from an inference tensor reads version 0 even
         # after in-place writes; a tensor is an inference tensor from birth, so new ones suffice
         if any(p is not None and p.is_inference() for p in params):
@@ -255,14 +252,14 @@ class AlignedMLPs:
                 raise
             raise CopiesPinned(f"an MLP parameter cannot be copied in place: {exc}") from None
         # only the heads above are ever written: the padding stays zero
-        self._fingerprint, self._native_fingerprint = fingerprint, native
+        self._fingerprint = fingerprint
         return True
 
     def _unchanged(self) -> bool:
         """The native loops' "every parameter as at the last copy" (``native_checks.py``);
         False where they are not built or not sure, and the Python check decides."""
-        return (self._native_fingerprint is not None and self._untracked is None
-                and native_checks.same_tensors(*self._slots, *self._native_fingerprint))
+        return (self._fingerprint is not None and self._untracked is None
+                and native_checks.same_tensors(*self._slots, *self._fingerprint))
 
     def _copy(self) -> None:
         with torch.no_grad():
