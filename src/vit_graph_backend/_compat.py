@@ -10,6 +10,8 @@ Supported: torch 2.11 through 2.14 (checked on CPU with 2.13/2.14 in CI, on CUDA
 from __future__ import annotations
 
 import re
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +24,7 @@ __all__ = [
     "TORCH_VERSION",
     "buffer_table",
     "compile_cache_counts",
+    "compiling_code",
     "compile_fx_without_cudagraphs",
     "current_raw_stream",
     "enable_backed_size_oblivious",
@@ -36,10 +39,12 @@ __all__ = [
     "maybe_mark_dynamic",
     "module_table",
     "parameter_table",
+    "rearm_code",
     "register_dynamo_backend",
     "scaled_mm_rowwise",
     "sym_name",
     "torch_version_at_least",
+    "uncompiled_callers",
     "varlen_attention_available",
 ]
 
@@ -313,3 +318,53 @@ def enable_backed_size_oblivious() -> bool:
         return False
     fx_config.backed_size_oblivious = True
     return True
+
+
+def compiling_code() -> types.CodeType | None:
+    """The code object of the frame Dynamo is compiling, called from inside a backend
+    (``torch._dynamo.symbolic_convert.InstructionTranslator.current_tx().f_code``); ``None``
+    outside a compile or where a release moved it."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+    except Exception:  # no compile in progress, or the tracer's API moved
+        return None
+    return code if isinstance(code, types.CodeType) else None
+
+
+def uncompiled_callers() -> list[types.CodeType]:
+    """Code objects of the Python frames that run *uncompiled* between the ``torch.compile``
+    entry and the frame Dynamo is compiling now (innermost first); called from a backend.
+
+    Seen from a backend, the stack holds Dynamo's own frames (``torch._dynamo.*``, entered from
+    ``convert_frame``), then the callers of the frame being compiled, up to the entry of the
+    compiled region (``torch._dynamo.eval_frame``). A caller that Dynamo serves from compiled
+    code runs its transformed code object, so a code object of the user's found there is one
+    Dynamo ran as plain Python: for a frame compiled before, that means Dynamo marked it
+    skipped (``ConvertFrameReturn``'s default strategy in ``torch/_dynamo/types.py``, applied
+    after a compile of the frame failed, e.g. when the model raised while being traced).
+    """
+    frame = sys._getframe(1)
+    callers: list[types.CodeType] = []
+    inside_dynamo = False
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module == "torch._dynamo.convert_frame":
+            inside_dynamo, callers = True, []
+        elif module == "torch._dynamo.eval_frame" and inside_dynamo:
+            return callers
+        elif inside_dynamo and not module.startswith("torch._dynamo"):
+            callers.append(frame.f_code)
+        frame = frame.f_back
+    return []  # no compile entry above: not called from a Dynamo compile
+
+
+def rearm_code(code: types.CodeType) -> None:
+    """Let Dynamo compile (and serve from its cache) frames of ``code`` again after it marked
+    the code skipped (``torch._C._dynamo.eval_frame.set_code_exec_strategy`` with the default
+    strategy; public Dynamo has no way to undo a skip short of ``torch.compiler.reset()``)."""
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))

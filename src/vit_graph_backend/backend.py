@@ -12,6 +12,16 @@ when non-empty and ``mode=`` only when not the default. Both are validated into 
 :class:`~vit_graph_backend.options.VitGraphOptions` here, at compile time.
 
 ``torch.compiler.reset()`` calls :meth:`VitGraphBackend.reset`, which frees every captured graph.
+
+**A call that raises while Dynamo traces it** (a model's own input check: a wrong image size, a
+wrong channel count) makes Dynamo mark that frame's code skipped for the rest of the process
+(``_compat.uncompiled_callers`` says how that is seen). Its later calls would then run the
+frame as plain Python and compile its submodules as separate graphs, every one captured anew,
+and the graphs already captured for the whole frame would never serve again. So the backend
+remembers the code of every frame it compiled; a compile requested while one of them runs
+uncompiled above it is such a fragment: the remembered frame is re-armed, so that Dynamo serves
+its next call from its cache (the same graphs as before the bad call), and the fragment runs
+eagerly, never captured, re-arming the frame again whenever it is called.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +39,7 @@ import torch
 from . import _compat
 from .attention_op import attention_unavailable, rewrite_attention
 from .batched import BatchedGraphEncoder
+from .batched_layout import returns_nothing
 from .errors import InvalidOptionError
 from .fp8_linear import Fp8Weights, check_fp8_device, graph_device, quantize_linears
 from .fused_linear import CHOICES as FUSED_CHOICES
@@ -51,6 +63,8 @@ class VitGraphBackend:
 
     def __init__(self) -> None:
         self._encoders: weakref.WeakSet[BatchedGraphEncoder] = weakref.WeakSet()
+        #: code objects of the frames compiled into encoders (see the module docstring)
+        self._codes: set[types.CodeType] = set()
         self._lock = threading.Lock()
         self.compiles = 0
         #: linear + activation pairs rewritten into one op (``fused_linear.py``) since reset
@@ -65,6 +79,13 @@ class VitGraphBackend:
                 f"the vitgraph backend got unexpected arguments {sorted(kwargs)}: pass settings "
                 "as torch.compile(..., options={...})")
         opts = VitGraphOptions.from_compile_kwargs(options, mode)
+        code = _compat.compiling_code()
+        with self._lock:
+            skipped = [c for c in _compat.uncompiled_callers() if c in self._codes and c is not code]
+        if skipped:
+            return _Fragment(gm, skipped)
+        if returns_nothing(gm):
+            return gm
         if opts.backed_size_oblivious and _compat.enable_backed_size_oblivious():
             log.warning("vitgraph: backed_size_oblivious=True turned on PyTorch's "
                         "torch.fx.experimental._config.backed_size_oblivious for this whole "
@@ -92,6 +113,8 @@ class VitGraphBackend:
             self.compiles += 1
             self.fused_linear_activations += fused
             self._encoders.add(encoder)
+            if code is not None:
+                self._codes.add(code)
         log.info("vitgraph: compiled graph %d (%s, batch axis %s, inner %s%s)", self.compiles,
                  "static" if encoder.static_shape else "dynamic",
                  encoder.layout.batch_symbol, inner,
@@ -142,6 +165,7 @@ class VitGraphBackend:
         with self._lock:
             encoders = list(self._encoders)
             self._encoders = weakref.WeakSet()
+            self._codes = set()
             self.compiles = 0
             self.fused_linear_activations = 0
         for encoder in encoders:
@@ -183,6 +207,27 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner: str
     count = rewrite(gm, example_inputs)
     log.info("vitgraph: %s: %d %s", setting, count, done)
     return count
+
+
+class _Fragment:
+    """A part of a frame that Dynamo compiled separately because it skipped the whole frame
+    after a call raised inside it (module docstring): runs eagerly and re-arms the frame."""
+
+    def __init__(self, gm: torch.fx.GraphModule, frames: list[types.CodeType]) -> None:
+        self.gm, self.frames = gm, frames
+        self._rearm()
+        log.info("vitgraph: %s ran uncompiled after a call raised while Dynamo traced it; "
+                 "its next call is served from its graphs again (this part runs eagerly)",
+                 ", ".join(f"{c.co_name} ({c.co_filename}:{c.co_firstlineno})"
+                           for c in self.frames))
+
+    def _rearm(self) -> None:
+        for code in self.frames:
+            _compat.rearm_code(code)
+
+    def __call__(self, *args: Any) -> Any:
+        self._rearm()
+        return self.gm(*args)
 
 
 class _Fp8Graph:

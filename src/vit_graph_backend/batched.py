@@ -166,6 +166,14 @@ class _GraphSet:
 
 
 #: Options of packed encoders only: a batched graph holds one call's rows, not items or frames.
+def _empty(args: Sequence[Any], layout: GraphLayout) -> str | None:
+    """Why a call has nothing to replay: its batch inputs hold no rows."""
+    for i in layout.batch_tensors:
+        if args[i].shape[0] == 0:
+            return f"input {i} holds an empty batch (0 rows)"
+    return None
+
+
 class BatchedGraphEncoder:
     """The callable the ``vitgraph`` backend returns to Dynamo for a batched encoder graph."""
 
@@ -184,6 +192,10 @@ class BatchedGraphEncoder:
         self.unsupported = self.layout.unsupported
         if self.unsupported is None and self.static_shape and not options.static_graphs:
             self.unsupported = "static-shape graph and static_graphs=False"
+        if self.unsupported is None and self.static_shape and any(
+                isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+                and x.dim() > 0 and x.shape[0] == 0 for x in example_inputs):
+            self.unsupported = "a graph made for an empty batch (nothing to replay)"
         if self.unsupported is None and self.static_shape:
             # Every non-parameter input is copied: which of them is "the batch" is unknown here.
             self.layout.state = [i for i, x in enumerate(example_inputs)
@@ -212,7 +224,8 @@ class BatchedGraphEncoder:
         self.evictions = 0
 
     def __call__(self, *args: Any) -> Any:
-        reason = self.unsupported or (self._pinned and self._off_shape(args))
+        reason = self.unsupported or (self._pinned and self._off_shape(args)) or _empty(
+            args, self.layout)
         if reason:
             self.stats.record_call()
             self.stats.record_eager(1, reason)
@@ -220,10 +233,44 @@ class BatchedGraphEncoder:
         with self._lock:
             if self._compile_later is not None and self._sets:  # a set: called before
                 self._compile_deferred()
-            graph_set, manager = self._set_for(args)
-            out = manager.run(args)[0]
+            out = self._run(args)
         if self.static_shape:
             return tuple(t[0] for t in out)
+        return out
+
+    def _run(self, args: Sequence[Any]) -> Any:
+        """One call through its graph set. A set made for this call (a new key, or inputs that
+        moved) replaces anything only once the call has returned: a call that raises (the
+        model's own error on a bad input) leaves every set, copy and pool as it found them."""
+        key = tuple(args[i] for i in self.layout.key_ints)
+        entry = self._sets.get(key)
+        moved = entry[0].moved_inputs(args) if entry is not None else []
+        if entry is not None and not moved:
+            self._sets.move_to_end(key)
+            return entry[1].run(args)[0]
+        graph_set, manager = self._new_set(args, self._copied | set(moved))
+        try:
+            out = manager.run(args)[0]
+        except BaseException:
+            manager.clear()
+            raise
+        if moved:
+            # A replaced parameter or a large tensor made anew is worth a warning (a copy per
+            # call from now on); scalars that the model builds at each call are expected.
+            worth = [i for i in moved if i in self.layout.params or args[i].numel() > 64]
+            (log.warning if worth else log.info)(
+                "vitgraph: graph inputs %s changed address since capture (%s); copying them "
+                "into static buffers and capturing again", moved,
+                "replaced parameters or per-call tensors" if worth
+                else "small tensors made at each call")
+            self._copied.update(moved)
+            self._drop(key)
+        while len(self._sets) >= self.options.max_graph_sets:
+            self._drop(next(iter(self._sets)))
+            self.evictions += 1
+        if manager.graph_pool is not None:
+            self._graph_pool = manager.graph_pool
+        self._sets[key] = (graph_set, manager)
         return out
 
     def _compile_deferred(self) -> None:
@@ -259,27 +306,8 @@ class BatchedGraphEncoder:
                         f"(made for {expected})")
         return None
 
-    def _set_for(self, args: Sequence[Any]) -> tuple[_GraphSet, EncoderCudaGraphManager]:
-        key = tuple(args[i] for i in self.layout.key_ints)
-        entry = self._sets.get(key)
-        if entry is not None:
-            moved = entry[0].moved_inputs(args)
-            if not moved:
-                self._sets.move_to_end(key)
-                return entry
-            # A replaced parameter or a large tensor made anew is worth a warning (a copy per
-            # call from now on); scalars that the model builds at each call are expected.
-            worth = [i for i in moved if i in self.layout.params or args[i].numel() > 64]
-            (log.warning if worth else log.info)(
-                "vitgraph: graph inputs %s changed address since capture (%s); copying them "
-                "into static buffers and capturing again", moved,
-                "replaced parameters or per-call tensors" if worth
-                else "small tensors made at each call")
-            self._copied.update(moved)
-            self._drop(key)
-        while len(self._sets) >= self.options.max_graph_sets:
-            self._drop(next(iter(self._sets)))
-            self.evictions += 1
+    def _new_set(self, args: Sequence[Any], copied: set[int]
+                 ) -> tuple[_GraphSet, EncoderCudaGraphManager]:
         exact_rows = None
         if self.static_shape:
             config = BudgetConfig((1,), 1)
@@ -288,21 +316,19 @@ class BatchedGraphEncoder:
                                and not isinstance(a, torch.nn.Parameter) and a.dim() > 0), 1)
         else:
             config = self.config  # a call is one item of B rows: one slot per graph
-        graph_set = _GraphSet(self.fn, self.layout, args, set(self._copied), self.static_shape,
+        graph_set = _GraphSet(self.fn, self.layout, args, copied, self.static_shape,
                               config.max_budget)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         manager = EncoderCudaGraphManager(graph_set, self.options, device=device,
                                           chunk=not self.static_shape, budget_config=config,
                                           exact_rows=exact_rows)
         if manager.uses_cuda_graphs:
-            if self._graph_pool is None or not self._sets:
-                # A pool whose every graph was dropped (eviction of the only set, a recapture,
-                # the deferred compile) is not captured into again: the caching allocator
-                # asserts (use_count > 0) on a pool it still holds blocks of with no user left.
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            manager.graph_pool = self._graph_pool
-        self._sets[key] = (graph_set, manager)
-        return self._sets[key]
+            # A pool whose every graph was dropped (eviction of the only set, a recapture, the
+            # deferred compile) is not captured into again: the caching allocator asserts
+            # (use_count > 0) on a pool it still holds blocks of with no user left.
+            alive = self._graph_pool is not None and self._sets
+            manager.graph_pool = self._graph_pool if alive else torch.cuda.graph_pool_handle()
+        return graph_set, manager
 
     def _drop(self, key: tuple) -> None:
         _, manager = self._sets.pop(key)

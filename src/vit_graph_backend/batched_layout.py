@@ -16,7 +16,7 @@ import torch
 
 from . import _compat
 
-__all__ = ["GraphLayout", "analyze_graph"]
+__all__ = ["GraphLayout", "analyze_graph", "returns_nothing"]
 
 _TRAINING_OPS = {
     torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
@@ -88,6 +88,13 @@ def analyze_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Gr
     return layout
 
 
+def returns_nothing(gm: torch.fx.GraphModule) -> bool:
+    """True for a graph with no outputs: a piece of a frame Dynamo split off that only has
+    side effects on Python state, or none (nothing to serve from graphs)."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    return out_node.args[0] in ((), [])
+
+
 def _mentions(dim: Any, symbol: str) -> bool:
     return isinstance(dim, torch.SymInt) and re.search(rf"\b{symbol}\b", str(dim)) is not None
 
@@ -116,6 +123,8 @@ def _check_outputs(gm: torch.fx.GraphModule, layout: GraphLayout) -> str | None:
     outs = out_node.args[0]
     if not isinstance(outs, (tuple, list)):
         return "graph output is not a tuple"
+    if not outs:
+        return "the graph returns no tensors"
     for k, node in enumerate(outs):
         fake = _compat.example_value(node) if isinstance(node, torch.fx.Node) else node
         if not isinstance(fake, torch.Tensor):

@@ -273,8 +273,11 @@ class EncoderCudaGraphManager:
             return self._eager_batch(inputs, batch, call, f"batch not servable by graph: {exc}")
         except Exception as exc:  # a graph path must never crash a user's call
             why = f"replay failed: {type(exc).__name__}: {exc}"
+            # Eagerly first: where eager raises too, the call's input is at fault (the model's
+            # own check), which is the caller's error, and the budget stays served.
+            outs = self._eager_batch(inputs, batch, call, why)
             self._disable_budget(batch.budget, why)
-            return self._eager_batch(inputs, batch, call, why)
+            return outs
         if outs is None and call.reason is None:  # verification failed, budget now disabled
             return self._eager(inputs, batch, self.served.disabled[batch.budget])
         return outs
@@ -335,6 +338,7 @@ class EncoderCudaGraphManager:
         return split_rows(real, batch.segments)
 
     def _eager(self, inputs: Any, batch: Batch, reason: str) -> list[Any]:
+        out = split_rows(self._eager_packed(inputs, batch), batch.segments)
         self.stats.record_eager(len(batch.segments), reason)
         # once per kind of reason (the text before its first colon), then at DEBUG
         kind = reason.split(":")[0]
@@ -344,7 +348,7 @@ class EncoderCudaGraphManager:
                         "in stats)", reason)
         else:
             log.debug("vitgraph: eager batch of %d segments: %s", len(batch.segments), reason)
-        return split_rows(self._eager_packed(inputs, batch), batch.segments)
+        return out
 
     def _eager_packed(self, inputs: Any, batch: Batch) -> Any:
         if self._segment_api:

@@ -239,3 +239,42 @@ def test_hook_handles_made_counts_every_hook_registration():
     for handle in handles:
         handle.remove()
     assert _compat.hook_handles_made() == before + 2  # removing one makes none
+
+
+def test_a_backend_sees_the_code_it_compiles_and_the_uncompiled_frames_above_it():
+    """The three wrappers behind the backend's re-arming of skipped frames (backend.py): the
+    code being compiled, the frames running uncompiled above it, and the undo of a skip."""
+    seen = []
+
+    def inner(x):
+        return x + 1
+
+    def outer(x):
+        if x.shape[0] == 3:
+            raise ValueError("three rows")   # Dynamo marks outer skipped: it raised in a trace
+        return inner(x) * 2
+
+    def backend(gm, example_inputs):
+        seen.append((_compat.compiling_code(), _compat.uncompiled_callers()))
+        return gm
+
+    compiled = torch.compile(outer, backend=backend)
+    compiled(torch.randn(2))
+    assert seen == [(outer.__code__, [])]
+    try:
+        compiled(torch.randn(3))
+    except ValueError:
+        pass
+    compiled(torch.randn(4, 1))   # outer runs as Python now; inner is compiled on its own
+    code, callers = seen[-1]
+    assert code is inner.__code__
+    assert outer.__code__ in callers
+    _compat.rearm_code(outer.__code__)
+    seen.clear()
+    compiled(torch.randn(5, 1, 1))   # outer is compiled again: a new shape of a frame re-armed
+    assert seen and seen[0][0] is outer.__code__
+
+
+def test_uncompiled_callers_outside_a_compile_is_empty():
+    assert _compat.uncompiled_callers() == []
+    assert _compat.compiling_code() is None
