@@ -89,3 +89,13 @@ def check_paths(request):
         if request.param == "python":
             patch.setattr(native_checks, "loops", lambda: None)
         yield request.param
+
+
+@pytest.fixture
+def padded_cpu(monkeypatch):
+    """Managers made during the test pad batches to their budgets without CUDA, as graphs
+    would, so routing and padding are tested on CPU (``EncoderCudaGraphManager``)."""
+    from vit_graph_backend.runtime import EncoderCudaGraphManager
+
+    monkeypatch.setattr(EncoderCudaGraphManager, "pad_without_graphs", True)
+

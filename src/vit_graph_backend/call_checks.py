@@ -88,9 +88,8 @@ class CallChecks:
         """Why ``inputs`` cannot be served from graphs for autograd, else ``None``."""
         if not torch.is_grad_enabled() or not needs_grad(self._model, inputs):
             return None
-        reason = "grad required (graphs serve inference; use torch.no_grad())"
-        self._log_once("vitgraph: " + reason + "; running eagerly")
-        return reason
+        # logged once by the eager batch that runs it (runtime.py)
+        return "grad required (graphs serve inference; use torch.no_grad())"
 
     def moved(self) -> bool:
         """Whether a watched weight has other storage, or a submodule is another module, or

@@ -374,7 +374,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     reason = availability(MODELS[run.config.model])
     if reason is not None:
         parser.error(f"argument --model: {run.config.model!r} is unavailable here: {reason}")
-    doc = run_benchmark(run.config)
+    doc = run_benchmark(config)
     if not is_rank_zero():  # --data-parallel: every rank ran the stream, rank 0 reports
         return 0
     print(format_text(doc))

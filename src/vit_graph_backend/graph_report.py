@@ -7,7 +7,8 @@ through their public surface (``stats``, ``memory_report()``, ``uses_cuda_graphs
 ``exact_rows``) only.
 
 Fields are true on every device: without CUDA, ``graphs_captured`` and ``graph_memory_bytes`` are
-0 and padded batches are counted as ``no_graph_batches``, not replays; an exact-shape graph
+0, batches run at their own size and are counted as ``no_graph_batches``, not replays, and
+nothing is padded; an exact-shape graph
 (Dynamo's static compile) is counted in ``exact_shape_graphs``, never as a budget.
 """
 

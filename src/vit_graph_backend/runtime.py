@@ -68,6 +68,11 @@ class EncoderCudaGraphManager:
             model's budget range.
         exact_rows: for an exact-shape graph (one budget of 1 holding a whole static call):
             the call's real rows, counted in ``stats`` instead of a budget of 1.
+        pad_without_graphs: on a device without CUDA, pad each batch to its budget and run
+            the captured computation over static buffers, as a graph would (for tests of
+            padding without a GPU); ``None`` for the class default :attr:`pad_without_graphs`
+            (``False``: such a device runs each planned batch at its own size, eagerly, so it
+            costs what eager costs).
         watch: the module whose weights the graphs read, watched for new storage before every
             call and for hooks after its first launch (``call_checks.py``); ``None`` for
             ``model`` itself.
@@ -80,6 +85,10 @@ class EncoderCudaGraphManager:
         outputs = manager.run({"pixel_values": pv, "grid_thw": grid})   # one output per item
     """
 
+    #: the default of ``pad_without_graphs``: tests of padding on CPU set it for managers made
+    #: inside ``serve()`` and ``torch.compile`` (``tests/conftest.py``, fixture ``padded_cpu``)
+    pad_without_graphs = False
+
     def __init__(
         self,
         model: SupportsEncoderCudaGraph,
@@ -90,6 +99,7 @@ class EncoderCudaGraphManager:
         chunk: bool = False,
         budget_config: BudgetConfig | None = None,
         exact_rows: int | None = None,
+        pad_without_graphs: bool | None = None,
         watch: Any = None,
         watch_code: bool = False,
     ) -> None:
@@ -106,6 +116,10 @@ class EncoderCudaGraphManager:
             )
         self.chunk = chunk
         self.exact_rows = exact_rows
+        #: batches are padded to budgets: where graphs can replay them, or when asked to
+        if pad_without_graphs is None:
+            pad_without_graphs = type(self).pad_without_graphs
+        self.pads = self.device.type == "cuda" or pad_without_graphs
         self.stats = GraphStats()
         self.graphs = BudgetGraphs(model, self.options.warmup_iters, self.options.max_graph_memory,
                                    self.config.max_batch_size, self.config.max_frames_per_batch,
@@ -260,6 +274,8 @@ class EncoderCudaGraphManager:
         """The batch's outputs; ``None`` when the call's checks failed (it runs eagerly)."""
         if batch.budget is None:
             return self._eager_batch(inputs, batch, call, self.served.eager_reason(batch))
+        if not self.pads:
+            return self._unpadded(inputs, batch, call)
         if batch.budget in self.served.disabled:
             return self._eager_batch(inputs, batch, call, self.served.disabled[batch.budget])
         try:
@@ -281,6 +297,17 @@ class EncoderCudaGraphManager:
         if outs is None and call.reason is None:  # verification failed, budget now disabled
             return self._eager(inputs, batch, self.served.disabled[batch.budget])
         return outs
+
+    def _unpadded(self, inputs: Any, batch: Batch, call: CallState) -> list[Any] | None:
+        """A planned batch run at its own size without a graph (no CUDA device)."""
+        if self.checks.look(call) is not None:
+            return None
+        out = self._eager_packed(inputs, batch)
+        if self.exact_rows is None:
+            self.stats.record_unpadded(len(batch.segments), batch.tokens)
+        else:
+            self.stats.record_exact(self.exact_rows, graph=False)
+        return split_rows(out, batch.segments)
 
     def _eager_batch(self, inputs: Any, batch: Batch, call: CallState,
                      reason: str) -> list[Any] | None:
@@ -398,7 +425,7 @@ class EncoderCudaGraphManager:
 
 @functools.cache  # once per process
 def _log_cpu_once() -> None:
-    log.warning("vitgraph: CUDA graphs need a CUDA device; on this device the same plan, pad, "
-                "run and slice path runs without graphs")
+    log.info("vitgraph: no CUDA device: each call runs eagerly, batch by batch as planned, at "
+             "its own size (CUDA graphs, and the padding they need, want a CUDA device)")
 
 

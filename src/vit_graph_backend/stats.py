@@ -3,9 +3,10 @@
 One :class:`GraphStats` per runtime. Reads are snapshots (:meth:`GraphStats.as_dict`); updates
 take a lock so two threads calling one compiled model count correctly.
 
-The counters say what really ran: a batch padded to a budget counts as a *graph replay* only when
-a captured CUDA graph replayed it. Without CUDA the same padded batch runs without a graph and is
-counted in ``no_graph_batches``, so a CPU report never shows replays.
+The counters say what really ran: a batch counts as a *graph replay* only when a captured CUDA
+graph replayed it. Without CUDA each planned batch runs at its own size, without a graph and
+without padding, and is counted in ``no_graph_batches``, so a CPU report shows no replays and
+no padding.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class GraphStats:
         calls: calls served (graph, eager or mixed).
         graph_replays: batches replayed from a captured CUDA graph.
         graph_items: item segments served by those replays.
-        no_graph_batches: batches padded to a budget and run without a graph (no CUDA device).
+        no_graph_batches: batches run without a graph (no CUDA device): at their own size, or
+            padded to a budget where the runtime was asked to pad without graphs.
         no_graph_items: item segments served by those batches.
         eager_batches: batches run eagerly, unpadded (oversize items, fallbacks).
         eager_items: item segments run eagerly.
@@ -64,6 +66,12 @@ class GraphStats:
             self.real_tokens += real_tokens
             self.padded_tokens += budget - real_tokens
             self.batches_per_budget[budget] += 1
+
+    def record_unpadded(self, items: int, real_tokens: int) -> None:
+        """Count one batch of ``items`` segments run at its own size without a graph."""
+        with self._lock:
+            self._count_run(items, False)
+            self.real_tokens += real_tokens
 
     def record_exact(self, rows: int, *, graph: bool = True) -> None:
         """Count one call of an exact-shape graph holding ``rows`` real rows (no budget, no

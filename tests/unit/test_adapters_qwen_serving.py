@@ -196,7 +196,7 @@ def _serve_mixed_call(hf, adapter):
     from vit_graph_backend.runtime import EncoderCudaGraphManager
 
     manager = EncoderCudaGraphManager(adapter, VitGraphOptions(
-        max_items_per_graph=2, max_frames_per_batch=4))
+        max_items_per_graph=2, max_frames_per_batch=4), pad_without_graphs=True)
     inputs = _inputs(MIXED_CALL, seed=5)
     with torch.no_grad():
         actual = manager.run(inputs)
@@ -272,7 +272,7 @@ def test_fuse_option_is_validated_and_reported(towers):
 
 @pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
 def test_compiled_served_tower_traces_the_compute_once_and_never_the_routing(towers, family,
-                                                                            monkeypatch):
+                                                                            monkeypatch, padded_cpu):
     """``torch.compile(serve(tower, inner_compiler=...), backend="vitgraph")``: the routing frame
     runs outside Dynamo (the vitgraph backend compiles nothing), and ``encoder_cudagraph_forward``
     is traced once for every budget (its row dimensions symbolic), not once per budget shape. A

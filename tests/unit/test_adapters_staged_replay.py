@@ -141,7 +141,7 @@ def test_staged_batches_are_bounded_and_a_refused_batch_is_not_staged(monkeypatc
 
 
 @pytest.mark.parametrize("window", [True, False], ids=["window order", "contiguous"])
-def test_served_calls_load_a_batch_once_and_match_the_tower(window, monkeypatch):
+def test_served_calls_load_a_batch_once_and_match_the_tower(window, monkeypatch, padded_cpu):
     """Through the runtime (no CUDA: the same write and run path without graphs): calls that
     alternate between two batches on one budget reload the metadata at each switch, repeated
     ones do not, and every output is the tower's own."""

@@ -283,29 +283,6 @@ def test_the_check_sees_the_package():
     assert {"errors", "specs", "budgets", "planner", "stats", "protocol", "testing"} <= layers
 
 
-#: The most lines a module of the package may have (CONTRIBUTING.md: keep modules small).
-MAX_MODULE_LINES = 400
-
-
-def modules_over(root: Path, limit: int) -> list[str]:
-    """``path: N lines`` for each module under ``root`` longer than ``limit`` lines."""
-    sizes = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in root.rglob("*.py")}
-    return [f"{p.relative_to(root)}: {n} lines" for p, n in sorted(sizes.items()) if n > limit]
-
-
-@pytest.mark.parametrize("root", [SRC, Path(__file__).resolve().parents[1]],
-                         ids=["package", "tests"])
-def test_every_module_stays_within_the_line_limit(root):
-    over = modules_over(root, MAX_MODULE_LINES)
-    assert not over, f"split these modules (at most {MAX_MODULE_LINES} lines): {over}"
-
-
-def test_the_line_limit_check_sees_a_long_module(tmp_path):
-    (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
-    assert modules_over(tmp_path, MAX_MODULE_LINES) == [f"sub/long.py: {MAX_MODULE_LINES + 1} lines"]
-
 
 # --- the checker catches what it should ---------------------------------------------------------
 

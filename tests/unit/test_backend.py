@@ -60,7 +60,7 @@ def _tensors(out):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @torch.no_grad()
-def test_compiled_encoder_matches_eager_with_at_most_three_compiles(name):
+def test_compiled_encoder_matches_eager_with_at_most_three_compiles(name, padded_cpu):
     torch.manual_seed(0)
     model = MODELS[name]().eval()
     compiled = torch.compile(model, backend="vitgraph", options={"max_budget": 8})
@@ -325,7 +325,7 @@ def test_register_is_guarded_after_import_too():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_budgets_share_one_row_buffer_and_memory_counts_it_once():
+def test_budgets_share_one_row_buffer_and_memory_counts_it_once(padded_cpu):
     torch.compiler.reset()
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU()).eval()
     compiled = torch.compile(model, backend="vitgraph", options={"capture": "lazy"})

@@ -51,7 +51,7 @@ def test_graph_sets_are_bounded_and_an_evicted_set_still_serves():
 
 
 @torch.no_grad()
-def test_rows_above_the_largest_budget_are_served_in_chunks():
+def test_rows_above_the_largest_budget_are_served_in_chunks(padded_cpu):
     model = _mlp()
     compiled = torch.compile(model, backend="vitgraph", options={"budgets": [2, 4]})
     for rows in (3, 11):   # the first call is the static compile; 11 rows = 4 + 4 + 4 (3 real)

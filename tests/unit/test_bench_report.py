@@ -15,7 +15,7 @@ from vit_graph_backend.benchmarking.timing import progress
 
 @pytest.fixture(scope="module")
 def cpu_doc():
-    return run_benchmark(BenchConfig(model="vit-micro", modes=("eager",), calls=3, max_batch=3,
+    return run_benchmark(BenchConfig(model="clip-tiny", modes=("eager",), calls=3, max_batch=3,
                                      device="cpu", progress=False))
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import ast
 import copy
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -66,7 +69,7 @@ def test_schema_v4_is_pinned():
 
 @pytest.fixture(scope="module")
 def eager_doc():
-    return run_benchmark(BenchConfig(model="vit-micro", modes=("eager",), calls=3, max_batch=3,
+    return run_benchmark(BenchConfig(model="clip-tiny", modes=("eager",), calls=3, max_batch=3,
                                      progress=False))
 
 
@@ -120,7 +123,7 @@ def test_tiny_models_build_and_emit_one_row_per_planned_token(name):
 
 @pytest.mark.slow
 def test_compile_default_runs_and_matches_eager():
-    doc = run_benchmark(BenchConfig(model="vit-micro", workload="fixed-batch",
+    doc = run_benchmark(BenchConfig(model="clip-tiny", workload="fixed-batch",
                                     modes=("eager", "compile-default"), calls=2, max_batch=2,
                                     progress=False))
     eager, compiled = doc["modes"]
@@ -129,7 +132,7 @@ def test_compile_default_runs_and_matches_eager():
     assert compiled["speedup_vs_eager"] > 0 and compiled["backend_report"] is None
 
 
-def test_packed_vitgraph_mode_matches_eager_and_the_planned_routing():
+def test_packed_vitgraph_mode_matches_eager_and_the_planned_routing(padded_cpu):
     pytest.importorskip("vit_graph_backend.packed", reason="packed serving module not present yet")
     if availability(MODELS["qwen2.5-vl-tiny"]) is not None:
         pytest.skip(availability(MODELS["qwen2.5-vl-tiny"]))
@@ -185,6 +188,33 @@ def test_without_timm_the_default_bench_runs_the_same_shape_from_transformers(mo
     assert note.endswith("ran clip-tiny instead")
     run = resolve(BenchConfig(model="vit-micro"), cuda_available=False)  # asked for: kept
     assert run.config.model == "vit-micro" and run.notes == ()
+
+
+def test_a_torchvision_that_fails_beside_this_torch_is_named_in_one_line_and_set_aside(
+        tmp_path):
+    """PyPI's torchvision beside a CPU build of torch fails at import ("operator torchvision::nms
+    does not exist"), and takes timm and transformers' model imports with it. The bench names it
+    in one note and runs its transformers default. Here a stand-in torchvision fails the same way
+    beside a stand-in timm that needs it, in a fresh interpreter."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    (tmp_path / "timm").mkdir()
+    (tmp_path / "timm" / "__init__.py").write_text("import torchvision.ops\n")
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-m", "vit_graph_backend", "bench", "--calls", "2",
+                           "--max-batch", "2", "--no-progress", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["model"] == "clip-tiny"
+    notes = [n for n in doc["notes"] if "torchvision" in n]
+    assert len(notes) == 1, doc["notes"]
+    note = notes[0]
+    assert "timm cannot run here: torchvision does not import beside torch" in note
+    assert "operator torchvision::nms does not exist" in note and "\n" not in note
 
 
 def test_data_parallel_needs_a_torchrun_launch_and_a_vitgraph_mode(monkeypatch):

@@ -72,7 +72,7 @@ def _served(lengths, toy=_CopyToy):
     """A manager over the toy whose budgets for ``lengths`` hold stand-in graphs."""
     torch.manual_seed(0)
     model = toy().eval()
-    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), pad_without_graphs=True)
     mgr.run(_call(lengths))   # makes the budgets' static buffers
     for entry in mgr.graphs.entries.values():
         entry.output = model.encoder_cudagraph_forward(entry.static).clone()
@@ -144,7 +144,7 @@ def test_the_forward_without_a_graph_waits_for_the_checks():
     a result thrown away)."""
     torch.manual_seed(0)
     model = _CopyToy().eval()
-    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), pad_without_graphs=True)
     call = _call([5, 9])
     model.lin2.weight.mul_(0.5)
     _assert_eager_equal(mgr.run(call), model, call)
@@ -258,7 +258,7 @@ def test_moved_exactly_when_a_weight_some_graph_reads_directly_has_another_addre
     the watch was made read it directly and it is not where it was when the watch was made."""
     torch.manual_seed(0)
     model = _FollowedToy().eval()
-    checks = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS)).checks
+    checks = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), pad_without_graphs=True).checks
     first, direct, kept = model.lin2.weight.data_ptr(), False, []
     for through_copy, change in steps:
         model.answer = through_copy

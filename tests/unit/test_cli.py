@@ -17,7 +17,7 @@ from vit_graph_backend import __version__
 from vit_graph_backend.benchmarking import SCHEMA_VERSION, validate
 from vit_graph_backend.cli import main
 
-FAST = ["--model", "vit-micro", "--calls", "4", "--max-batch", "4", "--no-progress"]
+FAST = ["--model", "clip-tiny", "--calls", "4", "--max-batch", "4", "--no-progress"]
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -130,10 +130,10 @@ def test_list(capsys):
         (["bench", "--dtype", "float8"], "invalid choice: 'float8'"),
         (["bench", "--modality", "audio"], "invalid choice: 'audio'"),
         (["bench", "--modes", "eager", "--enable-vit-cuda-graph"], "not allowed with --modes"),
-        (["bench", "--model", "vit-micro", "--modality", "video"], "needs a packed"),
+        (["bench", "--model", "clip-tiny", "--modality", "video"], "needs a packed"),
         (["bench", "--model", "qwen2-vl-tiny", "--workload", "video", "--modality", "image"],
          "streams videos"),
-        (["bench", "--model", "vit-micro", "--max-items-per-graph", "2"],
+        (["bench", "--model", "clip-tiny", "--max-items-per-graph", "2"],
              "max_items_per_graph=2 does not apply to torch.compile"),
         (["bench", "--model", "qwen2-vl-tiny", "--budgets", "2,8", "--max-items-per-graph", "4"],
          "max_items_per_graph=4 is larger than the smallest budget"),

@@ -36,6 +36,8 @@ OPTIONAL_DEPENDENCIES: dict[str, str] = {
     f"{PACKAGE}.testing": "hypothesis",
     f"{PACKAGE}.testing.strategies": "hypothesis",
     f"{PACKAGE}._linear_act_kernels": "triton",
+    f"{PACKAGE}.adapters._segment_attention_kernel": "triton",
+    f"{PACKAGE}.adapters._short_attention_kernel": "triton",
 }
 
 #: Never imported by ``import vit_graph_backend``: optional, test-only or heavy dependencies.

@@ -100,7 +100,7 @@ def test_items_back_to_back_in_one_storage_join_as_a_view_else_cat():
 
 
 @torch.no_grad()
-def test_a_one_batch_call_returns_its_rows_without_a_second_copy():
+def test_a_one_batch_call_returns_its_rows_without_a_second_copy(padded_cpu):
     # items of one size: the planner keeps the caller's order inside the batch, so the rows
     # cloned from the graph's output are the answer as they lie
     grid = [[1, 2, 4]] * 3
@@ -141,7 +141,7 @@ def test_a_repeated_list_grid_reuses_its_tensor_but_is_checked_like_a_new_one(mo
 
 
 @torch.no_grad()
-def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly(caplog):
+def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly(caplog, padded_cpu):
     """Graphs read weights by address: new storage for the tower (``load_state_dict(...,
     assign=True)``, ``.to()``) clears its graphs, or turns them off when the dtype or device
     changed; outputs follow the tower's weights either way."""

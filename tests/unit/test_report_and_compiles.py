@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import logging
 
 import pytest
@@ -37,6 +39,7 @@ def _hf_vit():
 
 
 def test_report_is_public_at_top_level_with_documented_fields():
+    gc.collect()   # towers served by earlier tests, held only by reference cycles
     report = vit_graph_backend.report()
     assert "report" in vit_graph_backend.__all__
     assert set(report) == {"compiles", "fused_linear_activations", "served_towers",
@@ -47,7 +50,7 @@ def test_report_is_public_at_top_level_with_documented_fields():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a report says without CUDA")
 @torch.no_grad()
-def test_cpu_report_claims_no_graph_no_phantom_budget_and_counts_rows():
+def test_cpu_report_claims_no_graph_no_padding_and_counts_rows():
     model = _timm_vit()
     compiled = torch.compile(model, backend="vitgraph", options={"budgets": [4, 16]})
     rows = [2, 5, 3, 7]   # the first call is Dynamo's static compile, a batch of 2
@@ -61,10 +64,11 @@ def test_cpu_report_claims_no_graph_no_phantom_budget_and_counts_rows():
     assert report["captured_budgets"] == []
     assert (stats["graph_replays"], stats["graph_items"], stats["hit_rate"]) == (0, 0, 0.0)
     assert stats["no_graph_batches"] == len(rows) and stats["eager_batches"] == 0
-    assert set(stats["batches_per_budget"]) <= {"4", "16"}, stats["batches_per_budget"]
+    # no graphs, so nothing is padded for them: every batch ran at its own size
+    assert stats["batches_per_budget"] == {} and report["static_input_bytes"] == 0
     assert stats["exact_shape_batches"] == 1
     assert stats["real_tokens"] == sum(rows)
-    assert stats["padded_tokens"] == (4 - 3) + (16 - 5) + (16 - 7)
+    assert stats["padded_tokens"] == 0 and stats["padding_ratio"] == 0.0
     assert report == {**vitgraph.report(), "served_towers": report["served_towers"]}
 
 

@@ -26,7 +26,7 @@ def _setup(verify=False, policy="baseline"):
     torch.manual_seed(0)
     model = PaddedSegToyEncoder(dim=8, budget_range=(8, 64), max_batch_size=MBS).eval()
     mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS, verify=verify,
-                                                         policy=policy))
+                                                         policy=policy), pad_without_graphs=True)
     return model, mgr
 
 
@@ -93,7 +93,7 @@ def test_nan_poisoned_static_buffers_leave_outputs_equal():
 def test_verify_catches_padding_that_leaks_into_real_tokens():
     torch.manual_seed(0)
     model = ToyPackedEncoder(dim=8).eval()  # zero-padded seg ids: padding joins item 0
-    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS, verify=True))
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS, verify=True), pad_without_graphs=True)
     inputs = _call([5, 9])
     with pytest.warns(RuntimeWarning, match=r"verification failed: max relative error"):
         got = mgr.run(inputs)
@@ -101,7 +101,7 @@ def test_verify_catches_padding_that_leaks_into_real_tokens():
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
     assert 16 not in mgr.token_budgets
     # without verify the same wrong padding would have changed item 0: the check is needed
-    mgr2 = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    mgr2 = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), pad_without_graphs=True)
     assert not torch.allclose(mgr2.run(inputs)[0], run_alone(model, inputs)[0], atol=1e-4)
 
 
@@ -124,7 +124,7 @@ def test_grad_required_runs_eagerly():
 def test_graph_unsupported_reason_disables_graphs():
     model, _ = _setup()
     model.graph_unsupported_reason = lambda: "config feature X"
-    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), pad_without_graphs=True)
     with torch.no_grad():
         mgr.run(_call([5, 9]))
     assert mgr.token_budgets == () and mgr.get_num_graphs_to_capture() == 0
@@ -134,7 +134,7 @@ def test_graph_unsupported_reason_disables_graphs():
 def test_chunk_needs_the_segment_api():
     model, _ = _setup()
     with pytest.raises(InvalidOptionError, match="chunk=True needs"):
-        EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), chunk=True)
+        EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), chunk=True, pad_without_graphs=True)
 
 
 def test_cpu_manager_captures_no_graphs_and_reports_it():
@@ -158,7 +158,7 @@ class _PickyToy(PaddedSegToyEncoder):
 @torch.no_grad()
 def test_a_bad_call_raises_and_costs_the_graphs_nothing():
     model = _PickyToy(dim=8, budget_range=(8, 64), max_batch_size=MBS).eval()
-    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), pad_without_graphs=True)
     with pytest.raises(InvalidInputError, match="20 rows"):
         mgr.run({**_call([16]), "bad": True})
     assert mgr.memory_report()["disabled_budgets"] == {}
@@ -210,7 +210,7 @@ def test_a_manager_follows_a_wrapper_subclass_weight_to_new_storage(caplog):
     model, mgr = _setup()
     model.lin2.weight = torch.nn.Parameter(Wrapper(model.lin2.weight.detach().clone()),
                                            requires_grad=False)
-    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS))
+    mgr = EncoderCudaGraphManager(model, VitGraphOptions(max_items_per_graph=MBS), pad_without_graphs=True)
     call = _call([5, 9])
     mgr.run(call)
     model.lin2.weight.inner = model.lin2.weight.inner * 2

@@ -38,6 +38,7 @@ __all__ = [
     "build_model",
     "call_specs",
     "primary_output",
+    "torchvision_problem",
 ]
 
 
@@ -80,12 +81,15 @@ def availability(entry: ModelEntry) -> str | None:
     """``None`` if ``entry`` can be built here, else the reason it cannot."""
     for need in entry.requires:
         module, _, attr = need.partition(":")
-        if importlib.util.find_spec(module.split(".")[0]) is None:
-            top = module.split(".")[0]
+        top = module.split(".")[0]
+        if importlib.util.find_spec(top) is None:
             if top == "timm":  # torchvision, which timm needs, pins torch: the README's Set-up
                 return ("timm is not installed (it needs torchvision, which pins one torch: "
                         "install it holding yours, as the README's Set-up shows)")
             return f"{top} is not installed (pip install 'vit-graph-backend[bench]')"
+        broken = torchvision_problem()
+        if top == "timm" and broken is not None:
+            return f"timm cannot run here: {broken}"
         if attr:
             try:
                 found = hasattr(importlib.import_module(module), attr)
@@ -93,6 +97,37 @@ def availability(entry: ModelEntry) -> str | None:
                 return f"cannot import {module}: {exc}"
             if not found:
                 return f"{module}.{attr} is missing in this version"
+    return None
+
+
+@functools.cache
+def torchvision_problem() -> str | None:
+    """Why the installed torchvision cannot be imported beside this torch, or ``None`` (none
+    installed, or it imports).
+
+    PyPI's torchvision is built against the CUDA build of torch; beside a CPU build it fails at
+    import with "operator torchvision::nms does not exist". timm needs it; transformers only
+    uses it where it is importable, but takes an installed one for importable and then fails
+    to import its models. So a broken one is set aside for this process (``sys.modules``
+    entry ``None``: ``import torchvision`` raises ImportError), and the bench's transformers
+    models run; this is the ``vitgraph bench`` process's own choice, never the library's.
+    """
+    import sys
+
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        importlib.import_module("torchvision")
+    except Exception as exc:  # noqa: BLE001 - any failure: an ImportError, a missing operator
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
+        import torch
+
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return (f"torchvision does not import beside torch {torch.__version__} "
+                f"({type(exc).__name__}: {first}); install the torchvision built for your torch "
+                "(README, Set-up)")
     return None
 
 

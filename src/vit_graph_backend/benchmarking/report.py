@@ -232,10 +232,15 @@ def _routing_lines(doc: Mapping[str, Any]) -> list[str]:
            else "one row item per call, chunked above the largest budget")
     if r["max_frames_per_batch"] is not None:
         cap += f", {r['max_frames_per_batch']} frames per graph"
+    device = str(doc["config"]["device"])
+    where = ("" if device.startswith("cuda") else
+             f" on a CUDA device; on this {device} each batch runs eagerly at its own size, "
+             "without a graph or padding")
     lines = [
-        "routing (planner preview: what vitgraph does with these options, on any device):",
+        "routing (planner preview: how vitgraph batches these calls with these options):",
         f"  budgets ({unit}): {' '.join(map(str, r['budgets']))} | {cap} | policy {r['policy']}",
-        f"  planned over the stream: {p['graph_replays']} replays ({_budget_counts(p['batches_per_budget'])}), "
+        f"  planned over the stream{where}: {p['graph_replays']} replays "
+        f"({_budget_counts(p['batches_per_budget'])}), "
         f"{p['eager_batches']} eager batches ({p['eager_items']} items); hit rate "
         f"{_pct(p['hit_rate'])}; padding {_pct(p['padding_ratio'])} "
         f"({p['padded_tokens']} of {p['real_tokens'] + p['padded_tokens']} graph {unit})",
@@ -253,7 +258,7 @@ def _backend_lines(m: Mapping[str, Any]) -> list[str]:
         f"{rep.get('graphs_captured')} graphs "
         f"({_mib(rep.get('graph_memory_bytes'))}, captured in {rep.get('capture_seconds')} s); "
         f"{s.get('calls')} calls: {s.get('graph_replays')} graph replays, "
-        f"{s.get('no_graph_batches') or 0} padded batches without graphs "
+        f"{s.get('no_graph_batches') or 0} batches without graphs "
         f"({_budget_counts(s.get('batches_per_budget') or {})}), {s.get('eager_batches')} eager "
         f"batches ({s.get('eager_items')} items); hit rate {_pct(s.get('hit_rate'))}, "
         f"padding {_pct(s.get('padding_ratio'))}; fallbacks: "

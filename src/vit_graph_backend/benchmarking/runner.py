@@ -47,9 +47,10 @@ __all__ = ["DTYPES", "BenchConfig", "Resolved", "resolve", "run_benchmark"]
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 CPU_NOTE = (
-    "no CUDA device: CUDA graphs need a CUDA device. On CPU the vitgraph modes run the same "
-    "plan/pad/slice path without graphs, so these timings show routing overhead, not the speed-up; "
-    "run the same command on a CUDA machine for the real numbers."
+    "no CUDA device: CUDA graphs need a CUDA device. On CPU the vitgraph modes plan each call "
+    "as on a GPU and run every batch eagerly at its own size (no graphs, no padding), so these "
+    "timings show the routing's overhead, not the speed-up; run the same command on a CUDA "
+    "machine for the real numbers."
 )
 BYTECODE_NOTE = (
     "Python writes no bytecode cache here (PYTHONDONTWRITEBYTECODE or -B): every process compiles "
