@@ -221,10 +221,16 @@ class AttentionChoices:
             (_SDPA, *configs),
             lambda choice: self._launch(choice, q, k, v, scale), calls=_GRAPH_CALLS,
             reps=_GRAPH_REPS, timer=graph_ms)
+        short = [reason for reason, memory in failures.values() if memory]
+        if short:  # the moment's memory, not the kernels: refused for no other shape
+            log.warning("vitgraph: attention at %s: %d kernels not timed, %s", tuple(q.shape),
+                        len(short), short[0])
         for choice, (reason, memory) in failures.items():
-            if memory or choice == _SDPA:  # memory: the moment's, refused for no other shape
-                log.warning("vitgraph: attention at %s: %s not timed (%s)", tuple(q.shape),
-                            _name(choice), reason)
+            if memory:
+                continue
+            if choice == _SDPA:
+                log.warning("vitgraph: attention at %s: SDPA not timed (%s)", tuple(q.shape),
+                            reason)
             else:
                 self.refused[choice] = reason  # type: ignore[index]
                 log.warning("vitgraph: Triton attention %s refused (%s); not tried again",

@@ -27,6 +27,8 @@ from .errors import InvalidOptionError
 from .specs import check_positive_int
 
 __all__ = [
+    "DEFAULT_PACKED_MAX_BUDGET",
+    "MIN_BUDGET_IMAGE_SIDE",
     "BudgetConfig",
     "CaptureLayout",
     "budget_ladder",
@@ -35,6 +37,7 @@ __all__ = [
     "check_items_fit",
     "check_ladder_steps",
     "normalize_budgets",
+    "packed_budget_range",
     "smallest_fitting",
 ]
 
@@ -99,6 +102,26 @@ def budget_ladder(start: int, stop: int, ladder_steps: int = 1, *,
         base *= 2
     ladder.add(stop)
     return tuple(sorted(ladder))
+
+
+#: The packed towers' default largest budget in output tokens (a 1792 x 1792 image at patch 14,
+#: merge 2).
+DEFAULT_PACKED_MAX_BUDGET = 4096
+#: The packed towers' smallest default budget is the token count of a square image of this side.
+MIN_BUDGET_IMAGE_SIDE = 224
+
+
+def packed_budget_range(patch: int, merge: int) -> tuple[int, int]:
+    """A packed tower's default ``(min_budget, max_budget)`` in output tokens: a square image of
+    :data:`MIN_BUDGET_IMAGE_SIDE` pixels, and :data:`DEFAULT_PACKED_MAX_BUDGET` (or the
+    smallest, where that is larger). The adapters and ``vitgraph plan`` both take it from here.
+
+    >>> packed_budget_range(14, 2), packed_budget_range(4, 2)
+    ((64, 4096), (784, 4096))
+    """
+    side = max(1, MIN_BUDGET_IMAGE_SIDE // (check_positive_int("patch", patch)
+                                            * check_positive_int("merge", merge)))
+    return side * side, max(DEFAULT_PACKED_MAX_BUDGET, side * side)
 
 
 def check_ladder_steps(name: str, value: object) -> int:

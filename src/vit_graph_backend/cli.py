@@ -24,7 +24,7 @@ from typing import Any
 
 from ._version import __version__
 from .benchmarking.modes import MODES as _MODES
-from .budgets import MAX_LADDER_STEPS
+from .budgets import DEFAULT_PACKED_MAX_BUDGET, MAX_LADDER_STEPS, packed_budget_range
 from .options import DEFAULT_BATCHED_MAX_BUDGET
 from .planner import POLICIES
 
@@ -32,9 +32,6 @@ __all__ = ["build_parser", "main"]
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
-#: The model budget range ``vitgraph plan`` assumes: the Qwen adapters' defaults (a 224 px square
-#: image at patch 14, merge 2, is 64 tokens; 4096 tokens is a 1792 px one).
-PLAN_BUDGET_RANGE = (64, 4096)
 
 
 # -- argument types (each raises ArgumentTypeError naming the bad value: argparse exits 2) -----
@@ -202,10 +199,11 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                       help="image sizes in pixels, e.g. 448x448,224x336 (with --patch, --merge)")
     p.add_argument("--budgets", type=_int_list, metavar="LIST", help="explicit budgets")
     p.add_argument("--min-budget", type=_positive_int,
-                   help=f"ladder start without --budgets (default {PLAN_BUDGET_RANGE[0]}, 1 "
-                   "with --chunk, or --max-budget when that is smaller)")
+                   help="ladder start without --budgets (default: the tokens of a 224 px square "
+                   "image at --patch and --merge, as the packed adapters; 1 with --chunk; or "
+                   "--max-budget when that is smaller)")
     p.add_argument("--max-budget", type=_positive_int,
-                   help=f"ladder end without --budgets (default {PLAN_BUDGET_RANGE[1]}, "
+                   help=f"ladder end without --budgets (default {DEFAULT_PACKED_MAX_BUDGET}, "
                    f"{DEFAULT_BATCHED_MAX_BUDGET} with --chunk, or --min-budget when larger)")
     p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
                    help="split each doubling of the ladder into K steps, 1..16 (default 2, the "
@@ -268,13 +266,14 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             specs.append(EncoderItemSpec(gh * gw, (gh // args.merge) * (gw // args.merge)))
             labels.append(f"{h}x{w} px -> {gh * gw} patches -> {specs[-1].output_tokens} tokens")
     try:
-        # the runtime's own resolution: packed against PLAN_BUDGET_RANGE, --chunk as a batched
-        # torch.compile graph (rows, one call per graph); so plan and runtime cannot disagree
+        # the runtime's own resolution: packed against the adapters' default range for this
+        # patch and merge, --chunk as a batched torch.compile graph (rows, one call per graph);
+        # so plan and runtime cannot disagree
         options = VitGraphOptions(budgets=args.budgets, min_budget=args.min_budget,
                                   max_budget=args.max_budget, ladder_steps=args.ladder_steps,
                                   max_items_per_graph=args.max_items_per_graph)
         config = (options.resolve(batched=True) if args.chunk
-                  else options.resolve(PLAN_BUDGET_RANGE))
+                  else options.resolve(packed_budget_range(args.patch, args.merge)))
         plan = plan_batches(specs, config, policy=args.policy, chunk=args.chunk)
     except InvalidOptionError as exc:
         parser.error(f"invalid --budgets/--min-budget/--max-budget/--max-items-per-graph: {exc}")

@@ -8,6 +8,8 @@ one type. Errors about bad user input also derive from the built-in type a calle
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "CaptureError",
     "InvalidInputError",
@@ -17,6 +19,7 @@ __all__ = [
     "UnsupportedGraphError",
     "UnsupportedModelError",
     "VitGraphError",
+    "error_line",
     "out_of_memory",
 ]
 
@@ -75,3 +78,21 @@ def out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
     return (any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
             or "out of memory" in text.lower() or ("ALLOC" in text and "FAILED" in text))
+
+
+_NEEDED = re.compile(r"[Tt]ried to allocate ([\d.]+ ?[KMGT]?i?B)")
+_FREE = re.compile(r"of which ([\d.]+ ?[KMGT]?i?B) (?:is )?free")
+
+
+def error_line(exc: BaseException) -> str:
+    """One short line for a failure that is logged and recorded, not raised: an out-of-memory
+    error as the bytes it asked for and the bytes free (PyTorch's message runs to several
+    sentences of advice), anything else as its type and the first line of its message."""
+    text = str(exc).strip()
+    if out_of_memory(exc):
+        parts = [f"{name} {m.group(1)}" for name, m in (("needs", _NEEDED.search(text)),
+                                                       ("free", _FREE.search(text))) if m]
+        first = text.splitlines()[0][:120] if text else type(exc).__name__
+        return f"out of memory ({', '.join(parts) if parts else first})"
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}".rstrip(": ")
+

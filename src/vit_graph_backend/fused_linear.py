@@ -362,13 +362,16 @@ class LinearActChoices:
         times, failures = time_each(
             candidates, lambda choice: self._launch(choice, rows, weight, bias, activation),
             calls=_GRAPH_CALLS, reps=_GRAPH_REPS, timer=graph_ms)
-        short_of_memory = False
+        short = [(choice, reason) for choice, (reason, memory) in failures.items() if memory]
+        short_of_memory = bool(short)
+        if short:  # the moment's memory, not the kernels: refused for no other shape
+            log.warning("vitgraph: linear+%s at %d x %d -> %d: %d of %d kernels not timed, %s",
+                        activation, *rows.shape, weight.shape[0], len(short), len(candidates),
+                        short[0][1])
         for choice, (reason, memory) in failures.items():
-            if memory:  # the moment's memory, not the kernel: refused for no other shape
-                short_of_memory = True
-                log.warning("vitgraph: linear+%s at %d x %d -> %d: %s not timed (%s)",
-                            activation, *rows.shape, weight.shape[0], _name(choice), reason)
-            elif choice == _UNFUSED:
+            if memory:
+                continue
+            if choice == _UNFUSED:
                 log.warning("vitgraph: the %s kernel after cuBLAS failed at %d x %d -> %d "
                             "(%s)", activation, *rows.shape, weight.shape[0], reason)
             else:

@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 import torch
 
 from . import _compat
-from .errors import out_of_memory
+from .errors import error_line, out_of_memory
 
-__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "time_each"]
+__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "time_each", "timings_short_of_memory"]
 
 _T = TypeVar("_T")
 
@@ -110,9 +110,22 @@ def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int,
             times[candidate] = timer(lambda candidate=candidate: run(candidate), calls=calls,
                                      reps=reps)
         except Exception as exc:  # a kernel this GPU or Triton cannot build, or memory
-            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-            failures[candidate] = (reason, out_of_memory(exc))
+            failures[candidate] = (error_line(exc), out_of_memory(exc))
+    short = sum(memory for _, memory in failures.values())
+    if short:
+        with _SHORT_LOCK:
+            _SHORT[0] += short
     return times, failures
+
+
+_SHORT = [0]
+_SHORT_LOCK = threading.Lock()
+
+
+def timings_short_of_memory() -> int:
+    """Kernel timings of this process that memory cut short (``report()["out_of_memory"]``)."""
+    with _SHORT_LOCK:
+        return _SHORT[0]
 
 
 def _write_in_capture(mark: torch.Tensor) -> None:

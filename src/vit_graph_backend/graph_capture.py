@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from .errors import out_of_memory
+from .errors import error_line, out_of_memory
 from .graph_launch import capture_stream, device_index, launch_kind, make_launcher
 
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
@@ -115,7 +115,7 @@ class CaptureOutcome:
     output: Any = None
     skipped: str | None = None
     failed: bool = False          # the capture itself failed: continue in a fresh pool
-    oom: bool = False             # ... because it ran out of memory (pressure, not a bug)
+    oom: bool = False             # skipped because memory ran out (pressure, not a bug)
 
 
 def _warmup(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
@@ -163,8 +163,8 @@ def capture_budget_graph(
             raise
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
-        return CaptureOutcome(skipped=f"warm-up ran out of memory ({mib(free)} free): "
-                                      f"{_first_line(exc)}")
+        return CaptureOutcome(skipped=f"warm-up: {error_line(exc)}; {mib(free)} free after it",
+                              oom=True)
     if estimate is not None:
         memory.estimates[budget] = estimate
     if limit is not None and estimate is not None:
@@ -188,13 +188,12 @@ def capture_budget_graph(
         torch.cuda.empty_cache()
         oom = out_of_memory(exc)
         return CaptureOutcome(failed=True, oom=oom,
-                              skipped=f"capture failed: {type(exc).__name__}: {_first_line(exc)}")
+                              skipped=f"capture failed: {error_line(exc)}")
     try:
         launcher = make_launcher(graph, device, graph_launch, uses_rng)
     except Exception as exc:  # PyTorch's own instantiation failed: the graph cannot run
         del graph
-        return CaptureOutcome(failed=True, skipped=f"instantiation failed: {type(exc).__name__}: "
-                                                   f"{_first_line(exc)}")
+        return CaptureOutcome(failed=True, skipped=f"instantiation failed: {error_line(exc)}")
     return CaptureOutcome(graph=launcher, output=output)
 
 
@@ -202,11 +201,6 @@ def _output_tensors(output: Any) -> list[torch.Tensor]:
     if output is None:
         return []
     return [output] if isinstance(output, torch.Tensor) else list(output)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @dataclass
@@ -271,6 +265,8 @@ class BudgetGraphs:
         self.graph_pool: Any = None
         self.memory = GraphMemory(max_graph_memory)
         self.skipped: dict[int, str] = {}
+        #: budgets skipped because memory ran out, over this manager's life
+        self.out_of_memory = 0
         self.capture_seconds = 0.0
 
     @property
@@ -309,6 +305,7 @@ class BudgetGraphs:
             "estimated_bytes": dict(sorted(self.memory.estimates.items())),
             "capture_seconds": round(self.capture_seconds, 4),
             "skipped_budgets": dict(sorted(self.skipped.items())),
+            "out_of_memory_skips": self.out_of_memory,
         }
 
     def capture_inputs(self, budget: int) -> dict[str, torch.Tensor]:
@@ -342,6 +339,7 @@ class BudgetGraphs:
             self.graph_pool = torch.cuda.graph_pool_handle()
         if outcome.skipped is not None:
             self.skipped[budget] = outcome.skipped
+            self.out_of_memory += outcome.oom
         return outcome
 
     def _capture(self, budget: int) -> CaptureOutcome:
@@ -357,7 +355,7 @@ class BudgetGraphs:
             if not out_of_memory(exc):
                 raise
             torch.cuda.empty_cache()
-            return CaptureOutcome(skipped=f"static inputs ran out of memory: {_first_line(exc)}")
+            return CaptureOutcome(skipped=f"static inputs: {error_line(exc)}", oom=True)
         outcome = capture_budget_graph(
             budget, self.model.encoder_cudagraph_forward, static, pool=self.graph_pool,
             device=self.device, warmup_iters=self.warmup_iters, memory=self.memory, held=held,

@@ -18,14 +18,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import native_checks
+from .gpu_timing import timings_short_of_memory
 from .stats import GraphStats
 
 __all__ = ["REPORT_FIELDS", "summarize"]
 
 #: The keys of :func:`summarize`'s answer, documented in the README's ``report()`` section.
 REPORT_FIELDS = ("cuda_graphs", "graphs_captured", "exact_shape_graphs", "device_launch_graphs",
-                 "captured_budgets", "skipped_budgets", "graph_memory_bytes", "static_input_bytes",
-                 "capture_seconds", "native_checks", "stats")
+                 "captured_budgets", "skipped_budgets", "out_of_memory", "graph_memory_bytes",
+                 "static_input_bytes", "capture_seconds", "native_checks", "stats")
 
 
 def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
     stats = GraphStats()
     for extra in extra_stats:
         stats.merge(extra)
-    graphs = exact = device_launch = memory = static = 0
+    graphs = exact = device_launch = memory = static = oom = 0
     seconds = 0.0
     budgets: set[int] = set()
     skipped: dict[str, str] = {}
@@ -45,6 +46,7 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         memory += report["total_bytes"]
         static += report["static_input_bytes"]
         seconds += report["capture_seconds"]
+        oom += report["out_of_memory_skips"]
         device_launch += sum(kind == "device" for kind in report["graph_launch"].values())
         if manager.exact_rows is not None:
             exact += report["graphs"]
@@ -60,6 +62,9 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         "device_launch_graphs": device_launch,
         "captured_budgets": sorted(budgets),
         "skipped_budgets": skipped,
+        # how often memory ran out: budgets skipped (each logged once, in skipped_budgets),
+        # and kernel timings cut short (process-wide; each choice logged in one line)
+        "out_of_memory": {"skipped_budgets": oom, "kernel_timings": timings_short_of_memory()},
         "graph_memory_bytes": memory,
         "static_input_bytes": static,
         "capture_seconds": round(seconds, 4),

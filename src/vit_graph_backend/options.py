@@ -13,6 +13,7 @@ The dataclass is frozen and holds tuples, so it hashes and can key caches.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import warnings
 from collections.abc import Mapping
@@ -299,14 +300,6 @@ class VitGraphOptions:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> VitGraphOptions:
         """Inverse of :meth:`to_dict`; unknown keys raise with a "did you mean"."""
-        valid = [f.name for f in fields(cls)]
-        for key in data:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise InvalidOptionError(
-                    f"unknown vitgraph option {key!r}{hint}; valid options: {', '.join(valid)}"
-                )
         return cls(**dict(data))
 
     def to_dict(self) -> dict[str, Any]:
@@ -377,6 +370,25 @@ class VitGraphOptions:
                       DeprecationWarning, stacklevel=2)
         steps = self.ladder_steps if self.ladder_steps is not None else default_ladder_steps
         return replace(self, ladder_steps=steps).resolve(model_range)
+
+
+_dataclass_init = VitGraphOptions.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: VitGraphOptions, *args: Any, **kwargs: Any) -> None:
+    # an unknown keyword is an option error like any other, with the valid names
+    valid = [f.name for f in fields(VitGraphOptions)]
+    for key in kwargs:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InvalidOptionError(
+                f"unknown vitgraph option {key!r}{hint}; valid options: {', '.join(valid)}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+VitGraphOptions.__init__ = _init  # type: ignore[method-assign]
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -367,3 +367,24 @@ def test_old_flag_names_work_with_a_warning(capsys, old, new):
         code, out, _ = _run(capsys, "plan", "--items", "100,200", "--budgets", "256,512", old,
                             "2", "--json")
     assert code == 0 and json.loads(out)["max_items_per_graph"] == 2
+
+
+@pytest.mark.parametrize("patch", [2, 4, 14])
+def test_plan_shows_the_ladder_a_served_tower_of_that_patch_size_uses(capsys, patch):
+    """``vitgraph plan --patch P --merge 2`` and a served tower of patch P agree on the ladder."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    import vit_graph_backend
+
+    tower = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(
+        depth=1, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=24,
+        patch_size=patch, window_size=4 * patch, fullatt_block_indexes=[0])).eval()
+    served = vit_graph_backend.serve(tower)
+    code, out, _ = _run(capsys, "plan", "--items", "24", "--patch", str(patch), "--merge", "2",
+                        "--json")
+    assert code == 0
+    assert json.loads(out)["budgets"] == list(served.manager.config.budgets)

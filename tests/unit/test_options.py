@@ -154,3 +154,14 @@ def test_budget_config_is_a_deprecated_alias_of_resolve():
 @pytest.mark.parametrize("value", [1, 2**30, 0.5, 1.0, None])
 def test_max_graph_memory_takes_bytes_or_a_fraction(value):
     assert VitGraphOptions(max_graph_memory=value).max_graph_memory == value
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"bogus": 1}, r"unknown vitgraph option 'bogus'; valid options: budgets, min_budget"),
+    ({"max_budgt": 64}, r"unknown vitgraph option 'max_budgt' \(did you mean 'max_budget'\?\)"),
+])
+def test_the_constructor_names_an_unknown_option_like_from_dict(kwargs, match):
+    with pytest.raises(InvalidOptionError, match=match):
+        VitGraphOptions(**kwargs)
+    with pytest.raises(InvalidOptionError, match=match):
+        VitGraphOptions.from_dict(kwargs)

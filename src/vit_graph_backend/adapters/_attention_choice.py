@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidOptionError, MissingDependencyError
+from ..errors import InvalidOptionError, MissingDependencyError, error_line
 from ..gpu_timing import graph_ms
 from ._cudnn_attention import RaggedAttention, cudnn_frontend_reason
 from ._packed_attention import Segments, dense_sdpa, varlen_attention, widen_for_dense
@@ -357,8 +357,8 @@ def _race(rows: int, what: str, kernels: dict[str, Callable[[], torch.Tensor | N
             with torch.cuda.device(outs[0].device):  # graph_ms captures on the current device
                 ms = {name: graph_ms(run) for name, run in kernels.items()}
     except Exception as exc:  # a kernel that refuses these shapes: flash varlen serves
-        log.warning("vitgraph: %s not timed for %d rows (%s: %s); the varlen kernel serves",
-                    what, rows, type(exc).__name__, str(exc).split("\n")[0])
+        log.warning("vitgraph: %s not timed for %d rows (%s); the varlen kernel serves",
+                    what, rows, error_line(exc))
         return None
     timings[rows] = {key: round(value, 4) for key, value in ms.items()}
     if not diff <= _AGREE:  # also NaN

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..errors import out_of_memory
+from ..errors import error_line, out_of_memory
 
 __all__ = ["RaggedAttention", "cudnn_frontend_reason"]
 
@@ -191,11 +191,10 @@ class RaggedAttention:
                 with torch.cuda.device(q.device):
                     plan = _Plan(self._cudnn, handle, q, k, v, slots, max_len, scale)
             except Exception as exc:  # cuDNN refuses the shape, or the library is unusable
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                reason = error_line(exc)
                 if out_of_memory(exc):  # the moment's memory, not the shape: tried again
-                    log.warning("vitgraph: cuDNN ragged attention ran out of memory building "
-                                "%d segments of up to %d rows (%s); flash varlen serves this "
-                                "call", slots, max_len, reason)
+                    log.warning("vitgraph: cuDNN ragged attention for %d segments of up to %d "
+                                "rows: %s; flash varlen serves this call", slots, max_len, reason)
                     return None
             else:
                 self._plans[key] = plan

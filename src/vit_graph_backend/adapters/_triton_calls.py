@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import out_of_memory
+from ..errors import error_line, out_of_memory
 
 __all__ = ["TritonKernelCalls", "inputs_reason", "layout_reason", "triton_reason"]
 
@@ -102,12 +102,11 @@ class TritonKernelCalls:
                 with torch.cuda.device(device):
                     out = run(self._kernel)
             except Exception as exc:  # Triton cannot compile or run it here
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                reason = f"{type(exc).__name__}: {first}"
+                reason = error_line(exc)
                 if out_of_memory(exc):
                     # the moment's memory, not the shape: the fallback serves this call only
-                    log.warning("vitgraph: the %s ran out of memory for %s (%s); %s serves "
-                                "this call", self._what, key, reason, self._fallback)
+                    log.warning("vitgraph: the %s for %s: %s; %s serves this call",
+                                self._what, key, reason, self._fallback)
                     return None
                 self.refused[key] = reason
                 log.warning("vitgraph: the %s failed for %s (%s); %s serves it", self._what,

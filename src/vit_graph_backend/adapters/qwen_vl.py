@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from ..budgets import packed_budget_range
 from ..code_watch import vouch
 from ..errors import InvalidOptionError
 from ..specs import EncoderItemSpec, check_positive_int
@@ -53,12 +54,7 @@ from ._qwen_metadata import Grid, PackedMetadata, QwenLayout
 from ._qwen_ops import _add_norm, _norm, _patch_embed, _signed_sin
 from ._qwen_packing import ROW_INDEX, QwenPacker
 
-__all__ = ["DEFAULT_MAX_BUDGET", "MIN_BUDGET_IMAGE_SIDE"]
-
-#: Default largest budget in output tokens (a 1792 x 1792 image at patch 14, merge 2).
-DEFAULT_MAX_BUDGET = 4096
-#: The smallest default budget is the token count of a square image of this side, in pixels.
-MIN_BUDGET_IMAGE_SIDE = 224
+__all__: list[str] = []
 
 
 class _QwenVisionAdapter(nn.Module):
@@ -139,9 +135,9 @@ class _QwenVisionAdapter(nn.Module):
         self.attention = AttentionChoice(attention)
         #: where the static buffers were last made (``None``: no graph reads the MLP copies yet)
         self._device: torch.device | None = None
-        side = max(1, MIN_BUDGET_IMAGE_SIDE // (self.patch_size * self.merge))
-        low = side * side if min_budget is None else check_positive_int("min_budget", min_budget)
-        high = (max(DEFAULT_MAX_BUDGET, low) if max_budget is None
+        low, high = packed_budget_range(self.patch_size, self.merge)
+        low = low if min_budget is None else check_positive_int("min_budget", min_budget)
+        high = (max(high, low) if max_budget is None
                 else check_positive_int("max_budget", max_budget))
         if low > high:
             raise InvalidOptionError(f"min_budget={low} is larger than max_budget={high}")
