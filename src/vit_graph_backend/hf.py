@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .adapters import adapter_for, supported_classes
-from .errors import InvalidOptionError, UnsupportedModelError
+from .errors import InvalidInputError, InvalidOptionError, UnsupportedModelError
 from .options import PACKED_ONLY_OPTIONS, VitGraphOptions
 from .packed import PackedGraphEncoder, serve
 
@@ -96,11 +96,14 @@ def serve_vision_(model: nn.Module, options: VitGraphOptions | None = None,
             served = serve(tower, options, **kwargs)
             forward = functools.partial(_packed_forward, tower, served, type(tower).forward)
         else:
-            served = forward = torch.compile(tower.forward, backend="vitgraph", options=batched)
+            served = torch.compile(tower.forward, backend="vitgraph", options=batched)
+            forward = functools.partial(_batched_forward, served)
         object.__setattr__(tower, _SERVED, served)   # not a submodule: state_dict unchanged
         object.__setattr__(tower, "forward", forward)
-        log.info("vitgraph: serving %s (%s) from CUDA graphs", name or type(tower).__name__,
-                 "packed" if packed else "batched")
+        on_cuda = next(tower.parameters()).device.type == "cuda"
+        log.info("vitgraph: serving %s (%s) %s", name or type(tower).__name__,
+                 "packed" if packed else "batched", "from CUDA graphs" if on_cuda else
+                 "eagerly, batch by batch (CUDA graphs need the tower on a CUDA device)")
     return model
 
 
@@ -157,6 +160,17 @@ def _batched_options(options: VitGraphOptions | None, kwargs: dict[str, Any],
     default = VitGraphOptions().to_dict()
     changed = {k: v for k, v in options.to_dict().items() if v != default[k]}
     return changed or None
+
+
+def _batched_forward(compiled: Any, *args: Any, **kwargs: Any) -> Any:
+    """A batched tower's call: an empty batch is refused here, before Dynamo traces it (a
+    trace of zero rows fails inside the model's reshapes with a long Dynamo error)."""
+    pixels = args[0] if args else kwargs.get("pixel_values")
+    if isinstance(pixels, torch.Tensor) and pixels.dim() > 0 and pixels.shape[0] == 0:
+        raise InvalidInputError(
+            f"pixel_values holds an empty batch (shape {tuple(pixels.shape)}): a vision tower "
+            "call needs at least one image")
+    return compiled(*args, **kwargs)
 
 
 def _packed_forward(tower: nn.Module, served: PackedGraphEncoder, own_forward: Any,

@@ -20,7 +20,11 @@ pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
 import vit_graph_backend as vg  # noqa: E402
-from vit_graph_backend.errors import InvalidOptionError, UnsupportedModelError  # noqa: E402
+from vit_graph_backend.errors import (  # noqa: E402
+    InvalidInputError,
+    InvalidOptionError,
+    UnsupportedModelError,
+)
 from vit_graph_backend.hf import served_towers  # noqa: E402
 
 LOGIT_ATOL = 1e-5
@@ -176,3 +180,19 @@ def test_a_tower_moved_after_serving_runs_its_own_forward(caplog):
     assert got.pooler_output.dtype == torch.float64 and got.last_hidden_state is not None
     assert served_towers(model)["model.visual"].report()["stats"]["calls"] == 0
     assert any("moved to cpu/torch.float64" in r.getMessage() for r in caplog.records)
+
+
+def test_an_empty_batch_is_named_before_dynamo_sees_it_and_costs_the_tower_nothing():
+    model = hf_models.llava().eval()
+    vg.serve_vision_(model)
+    (tower,) = [t for n, t in model.named_modules() if n in served_towers(model)]
+    pixels = torch.randn(2, 3, tower.config.image_size, tower.config.image_size)
+    with torch.inference_mode():
+        expected = type(tower).forward(tower, pixels).last_hidden_state
+        torch.testing.assert_close(tower(pixels).last_hidden_state, expected)
+        compiles = vg.report()["compiles"]
+        with pytest.raises(InvalidInputError, match=r"pixel_values holds an empty batch"):
+            tower(pixels[:0])
+        assert vg.report()["compiles"] == compiles   # Dynamo never traced it
+        torch.testing.assert_close(tower(pixels).last_hidden_state, expected)
+    vg.restore_vision_(model)

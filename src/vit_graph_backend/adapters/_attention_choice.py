@@ -127,8 +127,6 @@ class AttentionChoice:
         if setting == "cudnn" and self.cudnn_off is not None:
             raise MissingDependencyError(f"attention='cudnn' needs cuDNN's frontend: "
                                          f"{self.cudnn_off}")
-        if setting != "varlen" and self.cudnn_off is not None:
-            log.info("vitgraph: full attention in graphs runs flash varlen: %s", self.cudnn_off)
         #: cuDNN segment attention for the graphs, or ``None`` (flash varlen serves)
         self.ragged = RaggedAttention() if self.cudnn_off is None else None
         #: static row count of a captured budget -> "dense" or "varlen" (segment attention)
@@ -165,6 +163,9 @@ class AttentionChoice:
         kernel is then chosen too (:meth:`window_kernel`); ``frames``: the graph's segment slots
         for full attention besides the padding segment (the segment kernel is chosen on that
         layout: :meth:`graph_kernel`)."""
+        if not self.by_rows and device.type == "cuda" and self.ragged is None and (
+                self.setting != "varlen"):  # once, at the first capture: where graphs exist
+            log.info("vitgraph: full attention in graphs runs flash varlen: %s", self.cudnn_off)
         self.full_by_rows[rows] = self._choose_segment_kernel(
             rows, heads, head_dim, scale, frames, device, dtype, varlen)
         if windows is not None:
