@@ -192,23 +192,29 @@ class BatchedGraphEncoder:
         self.unsupported = self.layout.unsupported
         if self.unsupported is None and self.static_shape and not options.static_graphs:
             self.unsupported = "static-shape graph and static_graphs=False"
-        if self.unsupported is None and self.static_shape and any(
+        self._gm = gm
+        #: why every call of this graph has nothing to replay: Dynamo's static compile of an
+        #: empty batch
+        self._empty = None
+        if self.static_shape and any(
                 isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
                 and x.dim() > 0 and x.shape[0] == 0 for x in example_inputs):
-            self.unsupported = "a graph made for an empty batch (nothing to replay)"
+            self._empty = "a graph made for an empty batch (nothing to replay)"
+            self.unsupported = self.unsupported or self._empty
         if self.unsupported is None and self.static_shape:
             # Every non-parameter input is copied: which of them is "the batch" is unknown here.
             self.layout.state = [i for i, x in enumerate(example_inputs)
                                  if isinstance(x, torch.Tensor)]
         if self.unsupported:
-            log.warning("vitgraph: serving this graph eagerly: %s", self.unsupported)
+            (log.info if self._empty else log.warning)(
+                "vitgraph: serving this graph eagerly: %s", self.unsupported)
         #: the parameters this graph reads, by identity: graphs of one model share them
         self.param_ids = frozenset(id(example_inputs[i]) for i in self.layout.params)
         self._compile_later: Callable[[], Callable[..., Any] | None] | None = None
         self.fn: Callable[..., Any] = gm
         if defer is not None and self.static_shape and self.unsupported is None:
             self._compile_later = lambda: compile_fn() if defer(self) else None
-        else:
+        elif self._empty is None:
             self.fn = compile_fn()
         self._copied: set[int] = set()
         if self.static_shape:
@@ -224,8 +230,12 @@ class BatchedGraphEncoder:
         self.evictions = 0
 
     def __call__(self, *args: Any) -> Any:
-        reason = self.unsupported or (self._pinned and self._off_shape(args)) or _empty(
-            args, self.layout)
+        empty = _empty(args, self.layout) or self._empty
+        if empty:  # no rows: the traced graph as is (compiled code may not take zero rows)
+            self.stats.record_call()
+            self.stats.record_eager(1, empty)
+            return self._gm(*args)
+        reason = self.unsupported or (self._pinned and self._off_shape(args))
         if reason:
             self.stats.record_call()
             self.stats.record_eager(1, reason)

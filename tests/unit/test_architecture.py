@@ -66,7 +66,7 @@ LAYERS: dict[str, set[str]] = {
     # How a captured graph is instantiated and launched (the CUDA driver through ctypes).
     "graph_launch": {"_compat"},
     "replay_io": {"planner", "protocol"},
-    "graph_report": {"stats", "native_checks"},
+    "graph_report": {"stats", "native_checks", "gpu_timing"},
     # Whether a module's weights still live where its graphs were captured.
     "weight_watch": {"_compat", "code_watch", "native_checks"},
     # The per-call checks' loops in C++, built on the user's machine (Python fallback).

@@ -187,7 +187,8 @@ def test_a_warm_up_out_of_memory_skips_the_budget_whatever_class_says_so(monkeyp
 
     if skipped:
         outcome = capture()
-        assert outcome.skipped.startswith("warm-up ran out of memory (3.0 MiB free)")
+        assert outcome.skipped.startswith("warm-up: out of memory (")
+        assert outcome.skipped.endswith("; 3.0 MiB free after it") and outcome.oom
     else:
         with pytest.raises(RuntimeError, match="host sync"):
             capture()
