@@ -128,7 +128,7 @@ class VitGraphBackend:
                         opts: VitGraphOptions, inner: str) -> int:
         """``epilogue_fusion="auto"``: rewrite the graph's linear + GELU pairs where the fused
         op can serve; returns how many (the reason it does not is logged at info level)."""
-        if opts.epilogue_fusion == "off":
+        if opts.epilogue_fusion == "off" or opts.batch_invariant:  # no choice made by timing
             return 0
         # each fused layer's kernels begin compiling at once, in the background
         fuse = functools.partial(fuse_linear_activations, rewritten=FUSED_CHOICES.prefetch)

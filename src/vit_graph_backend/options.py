@@ -147,6 +147,13 @@ class VitGraphOptions:
             cuBLAS put memsets in the graph (large GEMMs on Hopper; ``graph_launch.py``). Graphs that draw random numbers, or that the driver
             refuses, replay through ``CUDAGraph.replay()`` with a logged reason. ``"torch"``:
             always ``CUDAGraph.replay()``. ``report()["graph_launch"]`` says which per budget.
+        batch_invariant: ``True`` makes an item's output bit-identical whether it is served
+            alone or in any batch or packing, and from one process to the next on the same GPU
+            and versions: nothing is chosen by timing (``epilogue_fusion`` off, ``attention_kernel``
+            SDPA; packed towers run flash varlen attention in every layer and their MLPs through
+            cuBLAS), and ``torch.compile`` graphs run their traced kernels (``inner_compiler``
+            ``"eager"``), whose per-row results were measured not to depend on the batch (the
+            Inductor kernels' were: up to 3 % apart; ``docs/performance.md`` gives the cost).
         patch_embedding: ``"gemm"`` (the default) rewrites each ``torch.conv2d`` of a graph
             whose stride equals its kernel, without padding, dilation or groups, into one GEMM
             over the patches, 8 to 12 times faster than cuDNN's convolution on an H100
@@ -179,6 +186,7 @@ class VitGraphOptions:
     attention_kernel: str = "sdpa"
     graph_launch: str = "auto"
     patch_embedding: str = "gemm"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -201,7 +209,7 @@ class VitGraphOptions:
                               ("graph_launch", GRAPH_LAUNCHES),
                               ("patch_embedding", PATCH_EMBEDDINGS)):
             _check_choice(name, getattr(self, name), allowed)
-        for name in ("static_graphs", "backed_size_oblivious", "verify"):
+        for name in ("static_graphs", "backed_size_oblivious", "verify", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(
                     f"{name}={getattr(self, name)!r} is invalid: must be True or False"
@@ -238,6 +246,17 @@ class VitGraphOptions:
                 f"{self.inner_compiler!r}: it needs inner_compiler='eager' (turned on in a "
                 "running process it ended an Inductor inner graph in an illegal memory access "
                 "on torch 2.11; 'auto' picks 'eager' with it)")
+        if self.batch_invariant:
+            clash = [f"{name}={value!r}" for name, value, ok in (
+                ("inner_compiler", self.inner_compiler, ("auto", "eager")),
+                ("attention_kernel", self.attention_kernel, ("sdpa",)),
+                ("quantization", self.quantization, (None,))) if value not in ok]
+            if clash:
+                raise InvalidOptionError(
+                    f"batch_invariant=True is invalid with {', '.join(clash)}: an output that "
+                    "does not depend on the batch needs the traced kernels (inner_compiler "
+                    "'eager' or 'auto'), no attention timed per shape (attention_kernel='sdpa') "
+                    "and the model's dtype (quantization=None)")
         if self.inner_compiler == "tensorrt" and importlib.util.find_spec("torch_tensorrt") is None:
             raise MissingDependencyError(
                 "inner_compiler='tensorrt' needs torch-tensorrt, which is not installed: "
@@ -264,7 +283,7 @@ class VitGraphOptions:
         """
         if self.inner_compiler != "auto":
             return self.inner_compiler
-        if packed or not cuda or self.backed_size_oblivious:
+        if packed or not cuda or self.backed_size_oblivious or self.batch_invariant:
             return "eager"
         return "inductor"
 

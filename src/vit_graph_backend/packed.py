@@ -216,6 +216,16 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
                 adapter_kwargs[key] = option_kwargs[key]
             elif options is not None:
                 adapter_kwargs[key] = getattr(options, key)
+    invariant = option_kwargs.get("batch_invariant", options is not None
+                                  and options.batch_invariant)
+    if invariant and accepted is not None and "attention" in accepted:
+        # no kernel chosen by timing: flash varlen in every layer, the MLPs through cuBLAS
+        if adapter_kwargs.get("attention", "varlen") != "varlen":
+            raise InvalidOptionError(
+                f"attention={adapter_kwargs['attention']!r} is invalid with "
+                "batch_invariant=True: it needs one attention kernel for every budget "
+                "(attention='varlen', which batch_invariant sets)")
+        adapter_kwargs.update(attention="varlen", epilogue_fusion="off")
     return PackedGraphEncoder(adapt(model, **adapter_kwargs), options, **option_kwargs)
 
 

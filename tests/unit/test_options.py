@@ -165,3 +165,19 @@ def test_the_constructor_names_an_unknown_option_like_from_dict(kwargs, match):
         VitGraphOptions(**kwargs)
     with pytest.raises(InvalidOptionError, match=match):
         VitGraphOptions.from_dict(kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"inner_compiler": "inductor"}, r"batch_invariant=True is invalid with inner_compiler="),
+    ({"attention_kernel": "timed"}, r"with attention_kernel='timed'"),
+    ({"quantization": "fp8", "inner_compiler": "auto"}, r"with quantization='fp8'"),
+])
+def test_batch_invariance_refuses_what_chooses_kernels_by_shape(kwargs, match):
+    with pytest.raises(InvalidOptionError, match=match):
+        VitGraphOptions(batch_invariant=True, **kwargs)
+
+
+def test_batch_invariance_runs_the_traced_kernels_on_any_device():
+    options = VitGraphOptions(batch_invariant=True)
+    assert options.inner_compiler_for(cuda=True) == "eager"
+    assert VitGraphOptions().inner_compiler_for(cuda=True) == "inductor"

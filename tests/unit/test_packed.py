@@ -386,3 +386,14 @@ def test_a_hook_on_the_tower_itself_runs_around_the_call_and_keeps_the_graphs():
         assert served.manager.stats.eager_batches == 0
     finally:
         handle.remove()
+
+
+def test_a_batch_invariant_tower_runs_one_attention_kernel_and_no_timed_mlp():
+    from qwen_towers import _qwen2_5
+
+    served = vg.serve(_qwen2_5().eval(), batch_invariant=True)
+    assert served.encoder.attention_state["attention"] == "varlen"
+    assert served.encoder.kernels._epilogue_fusion == "off"
+    with pytest.raises(vg.InvalidOptionError, match="attention='cudnn' is invalid with "
+                                                    "batch_invariant=True"):
+        vg.serve(_qwen2_5().eval(), batch_invariant=True, attention="cudnn")
