@@ -35,13 +35,11 @@ __all__ = [
     "global_forward_hook_tables",
     "graph_pool_bytes",
     "hook_handles_made",
-    "mark_cacheable",
     "maybe_mark_dynamic",
     "module_table",
     "parameter_table",
     "rearm_code",
     "register_dynamo_backend",
-    "scaled_mm_rowwise",
     "sym_name",
     "torch_version_at_least",
     "uncompiled_callers",
@@ -100,26 +98,6 @@ def compile_cache_counts() -> dict[str, int]:
 
     return {key: value for group in ("aot_autograd", "inductor")
             for key, value in counters[group].items() if "cache" in key}
-
-
-def mark_cacheable(function: Callable[..., Any], key: str) -> bool:
-    """Let AOTAutograd's compile cache take graphs that call ``function``, a plain Python
-    function a rewrite put in a Dynamo graph, with ``key`` (which must change whenever what
-    ``function`` computes does) in the cache key; ``False`` where this torch has no such list.
-
-    AOTAutograd passes by any graph that calls a function it cannot vouch for
-    (torch/_functorch/_aot_autograd/autograd_cache.py, ``check_node_safe``), so every process
-    traces it again; ``torch._inductor.config.unsafe_marked_cacheable_functions`` names the
-    functions a caller vouches for, and its values enter the keys."""
-    from torch._inductor import config
-
-    names = getattr(config, "unsafe_marked_cacheable_functions", None)
-    if not isinstance(names, dict):
-        return False
-    name = f"{function.__module__}.{function.__name__}"
-    if names.get(name) != key:
-        config.unsafe_marked_cacheable_functions = {**names, name: key}
-    return True
 
 
 def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
@@ -263,21 +241,6 @@ def end_failed_capture(pool: Any, device: torch.device) -> bool:
     except RuntimeError:
         pass
     return True
-
-
-def scaled_mm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
-                      scale_b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``(a * scale_a) @ (b * scale_b) + bias`` in bf16, for e4m3 ``a`` ([M, K], row-major) and
-    ``b`` ([K, N], column-major) with fp32 row-wise scales ``scale_a`` ([M, 1]) and ``scale_b``
-    ([1, N]); ``bias`` bf16 or ``None``.
-
-    ``torch._scaled_mm`` is cuBLASLt's scaled FP8 GEMM (the bias is added in its epilogue); it
-    is the op measured eager and under Inductor on torch 2.11
-    (``benchmarks/fp8_linear_probe.py``). The public ``torch.nn.functional.scaled_mm`` takes
-    scaling recipes instead and was not measured; moving to it is a change to this one function.
-    """
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
-                            out_dtype=torch.bfloat16)
 
 
 def addmm_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -37,11 +37,9 @@ from typing import Any
 import torch
 
 from . import _compat
-from .attention_op import attention_unavailable, rewrite_attention
 from .batched import BatchedGraphEncoder
 from .batched_layout import returns_nothing
 from .errors import InvalidOptionError
-from .fp8_linear import Fp8Weights, check_fp8_device, graph_device, quantize_linears
 from .fused_linear import CHOICES as FUSED_CHOICES
 from .fused_linear import fused_epilogue_unavailable
 from .graph_report import summarize
@@ -91,21 +89,11 @@ class VitGraphBackend:
                         "torch.fx.experimental._config.backed_size_oblivious for this whole "
                         "process (every later Dynamo compile), so that dynamic graphs serve a "
                         "batch of 1 without another compile")
-        weights = None
-        if opts.quantization == "fp8":
-            check_fp8_device(graph_device(example_inputs))  # compile time: never a replay's error
-            gm, weights = quantize_linears(gm, example_inputs)
-            if weights.untracked:
-                log.warning("vitgraph: %d weights are inference tensors (no version counter): "
-                            "their fp8 copies follow a replaced parameter but not an in-place "
-                            "write; call torch.compiler.reset() after changing them in place",
-                            weights.untracked)
         inner = inner_compiler_name(example_inputs, opts)
         if opts.patch_embedding == "gemm":  # PyTorch's own ops: any device, any inner compiler
             log.info("vitgraph: patch_embedding='gemm': %d patch convolutions as one GEMM each",
                      patch_embeddings_as_gemm(gm, example_inputs))
         fused = self._fuse_epilogues(gm, example_inputs, opts, inner)
-        self._rewrite_attention(gm, example_inputs, opts, inner)
         encoder = BatchedGraphEncoder(gm, example_inputs, opts,
                                       functools.partial(compile_inner, gm, example_inputs, opts),
                                       defer=None if inner == "eager" else self._alone)
@@ -119,8 +107,6 @@ class VitGraphBackend:
                  "static" if encoder.static_shape else "dynamic",
                  encoder.layout.batch_symbol, inner,
                  ", at its second call" if encoder.compile_pending else "")
-        if weights is not None and weights.entries:
-            return _Fp8Graph(encoder, weights)
         return encoder
 
     @staticmethod
@@ -133,24 +119,11 @@ class VitGraphBackend:
         # each fused layer's kernels begin compiling at once, in the background
         fuse = functools.partial(fuse_linear_activations, rewritten=FUSED_CHOICES.prefetch)
         return _rewrite(gm, example_inputs, inner, fuse,
-                        fused_epilogue_unavailable(graph_device(example_inputs)),
+                        fused_epilogue_unavailable(next((x.device for x in example_inputs
+                                                         if isinstance(x, torch.Tensor)), None)),
                         "epilogue_fusion='auto'", "leaves linear layers as they are",
                         "linear + GELU pairs as one op, each shape timed against cuBLAS + a "
                         "separate activation at its first run")
-
-    @staticmethod
-    def _rewrite_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                           opts: VitGraphOptions, inner: str) -> int:
-        """``attention_kernel="timed"``: rewrite the graph's attention calls the op can serve
-        (``attention_op.py``); returns how many (the reason it does not is logged at info
-        level)."""
-        if opts.attention_kernel != "timed":
-            return 0
-        return _rewrite(gm, example_inputs, inner, rewrite_attention,
-                        attention_unavailable(graph_device(example_inputs)),
-                        "attention_kernel='timed'", "leaves attention to SDPA",
-                        "attention calls as one op, each shape timed, SDPA against the Triton "
-                        "kernel, at its first run")
 
     def _alone(self, encoder: BatchedGraphEncoder) -> bool:
         """Whether a static graph called again deserves its deferred inner compile
@@ -228,19 +201,6 @@ class _Fragment:
     def __call__(self, *args: Any) -> Any:
         self._rearm()
         return self.gm(*args)
-
-
-class _Fp8Graph:
-    """A quantized graph as Dynamo calls it: its fp8 weight copies brought in step with the
-    parameters (``Fp8Weights.refresh``), then the encoder. Change weights between calls, not
-    while another thread's call runs."""
-
-    def __init__(self, encoder: BatchedGraphEncoder, weights: Fp8Weights) -> None:
-        self.encoder, self.weights = encoder, weights
-
-    def __call__(self, *args: Any) -> Any:
-        self.weights.refresh(args)
-        return self.encoder(*args)
 
 
 #: The backend instance the entry point names.

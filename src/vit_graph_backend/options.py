@@ -25,18 +25,14 @@ from .errors import InvalidOptionError, MissingDependencyError
 from .planner import POLICIES
 from .specs import check_positive_int
 
-__all__ = ["ATTENTION_KERNELS", "DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET",
-           "DEFAULT_LADDER_STEPS", "EPILOGUE_FUSIONS", "GRAPH_LAUNCHES", "INNER_COMPILERS", "MODES",
-           "PACKED_ONLY_OPTIONS", "PATCH_EMBEDDINGS", "QUANTIZATIONS", "VitGraphOptions"]
+__all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAULT_LADDER_STEPS",
+           "EPILOGUE_FUSIONS", "GRAPH_LAUNCHES", "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS",
+           "PATCH_EMBEDDINGS", "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
-#: ``quantization`` values besides ``None`` (the model's own dtype); vLLM's name for the setting.
-QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 #: ``epilogue_fusion`` values: a linear layer's GELU in its GEMM's epilogue where timed faster.
 EPILOGUE_FUSIONS: tuple[str, ...] = ("auto", "off")
-#: ``attention_kernel`` values: PyTorch's SDPA always, or SDPA and a Triton kernel timed per shape.
-ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "timed")
 #: ``graph_launch`` values: each graph instantiated for device launch where the CUDA driver allows
 #: (a cheap launch for the host), or always PyTorch's ``CUDAGraph.replay()`` (``graph_launch.py``).
 GRAPH_LAUNCHES: tuple[str, ...] = ("auto", "torch")
@@ -122,8 +118,6 @@ class VitGraphOptions:
             warm-up runs out of memory, are skipped, largest first, each with a logged reason
             (``memory_report()["skipped_budgets"]``); their calls use the next larger captured
             budget or run eagerly. ``None``: no bound beyond what the device has.
-        quantization: ``"fp8"`` runs the linear layers of ``torch.compile`` graphs as FP8 GEMMs
-            (``fp8_linear.py``); ``None`` keeps the model's dtype.
         epilogue_fusion: ``"auto"`` (the default) rewrites each linear layer followed by a GELU
             (exact, tanh or HF's quick GELU) of a ``torch.compile`` graph on a Hopper or newer
             GPU into one op that runs, per shape, whichever was timed faster the first time the
@@ -131,16 +125,6 @@ class VitGraphOptions:
             separate activation kernel (``fused_linear.py``). ``"off"`` leaves the layers to the
             inner compiler. Packed towers (``serve``) take it too (``adapters/_qwen_kernels.py``:
             GELU MLPs, and SiLU-gated ones as one GEMM on a packed gate/up weight).
-        attention_kernel: ``"sdpa"`` (the default) leaves the attention of ``torch.compile``
-            graphs to PyTorch's SDPA dispatch. ``"timed"`` rewrites each
-            ``F.scaled_dot_product_attention`` of a graph on a Hopper or newer GPU that has no
-            mask, dropout or causal mask (the ViTs' attention) into one op that runs, per shape,
-            whichever was timed faster the first time the shape ran: SDPA or a Triton flash
-            kernel (``attention_op.py``). Opt-in: on an H100 it ran CLIP ViT-L/14-336's
-            attention at 48 images 6 to 9 % faster (and chose the Triton kernel at 24 too),
-            whole calls within the run-to-run spread, and its timing adds about 13 s to a first
-            pass with cold caches and 1.3 to 1.6 s with warm ones. Packed towers choose their
-            attention kernels per budget themselves (their adapter's ``attention`` keyword).
         graph_launch: ``"auto"`` (the default) has the CUDA driver instantiate each captured
             graph for device launch, whose launch cost the host 0.02 to 0.13 ms for the
             Qwen2.5-VL-3B tower's graphs, where PyTorch's own executable cost up to 0.6 ms once
@@ -149,9 +133,8 @@ class VitGraphOptions:
             always ``CUDAGraph.replay()``. ``report()["graph_launch"]`` says which per budget.
         batch_invariant: ``True`` makes an item's output bit-identical whether it is served
             alone or in any batch or packing, and from one process to the next on the same GPU
-            and versions: nothing is chosen by timing (``epilogue_fusion`` off, ``attention_kernel``
-            SDPA; packed towers run flash varlen attention in every layer and their MLPs through
-            cuBLAS), and ``torch.compile`` graphs run their traced kernels (``inner_compiler``
+            and versions: nothing is chosen by timing (``epilogue_fusion`` off; packed towers
+            run flash varlen attention in every layer and their MLPs through cuBLAS), and ``torch.compile`` graphs run their traced kernels (``inner_compiler``
             ``"eager"``), whose per-row results were measured not to depend on the batch (the
             Inductor kernels' were: up to 3 % apart; ``docs/performance.md`` gives the cost).
         patch_embedding: ``"gemm"`` (the default) rewrites each ``torch.conv2d`` of a graph
@@ -181,9 +164,7 @@ class VitGraphOptions:
     verify: bool = False
     verify_tolerance: float | None = None
     max_graph_memory: int | float | None = None
-    quantization: str | None = None
     epilogue_fusion: str = "auto"
-    attention_kernel: str = "sdpa"
     graph_launch: str = "auto"
     patch_embedding: str = "gemm"
     batch_invariant: bool = False
@@ -205,7 +186,6 @@ class VitGraphOptions:
             )
         for name, allowed in (("policy", POLICIES), ("inner_compiler", INNER_COMPILERS),
                               ("capture", CAPTURE_MODES), ("epilogue_fusion", EPILOGUE_FUSIONS),
-                              ("attention_kernel", ATTENTION_KERNELS),
                               ("graph_launch", GRAPH_LAUNCHES),
                               ("patch_embedding", PATCH_EMBEDDINGS)):
             _check_choice(name, getattr(self, name), allowed)
@@ -221,18 +201,6 @@ class VitGraphOptions:
                 f"verify_tolerance={tol!r} is invalid: must be a positive number or None"
             )
         _check_memory_bound(self.max_graph_memory)
-        if self.quantization is not None:
-            if self.quantization not in QUANTIZATIONS:
-                raise InvalidOptionError(
-                    f"quantization={self.quantization!r} is invalid: must be None (the model's "
-                    f"own dtype) or one of {QUANTIZATIONS}")
-            if self.inner_compiler not in ("auto", "inductor"):
-                raise InvalidOptionError(
-                    f"quantization={self.quantization!r} needs inner_compiler='inductor' (or "
-                    f"'auto', which picks it on a GPU), got "
-                    f"inner_compiler={self.inner_compiler!r}: each activation is quantized per "
-                    "row at run time, and outside Inductor's fused kernels that costs more than "
-                    "the FP8 GEMM saves")
         if (self.min_budget is not None and self.max_budget is not None
                 and self.min_budget > self.max_budget):
             raise InvalidOptionError(
@@ -247,16 +215,12 @@ class VitGraphOptions:
                 "running process it ended an Inductor inner graph in an illegal memory access "
                 "on torch 2.11; 'auto' picks 'eager' with it)")
         if self.batch_invariant:
-            clash = [f"{name}={value!r}" for name, value, ok in (
-                ("inner_compiler", self.inner_compiler, ("auto", "eager")),
-                ("attention_kernel", self.attention_kernel, ("sdpa",)),
-                ("quantization", self.quantization, (None,))) if value not in ok]
-            if clash:
+            if self.inner_compiler not in ("auto", "eager"):
                 raise InvalidOptionError(
-                    f"batch_invariant=True is invalid with {', '.join(clash)}: an output that "
-                    "does not depend on the batch needs the traced kernels (inner_compiler "
-                    "'eager' or 'auto'), no attention timed per shape (attention_kernel='sdpa') "
-                    "and the model's dtype (quantization=None)")
+                    f"batch_invariant=True is invalid with inner_compiler="
+                    f"{self.inner_compiler!r}: an output that does not depend on the batch "
+                    "needs the traced kernels (inner_compiler 'eager', or 'auto', which picks "
+                    "them with batch_invariant)")
         if self.inner_compiler == "tensorrt" and importlib.util.find_spec("torch_tensorrt") is None:
             raise MissingDependencyError(
                 "inner_compiler='tensorrt' needs torch-tensorrt, which is not installed: "
@@ -358,11 +322,6 @@ class VitGraphOptions:
                         "rows (bound them with max_budget). It is an option of packed encoders: "
                         f"serve(model, {name}={value!r})")
             model_range = model_range or (1, DEFAULT_BATCHED_MAX_BUDGET)
-        elif self.quantization is not None:
-            raise InvalidOptionError(
-                f"quantization={self.quantization!r} applies to torch.compile(backend='vitgraph') "
-                "graphs only; packed towers (serve) run in the model's dtype: leave "
-                "quantization=None")
         elif model_range is None:
             raise InvalidOptionError("a packed encoder's options resolve against its "
                                      "model_range=(min_budget, max_budget); none was given")

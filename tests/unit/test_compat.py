@@ -61,25 +61,6 @@ def test_compile_cache_counts_count_an_inductor_compile(tmp_path, monkeypatch):
                                                           "autograd_cache_saved"}, changed
 
 
-def test_mark_cacheable_names_a_function_in_inductors_list():
-    from torch._inductor import config
-
-    def some_function(x):
-        return x
-
-    # assigned back, not monkeypatched: after pytest's undo torch's config said the name does
-    # not exist, and AOTAutograd's cache passed every later graph by
-    kept = dict(config.unsafe_marked_cacheable_functions)
-    try:
-        assert _compat.mark_cacheable(some_function, "k1")
-        name = f"{__name__}.some_function"
-        assert config.unsafe_marked_cacheable_functions[name] == "k1"
-        assert _compat.mark_cacheable(some_function, "k2")  # a new key replaces the old
-        assert config.unsafe_marked_cacheable_functions[name] == "k2"
-    finally:
-        config.unsafe_marked_cacheable_functions = kept
-
-
 def test_varlen_attention_is_present():
     assert _compat.varlen_attention_available()
     assert callable(_compat.get_varlen_attn())
@@ -140,24 +121,6 @@ def test_backed_size_oblivious_flag_is_where_the_wrapper_looks():
         assert _compat.enable_backed_size_oblivious() is False   # already on: nothing changed
     finally:
         fx_config.backed_size_oblivious = before
-
-
-def test_scaled_mm_rowwise_runs_on_this_torch():
-    """``torch._scaled_mm`` with row-wise fp32 scales and a bf16 bias (``quantization="fp8"``):
-    the exact product of small integers, so any change of its contract shows here."""
-    e4m3 = torch.float8_e4m3fn
-    a = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.0, 1.0]])       # [M=3, K=2]
-    w = torch.tensor([[1.0, 0.0], [2.0, 1.0], [0.0, 3.0], [1.0, 1.0]])  # [N=4, K=2]
-    a = torch.cat([a, torch.zeros(3, 14)], dim=1)  # K padded to 16, as cuBLASLt needs
-    w = torch.cat([w, torch.zeros(4, 14)], dim=1)
-    a = torch.cat([a, torch.zeros(13, 16)])        # M padded to 16
-    w = torch.cat([w, torch.zeros(12, 16)])        # N padded to 16
-    scale_a = torch.full((16, 1), 0.5)
-    scale_b = torch.full((1, 16), 2.0)
-    bias = torch.arange(16, dtype=torch.bfloat16)
-    out = _compat.scaled_mm_rowwise(a.to(e4m3), w.to(e4m3).t(), scale_a, scale_b, bias)
-    assert out.dtype == torch.bfloat16 and out.shape == (16, 16)
-    torch.testing.assert_close(out.float(), a @ w.t() + bias.float())
 
 
 def test_addmm_gelu_tanh_is_the_tanh_gelu_of_the_linear_layer_off_cuda():

@@ -13,14 +13,11 @@
 ``vitgraph-inductor``         the same with ``inner_compiler="inductor"`` (not in the default list:
                               on a GPU, batched ``vitgraph`` is this; for packed towers, the whole
                               tower through Inductor instead of the adapter's fused kernels)
-``vitgraph-fp8``              ``vitgraph`` with ``quantization="fp8"`` (batched models on a GPU with
-                              FP8 tensor cores; not in the default list)
 ``vitgraph-epilogue-off``     ``vitgraph`` with ``epilogue_fusion="off"``: linear + GELU left to the
                               inner compiler (cuBLAS and a separate kernel), to compare with the
                               fused default (not in the default list)
-``vitgraph-timed-attention``  ``vitgraph`` with ``attention_kernel="timed"``: each attention shape
-                              timed, SDPA against the Triton kernel, to compare with the default's
-                              SDPA dispatch (not in the default list)
+``vitgraph-batch-invariant``  ``vitgraph`` with ``batch_invariant=True``: an item's output the same
+                              bits alone and in any batch (not in the default list)
 ``vitgraph-torch-launch``     ``vitgraph`` with ``graph_launch="torch"``: every graph replayed
                               through ``CUDAGraph.replay()``, to compare with the default's
                               device-launch executables (not in the default list)
@@ -57,8 +54,8 @@ __all__ = [
 DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead", "vitgraph",
                                   "vitgraph-eager")
 #: Every mode ``--modes`` accepts.
-MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor", "vitgraph-fp8",
-                          "vitgraph-epilogue-off", "vitgraph-timed-attention",
+MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor",
+                          "vitgraph-epilogue-off", "vitgraph-batch-invariant",
                           "vitgraph-torch-launch", "vitgraph-patch-conv")
 
 #: The vitgraph modes and the backend options each one adds.
@@ -66,9 +63,8 @@ VITGRAPH_MODES: dict[str, dict[str, Any]] = {
     "vitgraph": {},
     "vitgraph-eager": {"inner_compiler": "eager"},
     "vitgraph-inductor": {"inner_compiler": "inductor"},
-    "vitgraph-fp8": {"quantization": "fp8"},
     "vitgraph-epilogue-off": {"epilogue_fusion": "off"},
-    "vitgraph-timed-attention": {"attention_kernel": "timed"},
+    "vitgraph-batch-invariant": {"batch_invariant": True},
     "vitgraph-torch-launch": {"graph_launch": "torch"},
     "vitgraph-patch-conv": {"patch_embedding": "conv"},
 }
