@@ -2,9 +2,6 @@
 
 - ``@pytest.mark.gpu`` tests are skipped with "CUDA not available" where there is no CUDA device.
 - ``@pytest.mark.trt`` tests are skipped with "torch_tensorrt not installed" where it is missing.
-- The native checks' loops (``native_checks.py``) are built, where they can be, before the first
-  test, so every test runs the same checks whatever its order; ``check_paths`` runs a test
-  with them and again with the Python checks alone.
 - Hypothesis profiles: ``dev`` (default, 200 examples), ``ci`` (derandomized, 300 examples, chosen
   when ``CI`` is set), ``gpu`` (few examples, no deadline). Pick one with
   ``--hypothesis-profile=NAME``.
@@ -65,30 +62,6 @@ def _reset_dynamo():
         torch.compiler.reset()
         if fx_config is not None:
             fx_config.backed_size_oblivious = oblivious
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _native_checks_built():
-    """The loops built (or found unbuildable) before any test: a build finishing in the middle
-    of a test would change which checks its calls ran."""
-    from vit_graph_backend import native_checks
-
-    native_checks.build(timeout=600)
-
-
-@pytest.fixture(scope="module", params=["native", "python"])
-def check_paths(request):
-    """Run a module's tests with the native checks' loops (skipped, with the reason, where they
-    cannot be built) and again with the Python checks alone. Module-scoped, so Hypothesis tests
-    may use it (its health check refuses function-scoped fixtures)."""
-    from vit_graph_backend import native_checks
-
-    if request.param == "native" and native_checks.loops() is None:
-        pytest.skip(f"native checks not built here ({native_checks.status()})")
-    with pytest.MonkeyPatch.context() as patch:
-        if request.param == "python":
-            patch.setattr(native_checks, "loops", lambda: None)
-        yield request.param
 
 
 @pytest.fixture

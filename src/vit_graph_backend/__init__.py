@@ -21,7 +21,6 @@ from .errors import (
     InvalidInputError,
     InvalidOptionError,
     MissingDependencyError,
-    StaleWeightCopiesError,
     UnsupportedGraphError,
     UnsupportedModelError,
     VitGraphError,
@@ -44,7 +43,6 @@ __all__ = [
     "PackedGraphEncoder",
     "Plan",
     "Segment",
-    "StaleWeightCopiesError",
     "StampedBuffers",
     "SupportsEncoderCudaGraph",
     "UnsupportedGraphError",
@@ -71,15 +69,6 @@ _LAZY = {"PackedGraphEncoder": "packed", "serve": "packed", "report": "backend",
 
 def __getattr__(name: str) -> Any:
     # PEP 562: the torch-importing names load on first access
-    if name == "CaptureError":   # never raised: a failed capture is a logged eager fallback
-        import warnings
-
-        from .errors import CaptureError
-
-        warnings.warn("vit_graph_backend.CaptureError is deprecated and goes in the next "
-                      "release: no call raises it (a failed capture falls back to eager, logged "
-                      "and in report()['skipped_budgets'])", DeprecationWarning, stacklevel=2)
-        return CaptureError
     if name in _LAZY:
         import importlib
 

@@ -36,10 +36,10 @@ __all__ = [
     "graph_pool_bytes",
     "hook_handles_made",
     "maybe_mark_dynamic",
-    "module_table",
     "parameter_table",
     "rearm_code",
     "register_dynamo_backend",
+    "same_data_ptrs",
     "sym_name",
     "torch_version_at_least",
     "uncompiled_callers",
@@ -174,7 +174,7 @@ def current_raw_stream(index: int) -> int:
 def parameter_table(module: torch.nn.Module) -> dict[str, Any]:
     """``module._parameters``: the dict ``nn.Module`` keeps its own parameters in, which
     assigning or registering a parameter writes to (torch/nn/modules/module.py). Read on every
-    packed call (``weight_watch.py``, ``adapters/_aligned_mlp.py``): a lookup there costs about
+    packed call (``weights.py``, ``adapters/_aligned_mlp.py``): a lookup there costs about
     0.2 us, ``getattr`` through ``nn.Module.__getattr__`` about 2 us."""
     return module._parameters
 
@@ -205,13 +205,6 @@ def hook_handles_made() -> int:
     hook registration (forward hooks, global ones, state-dict hooks, ...) advances
     (torch/utils/hooks.py). While it stands still no hook was added anywhere."""
     return torch.utils.hooks.RemovableHandle.next_id
-
-
-def module_table(module: torch.nn.Module) -> dict[str, Any]:
-    """``module._modules``: the dict ``nn.Module`` keeps its submodules in, which assigning or
-    registering a submodule writes to (torch/nn/modules/module.py), and which quantizers that
-    swap layers (torch.ao's ``convert``) write directly; read like :func:`parameter_table`."""
-    return module._modules
 
 
 def end_failed_capture(pool: Any, device: torch.device) -> bool:
@@ -331,3 +324,19 @@ def rearm_code(code: types.CodeType) -> None:
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def same_data_ptrs(tensors: list[torch.Tensor], addresses: list[int],
+                   indices: list[int]) -> bool:
+    """Whether ``tensors`` still live at ``addresses`` (``indices``: ``list(range(len))``, kept
+    by the caller), in one C call where the build has
+    ``torch._C._tensors_data_ptrs_at_indices_equal`` (CUDA builds; what CUDA graph trees check
+    static inputs with, torch/_inductor/cudagraph_trees.py), else through C-level ``map``."""
+    check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if check is not None:
+        return bool(check(tensors, addresses, indices))
+    return list(map(_data_ptr, tensors)) == addresses
+

@@ -11,11 +11,9 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "CaptureError",
     "InvalidInputError",
     "InvalidOptionError",
     "MissingDependencyError",
-    "StaleWeightCopiesError",
     "UnsupportedGraphError",
     "UnsupportedModelError",
     "VitGraphError",
@@ -51,18 +49,6 @@ class MissingDependencyError(VitGraphError, ImportError):
 
 class UnsupportedGraphError(VitGraphError):
     """A traced graph cannot be served by CUDA graphs; callers fall back to eager."""
-
-
-class StaleWeightCopiesError(VitGraphError):
-    """Raised by an encoder's ``refresh_encoder_cudagraph_weights()`` when the weight copies its
-    graphs read cannot be brought up to date in place: the weights they copy moved to another
-    device or dtype, changed shape, or can no longer be followed (inference tensors). The runtime
-    serves the call eagerly and captures the graphs again (``call_checks.py``)."""
-
-
-class CaptureError(VitGraphError):
-    """Deprecated, never raised: a failed capture falls back to eager, logged and reported in
-    ``report()["skipped_budgets"]``. Goes in the next release."""
 
 
 def out_of_memory(exc: BaseException) -> bool:

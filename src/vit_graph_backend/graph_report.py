@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from . import native_checks
 from .gpu_timing import timings_short_of_memory
 from .stats import GraphStats
 
@@ -26,7 +25,7 @@ __all__ = ["REPORT_FIELDS", "summarize"]
 #: The keys of :func:`summarize`'s answer, documented in the README's ``report()`` section.
 REPORT_FIELDS = ("cuda_graphs", "graphs_captured", "exact_shape_graphs", "device_launch_graphs",
                  "captured_budgets", "skipped_budgets", "out_of_memory", "graph_memory_bytes",
-                 "static_input_bytes", "capture_seconds", "native_checks", "stats")
+                 "static_input_bytes", "capture_seconds", "stats")
 
 
 def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -> dict[str, Any]:
@@ -68,6 +67,5 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         "graph_memory_bytes": memory,
         "static_input_bytes": static,
         "capture_seconds": round(seconds, 4),
-        "native_checks": native_checks.status(),
         "stats": stats.as_dict(),
     }

@@ -109,15 +109,23 @@ class PackedGraphEncoder(nn.Module):
         device, dtype = infer_device_dtype(encoder)
         inner = options.inner_compiler_for(cuda=device.type == "cuda", packed=True)
         compute = encoder if inner == "eager" else _CompiledCompute(encoder, options)
-        # the encoder's weights are watched, not the compiled wrapper's (``weight_watch.py``)
+        # the tower's weights are the ones the graphs read (``weights.py``); an adapter wraps it
         self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype,
-                                               watch=encoder,
-                                               watch_code=getattr(encoder, "watch_code", False))
+                                               watch=getattr(encoder, "tower", encoder))
         #: grid tensors of recent list grids, by their rows (see _grid_of)
         self._grids: dict[tuple, torch.Tensor] = {}
         self._grids_lock = threading.Lock()
         with _served_lock:
             _served.add(self)
+
+    def refresh(self) -> None:
+        """Serve the tower as it is now, after a submodule was replaced, a hook added or code
+        patched: what the graphs read is read again, and they are captured again at the next
+        call (``weights.py`` says what needs it)."""
+        refresh = getattr(self.encoder, "refresh", None)
+        if callable(refresh):
+            refresh()
+        self.manager.refresh()
 
     def report(self) -> dict[str, Any]:
         """What this tower did: graphs, graph memory, capture time and call counters, with the

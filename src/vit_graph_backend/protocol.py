@@ -13,17 +13,11 @@ harder on the person writing an adapter than two short methods.
 
 An encoder whose graphs read copies of its weights (padded or packed, as the Qwen adapters' MLP
 copies) may add ``refresh_encoder_cudagraph_weights() -> bool``: bring the copies up to date
-with the weights, True if one was copied. The runtime calls it once per call it serves from
-graphs: after the call's first launch (the graph read the old copies, still valid memory, and
-is replayed again when it returns True), or before the forward where no graph runs
-(``call_checks.py``). Whoever replays the graphs by hand calls it before each replay. Where the
-copies cannot follow in place (weights moved to another dtype, say) it raises
-:class:`~vit_graph_backend.errors.StaleWeightCopiesError` and keeps the old copies alive; the
-runtime serves that call eagerly and captures again. Such an encoder may also add
-``get_encoder_cudagraph_copied_weights() -> list[tuple[nn.Module, str]]``: the parameters
-(module and name) that the graphs captured last read only through those copies; the runtime's
-weight watch then leaves their addresses to the refresh instead of checking them before each
-launch (fewer tensors looked at while the GPU waits).
+with weights written in place, True if one was copied. The runtime calls it once per call it
+serves from graphs, after the call's first launch (the graph read the old copies, still valid
+memory, and is replayed again when it returns True). Weights given new storage are the
+runtime's to see before any launch (``weights.py``). Whoever replays the graphs by hand calls it
+before each replay.
 
 Layout contract (the runtime relies on it):
     - Items of a batch are laid out back to back in the order of ``item_indices``; item ``k``'s

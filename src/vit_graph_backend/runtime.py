@@ -8,7 +8,7 @@ call it asks the encoder for item specs, plans batches (``planner``), and runs e
   the budget's CUDA graph, clones the real rows once and hands each item a view of its rows;
 - an **eager batch** (an item larger than every budget, a budget whose capture failed, grad
   required) runs ``encoder_eager_forward`` and is counted in ``stats`` with its reason; a call
-  whose checks fail (hooks, patched code: ``call_checks.py``) runs as one eager batch.
+  with hooks or patched code inside the encoder at capture runs eagerly (``weights.py``).
 
 Budgets are captured **largest first into one graph pool**, so smaller graphs reuse the largest
 one's intermediates; each capture is measured and bounded first, and a failed capture does not
@@ -39,17 +39,18 @@ from typing import Any
 import torch
 
 from .budgets import BudgetConfig
-from .call_checks import CallChecks, CallState
-from .errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError
+from .errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError, error_line
 from .graph_capture import BudgetGraphs, mib
 from .options import VitGraphOptions
 from .planner import Batch, Segment
 from .replay_io import (assemble, head_copy, infer_device_dtype, map_output, max_rel_error,
+                        needs_grad,
                         split_rows, verify_tolerance, write_inputs)
 from .protocol import SupportsEncoderCudaGraph
 from .served_budgets import ServedBudgets
 from .stats import GraphStats
 from .stream_order import order_for
+from .weights import WeightSlots, python_outside_graphs
 
 __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
 
@@ -73,11 +74,9 @@ class EncoderCudaGraphManager:
             padding without a GPU); ``None`` for the class default :attr:`pad_without_graphs`
             (``False``: such a device runs each planned batch at its own size, eagerly, so it
             costs what eager costs).
-        watch: the module whose weights the graphs read, watched for new storage before every
-            call and for hooks after its first launch (``call_checks.py``); ``None`` for
-            ``model`` itself.
-        watch_code: also check that the watched module's classes run their libraries' code
-            (``code_watch.py``; the Qwen adapters' ``watch_code``, which run their own).
+        watch: the module whose weights the graphs read (``weights.py``: checked for new
+            storage before every call that replays a graph, for hooks and patched code at
+            every capture); ``None`` for ``model`` itself where it is a module.
 
     Example::
 
@@ -101,7 +100,6 @@ class EncoderCudaGraphManager:
         exact_rows: int | None = None,
         pad_without_graphs: bool | None = None,
         watch: Any = None,
-        watch_code: bool = False,
     ) -> None:
         self.model = model
         self.options = options if options is not None else VitGraphOptions()
@@ -131,8 +129,13 @@ class EncoderCudaGraphManager:
         self._all_budgets_failed = False   # graphs off only because every budget was disabled
         self._logged: set[str] = set()
         self._lock = threading.RLock()
-        self.checks = CallChecks(model, model if watch is None else watch, watch_code,
-                                 self._log_once)
+        #: the module the graphs read weights of, and where its weights live (``weights.py``)
+        self.watched = watch if watch is not None else (
+            model if isinstance(model, torch.nn.Module) else None)
+        self.weights = WeightSlots(self.watched) if self.watched is not None else None
+        #: the encoder's own weight copies (its optional protocol method), refreshed once a
+        #: call after its first launch
+        self._refresh = getattr(model, "refresh_encoder_cudagraph_weights", None)
         #: orders this call's GPU work after the previous call's, on any stream (one per device)
         self.order = order_for(self.device)
         if self.device.type != "cuda":
@@ -241,25 +244,23 @@ class EncoderCudaGraphManager:
         """Run one call; returns one output per item, in the caller's order."""
         specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
         with self._lock:
-            if self.checks.moved():
+            if self._graphs and self.weights is not None and self.weights.moved():
                 self._follow_moved_weights()
             self.stats.record_call()
-            # hooks, code and weight copies: after the first launch, or before any Python runs
-            call = CallState(self._off_reason or self.checks.grad(inputs))
+            call = _Call(self._off_reason or self._grad_reason(inputs))
             pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
             stream = self.order.enter()
             try:
                 if (call.reason is None and self.options.capture == "all"
                         and self.uses_cuda_graphs
-                        and any(b not in self._graphs for b in self.token_budgets)
-                        and self.checks.look(call) is None):  # a capture records what runs
-                    self.capture()   # before planning: a budget skipped here changes the plan
+                        and any(b not in self._graphs for b in self.token_budgets)):
+                    if not self._graphs:
+                        self._python_outside()
+                    if self._off_reason is None:
+                        self.capture()   # before planning: a skipped budget changes the plan
                     call.reason = self._off_reason
                 for batch in self.served.plan(specs).batches if call.reason is None else ():
-                    outs = self._run_batch(inputs, batch, call)
-                    if outs is None:  # the checks failed: no batch's output stands
-                        break
-                    for seg, out in zip(batch.segments, outs):
+                    for seg, out in zip(batch.segments, self._run_batch(inputs, batch, call)):
                         pieces[seg.item].append((seg.start, out))
                 if call.reason is not None:  # one batch of every item, as the model's call
                     whole = Batch(tuple(Segment(i, 0, s.output_tokens)
@@ -270,38 +271,40 @@ class EncoderCudaGraphManager:
             finally:
                 self.order.exit(stream)
 
-    def _run_batch(self, inputs: Any, batch: Batch, call: CallState) -> list[Any] | None:
-        """The batch's outputs; ``None`` when the call's checks failed (it runs eagerly)."""
+    def _grad_reason(self, inputs: Any) -> str | None:
+        if torch.is_grad_enabled() and needs_grad(self.model, inputs):
+            return "grad required (graphs serve inference; use torch.no_grad())"
+        return None
+
+    def _run_batch(self, inputs: Any, batch: Batch, call: _Call) -> list[Any]:
+        """The outputs of one planned batch, one per segment."""
         if batch.budget is None:
-            return self._eager_batch(inputs, batch, call, self.served.eager_reason(batch))
+            return self._eager(inputs, batch, self.served.eager_reason(batch))
         if not self.pads:
-            return self._unpadded(inputs, batch, call)
+            return self._unpadded(inputs, batch)
         if batch.budget in self.served.disabled:
-            return self._eager_batch(inputs, batch, call, self.served.disabled[batch.budget])
+            return self._eager(inputs, batch, self.served.disabled[batch.budget])
         try:
             outs = self._replay(inputs, batch, call)
         except InvalidInputError:  # the caller's input is wrong, not the graph: nothing disabled
             raise
         except torch.OutOfMemoryError as exc:  # no room for this call's copies: not the graph's
-            why = f"out of memory at replay: {exc}".split("\n")[0]
-            return self._eager_batch(inputs, batch, call, why)
+            return self._eager(inputs, batch, f"replay: {error_line(exc)}")
         except UnsupportedGraphError as exc:  # this batch only (e.g. more frames than captured)
-            return self._eager_batch(inputs, batch, call, f"batch not servable by graph: {exc}")
+            return self._eager(inputs, batch, f"batch not servable by graph: {exc}")
         except Exception as exc:  # a graph path must never crash a user's call
-            why = f"replay failed: {type(exc).__name__}: {exc}"
+            why = f"replay failed: {error_line(exc)}"
             # Eagerly first: where eager raises too, the call's input is at fault (the model's
             # own check), which is the caller's error, and the budget stays served.
-            outs = self._eager_batch(inputs, batch, call, why)
+            outs = self._eager(inputs, batch, why)
             self._disable_budget(batch.budget, why)
             return outs
-        if outs is None and call.reason is None:  # verification failed, budget now disabled
+        if outs is None:  # verification failed, budget now disabled
             return self._eager(inputs, batch, self.served.disabled[batch.budget])
         return outs
 
-    def _unpadded(self, inputs: Any, batch: Batch, call: CallState) -> list[Any] | None:
+    def _unpadded(self, inputs: Any, batch: Batch) -> list[Any]:
         """A planned batch run at its own size without a graph (no CUDA device)."""
-        if self.checks.look(call) is not None:
-            return None
         out = self._eager_packed(inputs, batch)
         if self.exact_rows is None:
             self.stats.record_unpadded(len(batch.segments), batch.tokens)
@@ -309,19 +312,12 @@ class EncoderCudaGraphManager:
             self.stats.record_exact(self.exact_rows, graph=False)
         return split_rows(out, batch.segments)
 
-    def _eager_batch(self, inputs: Any, batch: Batch, call: CallState,
-                     reason: str) -> list[Any] | None:
-        # Python that runs here waits for the checks: a hook must run once per item, as without
-        # graphs, not once here and again in the call's eager rerun
-        return None if self.checks.look(call) is not None else self._eager(inputs, batch, reason)
-
-    def _replay(self, inputs: Any, batch: Batch, call: CallState) -> list[Any] | None:
+    def _replay(self, inputs: Any, batch: Batch, call: _Call) -> list[Any] | None:
         budget = batch.budget
         assert budget is not None
         entry = self._graphs.get(budget)
-        if entry is None or entry.graph is None:  # a capture, or the forward without a graph
-            if self.checks.look(call) is not None:
-                return None
+        if entry is None and not self._graphs and self._python_outside():
+            return self._eager(inputs, batch, self._off_reason or "")
         if entry is None:
             if self.uses_cuda_graphs:
                 self._capture_budget(budget)
@@ -335,10 +331,11 @@ class EncoderCudaGraphManager:
         graph = entry.graph is not None
         if graph:
             entry.graph.replay()
-            if not call.looked:  # the checks after the launch, while the GPU runs
-                if self.checks.look(call) is not None:
-                    return None
-                if call.stale:  # it read weight copies that were behind: again, current ones
+            # the encoder's weight copies, once a call, while the GPU runs its first graph: one
+            # that read copies behind their weights (valid memory) replays again
+            if self._refresh is not None and not call.refreshed:
+                call.refreshed = True
+                if self._refresh():
                     write_inputs(entry, buffers)
                     entry.graph.replay()
             out = entry.output
@@ -388,10 +385,18 @@ class EncoderCudaGraphManager:
                 inputs, batch.segments, budget)
         return self.model.prepare_encoder_cudagraph_replay_buffers(inputs, list(batch.items), budget)
 
+    def _python_outside(self) -> bool:
+        """Before the first graph (or static buffers) of the encoder: whether it runs Python a
+        graph would skip (hooks, patched code: ``weights.py``), which turns graphs off."""
+        outside = python_outside_graphs(self.watched) if self.watched is not None else None
+        if outside is not None:
+            self.disable_graphs(f"{outside}, Python that graphs skip; served eagerly (remove "
+                                "it, then call refresh())")
+        return outside is not None
+
     def _capture_budget(self, budget: int) -> None:
         with torch.cuda.device(self.device):  # the encoder's, whichever is current (graph_ms)
             outcome = self.graphs.capture(budget)
-        self.checks.captured()  # before its first replay: which weights it reads directly
         if outcome.skipped is not None:
             # a capture that failed for another reason than memory also warns: a host sync in
             # the forward, an op graphs cannot hold
@@ -409,18 +414,45 @@ class EncoderCudaGraphManager:
 
     def _follow_moved_weights(self) -> None:
         # the graphs read the old addresses: capture again where that is still right
-        reason = self.checks.follow(self.device, self.dtype)
-        if reason is None:
-            log.warning("vitgraph: the encoder's parameters have new storage or its submodules "
-                        "were replaced after capture; its graphs are captured again")
+        assert self.watched is not None and self.weights is not None
+        self.weights = WeightSlots(self.watched)
+        elsewhere = sorted(f"{d}, {t}" for d, t in self.weights.places() - {(self.device,
+                                                                              self.dtype)})
+        if not elsewhere:
+            log.warning("vitgraph: the encoder's weights have new storage since its graphs were "
+                        "captured (.to(), assign=True, a replaced parameter); captured again")
             self.clear()
         else:
-            self.disable_graphs(reason)
+            self.disable_graphs(
+                f"the encoder's weights moved ({'; '.join(elsewhere)}) after graphs were "
+                f"captured for {self.device}, {self.dtype}; serve it again to have graphs there")
+
+    def refresh(self) -> None:
+        """Serve the encoder as it is now: after a submodule was replaced, a forward hook
+        added or removed, or code patched (``weights.py``: the contract). Its weights and hooks
+        are read again and its graphs are captured again at the next call."""
+        with self._lock:
+            if self.watched is not None:
+                self.weights = WeightSlots(self.watched)
+            if self._off_reason is not None and not self._all_budgets_failed and (
+                    "Python that graphs skip" in self._off_reason):
+                self._off_reason = None
+            self.clear()
 
     def _log_once(self, message: str) -> None:
         if message not in self._logged:
             self._logged.add(message)
             log.warning(message)
+
+
+class _Call:
+    """One call's standing: why it runs eagerly (``None``: graphs serve it), and whether the
+    encoder's weight copies were refreshed during it."""
+
+    __slots__ = ("reason", "refreshed")
+
+    def __init__(self, reason: str | None) -> None:
+        self.reason, self.refreshed = reason, False
 
 
 @functools.cache  # once per process

@@ -133,10 +133,9 @@ def test_register_adapter_for_a_subclass():
         Qwen2VLVisionAdapter(tower)
 
 
-def test_a_registered_subclass_runs_on_its_own_code_and_a_later_patch_is_found():
+def test_a_registered_subclass_runs_on_the_adapters_code():
     """Registering a subclass says the adapter's code is its own: its ``forward`` override is
-    the user's code but not a patch (the adapter serves it, no eager batch); a function set on
-    it afterwards is one (``code_watch.vouch``)."""
+    the user's code, not a patch inside the tower (the adapter serves it, no eager batch)."""
     import vit_graph_backend as vg
 
     class LoggingTower(Qwen2_5_VisionTransformerPretrainedModel):
@@ -151,11 +150,6 @@ def test_a_registered_subclass_runs_on_its_own_code_and_a_later_patch_is_found()
         _assert_close(_as_tuple(served(inputs["pixel_values"], inputs["grid_thw"])),
                       _hf(hf, inputs["pixel_values"], inputs["grid_thw"]), GRAPH_ATOL)
     assert served.manager.stats.eager_batches == 0
-    own = LoggingTower.forward
-    LoggingTower.forward = lambda self, *args, **kwargs: own(self, *args, **kwargs)
-    assert served.encoder.watch.hooked().startswith("LoggingTower.forward set to <lambda> (")
-    LoggingTower.forward = own
-    assert served.encoder.watch.hooked() is None
 
 
 def test_importing_adapters_does_not_import_transformers():

@@ -168,15 +168,6 @@ def test_buffer_table_is_where_modules_keep_their_buffers():
     assert torch.equal(table["running_var"], torch.full((2,), 3.0))
 
 
-def test_module_table_is_where_modules_keep_their_submodules():
-    seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    table = _compat.module_table(seq)
-    assert table["0"] is seq[0] and table["1"] is seq[1]
-    seq[1] = torch.nn.Tanh()  # assignment writes the same table
-    seq.add_module("2", torch.nn.GELU())
-    assert table["1"] is seq[1] and table["2"] is seq[2]
-
-
 def test_forward_hook_tables_are_where_hooks_are_registered():
     lin = torch.nn.Linear(2, 2)
     pre, post = _compat.forward_hook_tables(lin)

@@ -114,7 +114,7 @@ def test_forward_hooks_on_the_served_tower_and_inside_it_run_as_without_serving(
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert not torch.allclose(plain, ref, atol=1e-3)
     stats = served_towers(model)["model.visual"].report()["stats"]
-    assert stats["eager_batches"] == 1 and stats["calls"] == 2, stats
+    assert stats["calls"] == 2, stats
     vg.restore_vision_(model)
 
 

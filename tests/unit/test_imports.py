@@ -237,14 +237,3 @@ def test_package_import_leaves_torch_for_the_names_that_need_it():
     assert before is False, "import vit_graph_backend imported torch"
     assert same and after and listed
     assert missing == f"module {PACKAGE!r} has no attribute 'no_such_name'"
-
-
-def test_capture_error_is_deprecated_and_still_importable():
-    import pytest
-
-    import vit_graph_backend
-
-    assert "CaptureError" not in vit_graph_backend.__all__
-    with pytest.warns(DeprecationWarning, match="CaptureError is deprecated"):
-        cls = vit_graph_backend.CaptureError
-    assert issubclass(cls, vit_graph_backend.VitGraphError)

@@ -162,13 +162,13 @@ def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly(caplog, p
     tower.to(torch.float64)
     out = served(pixels.double(), GRID)
     reason = served.manager.memory_report()["graphs_off_reason"]
-    assert reason and "moved to cpu, torch.float64" in reason
+    assert reason and "moved (cpu, torch.float64)" in reason
     torch.testing.assert_close(out, tower(pixels.double(), torch.tensor(GRID)).pooler_output)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("how", ["data", "table", "wrapped"])
-def test_one_weight_given_new_storage_is_followed(how, caplog):
+def test_one_weight_given_new_storage_is_followed(how, caplog, padded_cpu):
     """One weight other than the first given new storage: by hand (``p.data = t``), written to
     its module's table as accelerate's ``set_module_tensor_to_device`` does, or, for a weight
     that is a wrapper tensor subclass, in the tensor it holds. No registration hook fires for
@@ -207,28 +207,35 @@ def _as_hf_then_graphs_again(served, pixels, got, want, plain):
     assert served.manager.stats.eager_batches == eager
 
 
-@torch.no_grad()
-@pytest.mark.parametrize("where", ["block", "attention", "linear", "global"])
-def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, caplog):
-    """The adapter runs a block's parts itself and a graph replays without any hook, so a
-    forward hook inside the tower (a block's, its attention's, a linear layer's, or a global
-    one) would not run, or not at every call: while one is registered the call runs the tower's
-    own forward, saying why once, and the hook's effect and calls are HF's."""
-    served, pixels = _served(), _pixels()
-    tower = served.encoder.tower
-    want_plain = tower(pixels, torch.tensor(GRID)).pooler_output
-    torch.testing.assert_close(served(pixels, GRID), want_plain, atol=1e-5, rtol=1e-5)
-    seen = []
-    module = {"block": tower.blocks[0], "attention": tower.blocks[0].attn,
-              "linear": tower.blocks[0].mlp.fc2, "global": None}[where]
-    target = tower.blocks[0].mlp.fc2 if module is None else module
-
+def _shifting_hook(seen, target):
     def hook(called, args, output):  # a global hook sees every module's call, served's too
         seen.append(type(called).__name__)
         # a shift that differs across features: a LayerNorm after it does not undo it
         shift = torch.linspace(-1.0, 1.0, output.shape[-1]) if called is target else None
         return output + shift if shift is not None else output
+    return hook
 
+
+@torch.no_grad()
+@pytest.mark.parametrize("where", ["block", "attention", "linear", "global"])
+@pytest.mark.parametrize("path", ["graphs", "cpu"])
+def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, path, caplog,
+                                                                  monkeypatch):
+    """The adapter runs a block's parts itself and a graph replays without any hook: a forward
+    hook inside the tower at the first capture turns the graphs off, with the reason, and calls
+    run the tower's own forward, the hook's effect and calls HF's (``weights.py``). Without
+    graphs (CPU) every call runs it so while the hook is there."""
+    if path == "graphs":
+        from vit_graph_backend.runtime import EncoderCudaGraphManager
+
+        monkeypatch.setattr(EncoderCudaGraphManager, "pad_without_graphs", True)
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    seen = []
+    module = {"block": tower.blocks[0], "attention": tower.blocks[0].attn,
+              "linear": tower.blocks[0].mlp.fc2, "global": None}[where]
+    target = tower.blocks[0].mlp.fc2 if module is None else module
+    hook = _shifting_hook(seen, target)
     handle = (torch.nn.modules.module.register_module_forward_hook(hook) if module is None
               else module.register_forward_hook(hook))
     try:
@@ -237,144 +244,82 @@ def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, caplog)
         with caplog.at_level("WARNING", logger="vit_graph_backend"):
             got = served(pixels, GRID)
         assert len(seen) == 2 * calls_in_forward  # once more, as HF's forward runs them
-        assert "which graphs do not run; running eagerly" in caplog.text
-        assert ("a global forward hook" if module is None else "forward hooks on") in caplog.text
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if path == "graphs":
+            reason = served.manager.memory_report()["graphs_off_reason"]
+            assert "Python that graphs skip" in reason
+            assert ("a global forward hook" if module is None else "has forward hooks") in reason
     finally:
         handle.remove()
-    _as_hf_then_graphs_again(served, pixels, got, want, want_plain)  # the hook removed
+    served.refresh()   # the hook removed: graphs (or the adapter's code) serve again
+    plain = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
+    assert served.manager.memory_report()["graphs_off_reason"] is None
 
 
 @torch.no_grad()
-def test_a_forward_replaced_on_an_attention_instance_runs_as_in_the_towers_own_forward():
+def test_a_hook_added_after_the_capture_runs_once_refresh_is_called(padded_cpu):
+    """The contract: a hook added after the graphs were captured is announced with
+    ``refresh()``; from then on calls run it."""
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    served(pixels, GRID)
+    seen = []
+    handle = tower.blocks[0].register_forward_hook(_shifting_hook(seen, tower.blocks[0]))
+    try:
+        served.refresh()
+        want = tower(pixels, torch.tensor(GRID)).pooler_output
+        seen.clear()
+        torch.testing.assert_close(served(pixels, GRID), want, atol=1e-5, rtol=1e-5)
+        assert seen == ["Qwen2VLVisionBlock"]
+    finally:
+        handle.remove()
+
+
+class _PatchedAttention:
+    """A forward defined in this test module, patched into the tower's attention class."""
+
+    @staticmethod
+    def forward(self, hidden_states, *args, **kwargs):
+        return _ORIGINAL_FORWARD[0](self, hidden_states, *args, **kwargs) * 0.5
+
+
+_ORIGINAL_FORWARD: list = []
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("when", ["before serving", "after, with refresh"])
+def test_code_patched_into_a_tower_class_runs_as_in_the_towers_own_forward(when, padded_cpu,
+                                                                           monkeypatch):
+    """A class of the tower whose ``forward`` was patched in from another module runs the
+    patch: the graphs (which run the adapter's code) are off and calls run the tower's own
+    forward; patched after the capture, once ``refresh()`` announces it."""
+    served, pixels = _served(), _pixels()
+    tower = served.encoder.tower
+    cls = type(tower.blocks[0].attn)
+    _ORIGINAL_FORWARD[:] = [cls.forward]
+    if when == "after, with refresh":
+        served(pixels, GRID)
+    monkeypatch.setattr(cls, "forward", _PatchedAttention.forward)
+    if when == "after, with refresh":
+        served.refresh()
+    want = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(served(pixels, GRID), want, atol=1e-5, rtol=1e-5)
+    assert "patched in from" in served.manager.memory_report()["graphs_off_reason"]
+
+
+@torch.no_grad()
+def test_a_forward_set_on_an_attention_instance_runs_as_in_the_towers_own_forward(padded_cpu):
     """Hand-patched attention (to record its maps, say) and accelerate's hooks replace
     ``forward`` on the instance; the adapter calls the attention's parts, not its forward."""
     served, pixels = _served(), _pixels()
     tower = served.encoder.tower
-    served(pixels, GRID)
     attn = tower.blocks[0].attn
-    original, maps = attn.forward, []
-
-    def patched(hidden_states, *args, **kwargs):
-        out = original(hidden_states, *args, **kwargs)
-        maps.append(out.shape)
-        return out * 0.5
-
-    attn.forward = patched
-    try:
-        want = tower(pixels, torch.tensor(GRID)).pooler_output
-        got = served(pixels, GRID)
-    finally:
-        del attn.forward
-    assert len(maps) == 2
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(served(pixels, GRID), tower(pixels, torch.tensor(GRID)).pooler_output,
-                               atol=1e-5, rtol=1e-5)
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("where", ["attention", "block", "norm", "module function",
-                                   "before serving", "functional attention"])
-def test_code_patched_into_the_towers_classes_runs_as_in_its_own_forward(where, caplog):
-    """The adapter runs its own code for the blocks, so a ``forward`` patched on a class of the
-    tower (or its modeling module's rotary helper, or the functional attention HF's calls,
-    patched process-wide as SageAttention's README does) would change HF's output and not the
-    served one: the call runs the tower's own forward, saying why, and the graph path comes back
-    once the patch is undone (``code_watch.py``)."""
-    from transformers.models.qwen2_vl import modeling_qwen2_vl as mq
-
-    owner, name = {"attention": (mq.VisionAttention, "forward"),
-                   "block": (mq.Qwen2VLVisionBlock, "forward"),
-                   "norm": (torch.nn.LayerNorm, "forward"),
-                   "module function": (mq, "apply_rotary_pos_emb_vision"),
-                   "before serving": (mq.VisionAttention, "forward"),
-                   "functional attention": (F, "scaled_dot_product_attention")}[where]
-    original = getattr(owner, name)
-    if owner is F:
-        def patch(*args, **kwargs):
-            return original(*args, **kwargs) * 0.5
-    elif owner is mq:
-        def patch(*args, **kwargs):
-            q, k = original(*args, **kwargs)
-            return q * 100.0, k  # sharper attention (the random weights' is nearly uniform)
-    else:
-        def patch(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            return out + torch.linspace(-1.0, 1.0, out.shape[-1])
-
-    pixels = _pixels()
-    if where == "before serving":
-        setattr(owner, name, patch)
-    try:
-        served = _served()
-        tower = served.encoder.tower
-        if where != "before serving":
-            want_plain = tower(pixels, torch.tensor(GRID)).pooler_output
-            torch.testing.assert_close(served(pixels, GRID), want_plain, atol=1e-5, rtol=1e-5)
-            setattr(owner, name, patch)
-        want = tower(pixels, torch.tensor(GRID)).pooler_output
-        with caplog.at_level("WARNING", logger="vit_graph_backend"):
-            got = served(pixels, GRID)
-    finally:
-        setattr(owner, name, original)
-    assert f"{name} set to patch (" in caplog.text and "which graphs do not run" in caplog.text
-    plain = tower(pixels, torch.tensor(GRID)).pooler_output
-    _as_hf_then_graphs_again(served, pixels, got, want, plain)  # the patch undone
-
-
-@torch.no_grad()
-def test_a_class_set_on_a_block_runs_as_in_the_towers_own_forward(caplog):
-    """``block.__class__ = Other`` keeps the block's tables and weights, and changes the code its
-    forward runs, which the adapter's own code and the graphs skip: the calls run the tower's
-    own forward, saying why, until the class is set back (``weight_watch.py``)."""
-    from transformers.models.qwen2_vl import modeling_qwen2_vl as mq
-
-    class Shifted(mq.Qwen2VLVisionBlock):
-        def forward(self, hidden_states, *args, **kwargs):
-            out = super().forward(hidden_states, *args, **kwargs)
-            return out + torch.linspace(-1.0, 1.0, out.shape[-1])
-
-    served, pixels = _served(), _pixels()
-    tower = served.encoder.tower
-    plain = tower(pixels, torch.tensor(GRID)).pooler_output
-    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
-    block = tower.blocks[0]
-    block.__class__ = Shifted
-    try:
-        want = tower(pixels, torch.tensor(GRID)).pooler_output
-        with caplog.at_level("WARNING", logger="vit_graph_backend"):
-            got = served(pixels, GRID)
-    finally:
-        block.__class__ = mq.Qwen2VLVisionBlock
-    assert "blocks.0's class set to" in caplog.text and "Shifted" in caplog.text
-    _as_hf_then_graphs_again(served, pixels, got, want, plain)
-
-
-@torch.no_grad()
-def test_an_attention_implementation_a_user_registered_runs_as_in_the_towers_own_forward(caplog):
-    """transformers runs the attention function its config names (``AttentionInterface``); one
-    a user registered and set is code the adapter's own attention would skip: the calls run
-    the tower's own forward until the config names a library's again."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def sharper(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query * 100.0, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("vitgraph_test_sharper", sharper)
-    served, pixels = _served(), _pixels()
-    tower = served.encoder.tower
-    before = tower.config._attn_implementation
-    plain = tower(pixels, torch.tensor(GRID)).pooler_output
-    torch.testing.assert_close(served(pixels, GRID), plain, atol=1e-5, rtol=1e-5)
-    tower.set_attn_implementation("vitgraph_test_sharper")
-    try:
-        want = tower(pixels, torch.tensor(GRID)).pooler_output
-        with caplog.at_level("WARNING", logger="vit_graph_backend"):
-            got = served(pixels, GRID)
-    finally:
-        tower.set_attn_implementation(before)
-    assert "attention implementation 'vitgraph_test_sharper' set to sharper (" in caplog.text
-    _as_hf_then_graphs_again(served, pixels, got, want, plain)
+    own = attn.forward
+    attn.forward = lambda *args, **kwargs: own(*args, **kwargs) * 0.5
+    want = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(served(pixels, GRID), want, atol=1e-5, rtol=1e-5)
+    assert "forward set on the instance" in served.manager.memory_report()["graphs_off_reason"]
 
 
 @torch.no_grad()
@@ -393,7 +338,7 @@ def test_a_batch_invariant_tower_runs_one_attention_kernel_and_no_timed_mlp():
 
     served = vg.serve(_qwen2_5().eval(), batch_invariant=True)
     assert served.encoder.attention_state["attention"] == "varlen"
-    assert served.encoder.kernels._epilogue_fusion == "off"
+    assert served.encoder.kernels.epilogue_fusion == "off"
     with pytest.raises(vg.InvalidOptionError, match="attention='cudnn' is invalid with "
                                                     "batch_invariant=True"):
         vg.serve(_qwen2_5().eval(), batch_invariant=True, attention="cudnn")

@@ -17,7 +17,6 @@ import logging
 from vit_graph_backend.errors import InvalidInputError, InvalidOptionError
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.runtime import EncoderCudaGraphManager
-from vit_graph_backend.weight_watch import WeightWatch
 
 MBS = 4
 
@@ -183,7 +182,7 @@ def test_each_fallback_reason_is_logged_once_at_warning(caplog):
 
 @torch.no_grad()
 def test_a_manager_follows_its_encoder_to_new_weight_storage(caplog):
-    """The manager watches its encoder's weights (``weight_watch.py``), so a packed encoder run
+    """The manager checks its encoder's weights (``weights.py``), so a packed encoder run
     by a manager directly, not only through ``serve()``, never replays graphs over freed
     storage: new storage on the same dtype captures again, another dtype turns graphs off."""
     model, mgr = _setup()
@@ -199,7 +198,7 @@ def test_a_manager_follows_its_encoder_to_new_weight_storage(caplog):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     model.to(torch.float64)
     mgr.run({**call, "x": call["x"].double()})
-    assert "moved to cpu, torch.float64" in mgr.memory_report()["graphs_off_reason"]
+    assert "moved (cpu, torch.float64)" in mgr.memory_report()["graphs_off_reason"]
 
 
 @torch.no_grad()
@@ -236,11 +235,11 @@ def test_a_manager_follows_one_weight_written_to_its_table(caplog, monkeypatch):
     assert "captured again" in caplog.text
     for got, ref in zip(out, run_alone(model, call), strict=True):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    owner._parameters[name.rpartition(".")[2]] = torch.nn.Parameter(param * 2)
-    # a CPU machine has one device: the offload's other device is stood in for
-    monkeypatch.setattr(WeightWatch, "devices_added", lambda self: {torch.device("meta")})
-    mgr.run(call)
-    assert "moved some of them to meta" in mgr.memory_report()["graphs_off_reason"]
+    # a CPU machine has one device: an offload's other device is stood in for by another dtype
+    owner._parameters[name.rpartition(".")[2]] = torch.nn.Parameter((param * 2).double())
+    with pytest.raises(RuntimeError, match="same dtype"):   # eagerly, as the model itself does
+        mgr.run(call)
+    assert "moved (cpu, torch.float64)" in mgr.memory_report()["graphs_off_reason"]
 
 
 def test_a_budget_is_captured_with_the_encoder_s_device_current(monkeypatch):

@@ -53,8 +53,7 @@ from ..fused_linear import (
     linear_silu_mul,
     pack_gated,
 )
-from .. import native_checks
-from ..weight_watch import registrations
+from ..weights import fingerprint
 
 __all__ = ["ALIGNMENT", "AlignedMLPs", "CopiesPinned", "MLPWeights", "UntrackedWeights",
            "intermediate_size", "is_silu", "mlp_linears"]
@@ -62,22 +61,7 @@ __all__ = ["ALIGNMENT", "AlignedMLPs", "CopiesPinned", "MLPWeights", "UntrackedW
 #: Elements per row that make a bf16/fp16 GEMM operand 16-byte aligned.
 ALIGNMENT = 8
 
-_data_ptr = torch.Tensor.data_ptr
-_version = operator.attrgetter("_version")
 _lookup = dict.get
-
-
-def _fingerprint(params: list[torch.Tensor | None]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each parameter's address, then each one's version counter (-1 for both where a
-    projection has no bias): a move to another device or dtype gives new storage, so the two
-    suffice. The layout the native loops compare (``native_checks.same_tensors``). Read with map
-    over C-level getters: without the loops this runs at every packed call (Qwen2.5-VL-3B: 160
-    parameters), where a generator of tuples cost as much as a small kernel launch."""
-    try:
-        return tuple(map(_data_ptr, params)), tuple(map(_version, params))
-    except TypeError:  # a projection without a bias: None in its slot
-        return (tuple(-1 if p is None else _data_ptr(p) for p in params),
-                tuple(-1 if p is None else p._version for p in params))
 
 
 class UntrackedWeights(RuntimeError):
@@ -161,17 +145,14 @@ class AlignedMLPs:
         self.padded_width = (gated_width(width) if self.gated
                              else ceil_div(width, ALIGNMENT) * ALIGNMENT)
         self.weights: list[MLPWeights] = []
-        #: the parameters' (addresses, versions) at the last copy (:func:`_fingerprint`)
+        #: the parameters' (addresses, versions) at the last copy (``weights.fingerprint``)
         self._fingerprint: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        #: (parameter tables, names) of every parameter the copies are made from, and the
-        #: registration count they were read at
-        self._slots: tuple[tuple[dict[str, Any], ...], tuple[str, ...]] | None = None
-        self._slots_at = -1
+        #: (parameter tables, names) of every parameter the copies are made from
+        self._slots = self._read_slots()
         #: the fingerprint's parameters found to be inference tensors (refused without a scan)
         self._untracked: list[torch.Tensor | None] | None = None
         #: a captured graph reads the copies: they are never freed nor moved, only written
         self.pinned = False
-        registrations()  # installs the process-wide registration count (``weight_watch.py``)
 
     @staticmethod
     def needed(mlps: Sequence[nn.Module], gated: bool = False) -> bool:
@@ -186,14 +167,6 @@ class AlignedMLPs:
     def nbytes(self) -> int:
         """Bytes the padded copies hold."""
         return sum(t.numel() * t.element_size() for w in self.weights for t in w.tensors())
-
-    def copied(self) -> list[tuple[nn.Module, str]]:
-        """``(module, name)`` of every parameter the copies are made from (see
-        :meth:`_read_slots`)."""
-        return [(linear, name) for mlp in self.mlps
-                for linear, names in ([(getattr(mlp, n), ("weight", "bias")) for n in self.ins]
-                                      + [(getattr(mlp, self.out), ("weight",))])
-                for name in names]
 
     def _read_slots(self) -> tuple[tuple[dict[str, Any], ...], tuple[str, ...]]:
         """Where each parameter the copies are made from lives: its module's parameter table and
@@ -214,24 +187,18 @@ class AlignedMLPs:
         copied. Cheap when nothing changed: one pass over the parameter tables, addresses and
         version counters (the modules are walked again only after a parameter was registered
         somewhere)."""
-        seen = registrations()
-        if self._slots is None or self._slots_at != seen:
-            self._slots_at = seen
-            self._slots = self._read_slots()
-        if self._unchanged():
-            return False
-        params = list(map(_lookup, *self._slots))  # C-level, like _fingerprint
+        params = list(map(_lookup, *self._slots))  # C-level, like fingerprint
         if self._untracked is not None and all(map(operator.is_, params, self._untracked)):
             raise UntrackedWeights(_UNTRACKED)  # the same tensors as last time: no scan per call
         try:
-            fingerprint = _fingerprint(params)
+            now = fingerprint(params)
         except RuntimeError:  # "Inference tensors do not track version counter"
             if not any(p is not None and p.is_inference() for p in params):
                 raise
             self._untracked = params
             raise UntrackedWeights(_UNTRACKED) from None
         self._untracked = None
-        if fingerprint == self._fingerprint:
+        if now == self._fingerprint:
             return False
         # a Parameter made outside inference_mode from an inference tensor reads version 0 even
         # after in-place writes; a tensor is an inference tensor from birth, so new ones suffice
@@ -252,14 +219,8 @@ class AlignedMLPs:
                 raise
             raise CopiesPinned(f"an MLP parameter cannot be copied in place: {exc}") from None
         # only the heads above are ever written: the padding stays zero
-        self._fingerprint = fingerprint
+        self._fingerprint = now
         return True
-
-    def _unchanged(self) -> bool:
-        """The native loops' "every parameter as at the last copy" (``native_checks.py``);
-        False where they are not built or not sure, and the Python check decides."""
-        return (self._fingerprint is not None and self._untracked is None
-                and native_checks.same_tensors(*self._slots, *self._fingerprint))
 
     def _copy(self) -> None:
         with torch.no_grad():

@@ -5,14 +5,9 @@ lays out inputs and metadata, the adapter class runs the blocks. The choices are
 graph, before every capture, replay and eager batch, so a captured graph always reads weights that
 are up to date (see ``_aligned_mlp``) and never holds Python state that Dynamo would guard on.
 
-The choices are made for the MLP modules the tower holds, and made again when one of them, one
-of their linear layers or activations, or a block is another module than before: by assignment
-or by a write to a module table, which no hook sees. The adapter's weight watch on the tower
-(``weight_watch.py``) reads the module tables; the MLPs are looked at again only after it found
-the tree changed, before a capture or an eager batch, not before a replay. New choices may mean
-new padded copies, and a graph reads the copies of its capture: it must replay the choices made
-then (the old copies stay alive with them), and the manager's weight watch, which sees every
-submodule of the tower replaced, captures again before such a call replays anything.
+The choices are made for the MLP modules the tower holds when it is served; a submodule
+replaced later is announced with ``served.refresh()``, which makes them again (``weights.py``:
+the contract).
 """
 
 from __future__ import annotations
@@ -24,10 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidOptionError, StaleWeightCopiesError
+from ..errors import InvalidOptionError
 from ..fused_linear import GATED, activation_of, linear_act
 from ..options import EPILOGUE_FUSIONS
-from ..weight_watch import WeightWatch
 from ._aligned_mlp import AlignedMLPs, CopiesPinned, UntrackedWeights, is_silu, mlp_linears
 from ._fused import Ops, fusion_available, ops
 
@@ -41,7 +35,6 @@ class KernelChoices:
 
     Args:
         tower: the vision tower; its blocks' MLP modules are what the choices are made for.
-        watch: a weight watch on ``tower``: it says when the module tree changed.
         align_mlp: ``None`` uses padded (or packed) MLP weight copies on CUDA only; ``True``
             everywhere; ``False`` never.
         fuse: ``None`` fuses the graph path's elementwise ops where Triton is available;
@@ -59,8 +52,8 @@ class KernelChoices:
         InvalidOptionError: for a value other than ``True``, ``False`` or ``None``.
     """
 
-    def __init__(self, tower: nn.Module, watch: WeightWatch, align_mlp: bool | None,
-                 fuse: bool | None, epilogue_fusion: str = "auto") -> None:
+    def __init__(self, tower: nn.Module, align_mlp: bool | None, fuse: bool | None,
+                 epilogue_fusion: str = "auto") -> None:
         if align_mlp is not None and not isinstance(align_mlp, bool):
             raise InvalidOptionError(
                 f"align_mlp={align_mlp!r} is invalid: must be True, False or None (auto: pad on "
@@ -73,7 +66,7 @@ class KernelChoices:
             raise InvalidOptionError(f"epilogue_fusion={epilogue_fusion!r} is invalid: must be "
                                      f"one of {EPILOGUE_FUSIONS}")
         self.align_mlp, self.fuse = align_mlp, fuse
-        self._tower, self._watch, self._epilogue_fusion = tower, watch, epilogue_fusion
+        self._tower, self.epilogue_fusion = tower, epilogue_fusion
         #: what the MLP's first half runs through ``fused_linear``'s ops: the GELU of an fc1/fc2
         #: MLP (``fused_linear.ACTIVATIONS``), ``fused_linear.GATED`` for a SiLU-gated one (from
         #: the packed copies, so only where those are in use), or ``None`` (other MLPs, MLPs of
@@ -86,58 +79,24 @@ class KernelChoices:
         #: why the padded copies are off although asked for (inference-tensor weights), or None
         self.untracked: str | None = None
         self._fusion_reason: dict[str, str | None] = {}
-        #: the watch's module tree, and the MLPs and their modules, the choices were made for
-        self._tree: tuple[Any, ...] | None = None
-        self._parts: tuple[Any, ...] | None = None
-        self._follow()
-
-    def _follow(self) -> None:
-        """Make the MLP choices again if the tower's MLP modules are not those they were made
-        for."""
-        tree = self._watch.modules()
-        if tree is self._tree:
-            return
-        self._tree = tree
-        mlps = tuple(getattr(block, "mlp", None) for block in getattr(self._tower, "blocks", ()))
-        parts = tuple(chain.from_iterable((m,) if m is None else (m, *m.children())
-                                          for m in mlps))
-        if parts == self._parts:
-            return
-        if self._parts is not None:
-            log.info("vitgraph: the tower's MLP modules were replaced; its MLP kernels are "
-                     "chosen again")
-        self._parts = parts
-        kinds = ({_epilogue_of(m) for m in mlps} if mlps and self._epilogue_fusion == "auto"
+        mlps = tuple(getattr(block, "mlp", None) for block in getattr(tower, "blocks", ()))
+        kinds = ({_epilogue_of(m) for m in mlps} if mlps and epilogue_fusion == "auto"
                  else {None})
         self.epilogue = kinds.pop() if len(kinds) == 1 else None
         gated = self.epilogue == GATED
-        self.aligned = (AlignedMLPs(mlps, gated) if None not in mlps
-                        and AlignedMLPs.needed(mlps, gated) else None)
-        self.use_aligned, self.untracked = False, None
+        if None not in mlps and AlignedMLPs.needed(mlps, gated):
+            self.aligned = AlignedMLPs(mlps, gated)
 
-    def sync(self, device: torch.device, follow: bool = True, capture: bool = False) -> bool:
+    def sync(self, device: torch.device, capture: bool = False, replay: bool = False) -> bool:
         """Decide whether the padded MLP weights are used on ``device`` and bring them up to
-        date (a copy only after the tower's MLP parameters changed); True if one was copied.
-        With ``follow``, first make the choices again if one of the tower's MLP modules was
-        replaced; a graph's replay passes ``False``: it replays the choices made at its
-        capture. ``capture``: a CUDA graph is captured with the choices (the copies it reads
-        are then pinned: ``_aligned_mlp``).
-
-        Raises:
-            StaleWeightCopiesError: at a replay, when pinned copies cannot follow the
-                parameters in place; they are unpinned, for the runtime drops every graph
-                before it replays one again (``call_checks.py``).
-        """
-        if follow:
-            self._follow()
+        date (a copy only after the tower's MLP parameters were written); True if one was
+        copied. ``capture``: a CUDA graph is captured with the choices (the copies it reads are
+        then pinned: ``_aligned_mlp``); ``replay``: a graph replays them (the runtime checked
+        that no weight moved, so the copies follow in place)."""
         if self.aligned is None:
             return False
-        if not follow and self.aligned.pinned:  # the graphs read the copies
-            try:
-                return self.aligned.refresh()
-            except (UntrackedWeights, CopiesPinned) as exc:
-                self.aligned.pinned = False
-                raise StaleWeightCopiesError(f"padded MLP weights: {exc}") from None
+        if replay:
+            return self.aligned.pinned and self.aligned.refresh()
         use = self.align_mlp if self.align_mlp is not None else torch.device(device).type == "cuda"
         copied = False
         if use:
@@ -156,13 +115,6 @@ class KernelChoices:
             self.aligned.pinned = True
         self.use_aligned = use
         return copied
-
-    def copied(self) -> list[tuple[nn.Module, str]]:
-        """The tower's parameters that captured graphs read only through pinned copies:
-        ``(module, name)`` pairs (none when the copies are not in use)."""
-        aligned = self.aligned
-        in_use = aligned is not None and aligned.pinned and self.use_aligned
-        return aligned.copied() if in_use else []
 
     def mlp(self, fns: Ops, layer: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Block ``layer``'s MLP: from the padded copies when in use, else the tower's own."""

@@ -41,10 +41,9 @@ from torch import nn
 
 from .. import _compat
 from ..budgets import packed_budget_range
-from ..code_watch import vouch
 from ..errors import InvalidOptionError
 from ..specs import EncoderItemSpec, check_positive_int
-from ..weight_watch import WeightWatch
+from ..weights import python_outside_graphs
 from ._attention_choice import AttentionChoice
 from ._fused import Ops
 from ._packed_attention import Segments, dense_sdpa, packed_attention, varlen_supported
@@ -97,9 +96,6 @@ class _QwenVisionAdapter(nn.Module):
 
     #: fully qualified name of the wrapped class (checked at construction).
     wrapped_class: str = ""
-    #: the adapter runs its own code for the tower's modules, so code patched into their classes
-    #: or modeling module would not run: watched at every call (``code_watch.py``)
-    watch_code = True
 
     def __init__(self, model: nn.Module, *, min_budget: int | None = None,
                  max_budget: int | None = None, align_mlp: bool | None = None,
@@ -123,13 +119,10 @@ class _QwenVisionAdapter(nn.Module):
         #: inputs -> graph buffers and attention segments (``_qwen_packing``)
         self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
         #: which kernels the blocks run (``_qwen_kernels``)
-        #: the tower's module tree and hooks (``weight_watch.py``): the MLP kernel choices
-        #: follow replaced modules through it, the eager path finds hooks with it
-        # a subclass its user adapts with this adapter (registered, or given to it): its own
-        # code, as it is now, is what the adapter's stands for (``code_watch.vouch``)
-        vouch(type(model))
-        self.watch = WeightWatch(model, code=True)
-        self.kernels = KernelChoices(model, self.watch, align_mlp, fuse, epilogue_fusion)
+        self.kernels = KernelChoices(model, align_mlp, fuse, epilogue_fusion)
+        #: Python inside the tower the adapter's code would not run (hooks, patched code), as
+        #: found at the last hook registration of the process (``weights.py``)
+        self._outside: tuple[int, str | None] = (-1, None)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
         #: the full-attention kernel per captured budget (``_attention_choice``)
         self.attention = AttentionChoice(attention)
@@ -210,18 +203,16 @@ class _QwenVisionAdapter(nn.Module):
 
     def refresh_encoder_cudagraph_weights(self) -> bool:
         """Bring the padded MLP copies the graphs read up to date with the tower's MLP
-        parameters; True if one was copied. The runtime calls it for every call it serves from
-        graphs, after the call's first launch: a replay then read the old copies (valid memory),
-        and it replays again (``call_checks.py``). Keeps the choices of the graphs' capture: a
-        replaced module is the manager's weight watch's to see, which captures again first
-        (``_qwen_kernels``)."""
-        return self._device is not None and self.kernels.sync(self._device, follow=False)
+        parameters written in place; True if one was copied. The runtime calls it once for
+        every call it serves from graphs, after the call's first launch: a replay then read the
+        old copies (valid memory), and it replays again."""
+        return self._device is not None and self.kernels.sync(self._device, replay=True)
 
-    def get_encoder_cudagraph_copied_weights(self) -> list[tuple[nn.Module, str]]:
-        """The tower's MLP parameters the graphs captured last read only through the padded
-        copies, which :meth:`refresh_encoder_cudagraph_weights` follows: the runtime's weight
-        watch leaves their addresses to it (``call_checks.py``)."""
-        return self.kernels.copied()
+    def refresh(self) -> None:
+        """Make the kernel choices again for the tower as it is now (``served.refresh()``)."""
+        self.kernels = KernelChoices(self.tower, self.kernels.align_mlp, self.kernels.fuse,
+                                     self.kernels.epilogue_fusion)
+        self._outside = (-1, None)
 
     def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
         """The captured computation over the static buffers (pure tensor code: every Python int
@@ -232,10 +223,12 @@ class _QwenVisionAdapter(nn.Module):
                               item_indices: Sequence[int]) -> Any:
         """``item_indices`` packed back to back without padding, exact segment lengths; through
         the tower's own forward while a module inside it has forward hooks or a forward replaced
-        on the instance, or its classes run code from outside their libraries
-        (``weight_watch.WeightWatch.hooked``), which the adapter's code, calling the blocks'
-        parts, would not run."""
-        if self.watch.hooked() is not None:
+        on the instance, or a class of it runs a patched forward (``weights.py``), which the
+        adapter's code, calling the blocks' parts, would not run."""
+        made = _compat.hook_handles_made()
+        if self._outside[0] != made:
+            self._outside = (made, python_outside_graphs(self.tower))
+        if self._outside[1] is not None:
             pixels, grids = self.packer.rows(inputs, item_indices)
             grid = torch.tensor(grids, dtype=torch.int64, device=pixels.device)
             # the class's forward: served in place (``hf.py``), the instance's is the graphs'
