@@ -35,7 +35,7 @@ def _reference(q, k, v, lengths, scale):
 
 def _served_errors(tower, default, flash, max_rows=None):
     """The largest relative errors of the served tower ``default`` against HF's ``tower`` and
-    against ``flash`` (served with ``attention="varlen"``), over six calls of one to three
+    against ``flash`` (served with ``packed_attention="varlen"``), over six calls of one to three
     random images (one image where they would pass ``max_rows``), scaled by the output's
     largest magnitude (at least 1)."""
     rng = random.Random(5)

@@ -62,7 +62,7 @@ def serve_vision_(model: nn.Module, options: VitGraphOptions | None = None,
     Args:
         model: a Hugging Face vision-language model (or a bare vision tower), on its device.
         options: :class:`VitGraphOptions` for every tower; or give its fields (and packed
-            adapters' keywords, e.g. ``fuse=False``) as keyword arguments. Given as keywords,
+            packed towers' own, e.g. ``fuse=False``) as keyword arguments. Given as keywords,
             ``max_frames_per_batch`` defaults to :data:`DEFAULT_VIDEO_FRAMES` for packed towers.
 
     Raises:
@@ -143,17 +143,11 @@ def _batched_options(options: VitGraphOptions | None, kwargs: dict[str, Any],
                      has_packed: bool) -> dict[str, Any] | None:
     """The ``torch.compile`` options of batched towers, validated now (not at the first call).
 
-    Options of packed towers only (``PACKED_ONLY_OPTIONS``) and adapter keywords apply to the
-    packed towers of a model that has some; without one they are refused here.
+    Options of packed towers only (``PACKED_ONLY_OPTIONS``) apply to the packed towers of a
+    model that has some; without one they are refused here.
     """
     if options is None:
-        fields = VitGraphOptions.__dataclass_fields__
-        unknown = sorted(k for k in kwargs if k not in fields)
-        if unknown and not has_packed:
-            raise InvalidOptionError(
-                f"unknown serve_vision_() keywords {unknown}: this model has only batched "
-                f"towers, which take vitgraph options: {', '.join(fields)}")
-        options = VitGraphOptions.from_dict({k: v for k, v in kwargs.items() if k in fields})
+        options = VitGraphOptions(**kwargs)
     if has_packed:
         options = dataclasses.replace(options, **{k: None for k in PACKED_ONLY_OPTIONS})
     options.resolve(batched=True)  # raises here, before any tower changes

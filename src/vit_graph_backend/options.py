@@ -26,8 +26,8 @@ from .planner import POLICIES
 from .specs import check_positive_int
 
 __all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAULT_LADDER_STEPS",
-           "EPILOGUE_FUSIONS", "GRAPH_LAUNCHES", "INNER_COMPILERS", "MODES", "PACKED_ONLY_OPTIONS",
-           "PATCH_EMBEDDINGS", "VitGraphOptions"]
+           "EPILOGUE_FUSIONS", "GRAPH_LAUNCHES", "INNER_COMPILERS", "MODES", "PACKED_ATTENTIONS",
+           "PACKED_ONLY_OPTIONS", "PATCH_EMBEDDINGS", "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
@@ -38,6 +38,10 @@ EPILOGUE_FUSIONS: tuple[str, ...] = ("auto", "off")
 GRAPH_LAUNCHES: tuple[str, ...] = ("auto", "torch")
 #: ``patch_embedding`` values: one GEMM over a ViT's patches, or its patch convolution.
 PATCH_EMBEDDINGS: tuple[str, ...] = ("gemm", "conv")
+#: ``packed_attention`` values besides ``None`` (cuDNN's ragged kernel where its library imports,
+#: else flash varlen, each budget's full attention timed against the Triton segment kernel):
+#: dense SDPA timed per one-image budget, flash varlen always, dense SDPA always, cuDNN required.
+PACKED_ATTENTIONS: tuple[str, ...] = ("auto", "varlen", "dense", "cudnn")
 
 #: ``torch.compile(mode=...)`` presets. Every mode replays CUDA graphs; they differ in what runs
 #: inside the graph. ``reduce-overhead`` is accepted because users reach for it for this exact
@@ -64,8 +68,10 @@ DEFAULT_LADDER_STEPS = 2
 #: ViT-B/16 stream, whose 18 graphs captured in 0.27 s on an H100).
 DEFAULT_BATCHED_LADDER_STEPS = 4
 
-#: Options only a packed encoder can apply: a batched graph holds the rows of one call.
-PACKED_ONLY_OPTIONS: tuple[str, ...] = ("max_items_per_graph", "max_frames_per_batch")
+#: Options only a packed encoder can apply: a batched graph holds the rows of one call, and
+#: packed towers' adapters run kernels of their own.
+PACKED_ONLY_OPTIONS: tuple[str, ...] = ("max_items_per_graph", "max_frames_per_batch",
+                                        "align_mlp", "fuse", "packed_attention")
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,19 @@ class VitGraphOptions:
             over the patches, 8 to 12 times faster than cuDNN's convolution on an H100
             (``patch_rewrite.py``). ``"conv"`` leaves it to the convolution.
 
+        align_mlp: packed towers: run the MLPs from weight copies zero-padded to a multiple of
+            8 in width (the same numbers; cuBLAS's fast kernels where the width is misaligned,
+            as Qwen2.5-VL's 3420); ``None`` does so on CUDA where the width needs it.
+        fuse: packed towers: run each block's elementwise work (rotary embedding, residual add
+            and norm, gated activation) inside the graphs as Inductor-fused kernels; ``None``
+            does so on CUDA with Triton installed.
+        packed_attention: packed towers' attention in the graphs: ``None`` (cuDNN's ragged
+            kernel where ``nvidia-cudnn-frontend`` imports, else flash varlen, with the Triton
+            segment kernel where timed faster per budget, and window layers on a short-segment
+            kernel where timed faster), ``"varlen"`` (flash varlen in every layer), ``"cudnn"``
+            (as ``None``, an error without the library), ``"dense"`` (dense SDPA where a
+            budget holds one image) or ``"auto"`` (dense or segments, timed per such budget).
+
     Example::
 
         >>> VitGraphOptions.from_compile_kwargs({"max_budget": 64, "inner_compiler": "inductor"})
@@ -168,6 +187,9 @@ class VitGraphOptions:
     graph_launch: str = "auto"
     patch_embedding: str = "gemm"
     batch_invariant: bool = False
+    align_mlp: bool | None = None
+    fuse: bool | None = None
+    packed_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.budgets is not None:
@@ -189,6 +211,18 @@ class VitGraphOptions:
                               ("graph_launch", GRAPH_LAUNCHES),
                               ("patch_embedding", PATCH_EMBEDDINGS)):
             _check_choice(name, getattr(self, name), allowed)
+        for name in ("align_mlp", "fuse"):
+            if getattr(self, name) not in (None, True, False):
+                raise InvalidOptionError(
+                    f"{name}={getattr(self, name)!r} is invalid: must be True, False or None "
+                    "(None: on CUDA where it helps)")
+        if self.packed_attention is not None:
+            _check_choice("packed_attention", self.packed_attention, PACKED_ATTENTIONS)
+        if self.batch_invariant and self.packed_attention not in (None, "varlen"):
+            raise InvalidOptionError(
+                f"packed_attention={self.packed_attention!r} is invalid with "
+                "batch_invariant=True: it needs one attention kernel for every budget "
+                "(packed_attention='varlen', which batch_invariant picks)")
         for name in ("static_graphs", "backed_size_oblivious", "verify", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(

@@ -20,24 +20,22 @@ TensorRT engines are built for static shapes, so ``"tensorrt"`` compiles once pe
 
 Options for packed encoders are given here (``serve(model, max_items_per_graph=4, ...)``), not
 through ``torch.compile(options=...)``: Dynamo never calls a backend for a frame it skips, so
-those options could not reach the router. ``serve`` also takes the adapter's own keyword
-arguments (``fuse=False``, ``align_mlp=False``) and hands them to ``adapt``.
+those options could not reach the router. The adapter reads its own fields from the same
+options (``align_mlp``, ``fuse``, ``packed_attention``).
 """
 
 from __future__ import annotations
 
-import difflib
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import _compat
-from .adapters import adapt, adapter_keywords
+from .adapters import adapt
 from .adapters._packed_inputs import PackedCall, grid_tensor
 from .errors import InvalidOptionError
 from .graph_report import summarize
@@ -46,7 +44,7 @@ from .options import VitGraphOptions
 from .protocol import SupportsEncoderCudaGraph
 from .runtime import EncoderCudaGraphManager, infer_device_dtype
 
-__all__ = ["SHARED_SETTINGS", "PackedGraphEncoder", "live_served", "serve"]
+__all__ = ["PackedGraphEncoder", "live_served", "serve"]
 
 _served: weakref.WeakSet[PackedGraphEncoder] = weakref.WeakSet()
 _served_lock = threading.Lock()
@@ -100,9 +98,10 @@ class PackedGraphEncoder(nn.Module):
                  **option_kwargs: Any) -> None:
         super().__init__()
         if options is None:
-            options = VitGraphOptions.from_dict(option_kwargs)
+            options = VitGraphOptions(**option_kwargs)
         elif option_kwargs:
-            raise TypeError("give options or keyword options, not both")
+            raise InvalidOptionError(
+                f"give options or option keywords, not both (got {sorted(option_kwargs)})")
         self.encoder = encoder
         self.options = options
         # the compiled wrapper is no nn.Module: take device and dtype from the encoder itself
@@ -178,63 +177,26 @@ class PackedGraphEncoder(nn.Module):
         return self.manager.run(inputs)
 
 
-#: Settings that are both a :class:`VitGraphOptions` field and an adapter keyword, and that both
-#: read: ``epilogue_fusion`` turns off the rewrite of ``torch.compile`` graphs and the adapters'
-#: fused fc1 + GELU alike.
-SHARED_SETTINGS: tuple[str, ...] = ("epilogue_fusion",)
-
-
 def serve(model: nn.Module, options: VitGraphOptions | None = None,
-          **kwargs: Any) -> PackedGraphEncoder:
+          **fields: Any) -> PackedGraphEncoder:
     """Serve a packed encoder from CUDA graphs, adapting it first if it needs an adapter.
 
     Args:
         model: a packed tower (adapted by class, see ``adapters.adapt``) or a
             ``SupportsEncoderCudaGraph``.
-        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments.
-        **kwargs: :class:`VitGraphOptions` fields, and the adapter's own keyword arguments
-            (``adapters.adapter_keywords(model)``, e.g. ``fuse``, ``align_mlp``), which go to
-            ``adapt``. A name that is both (``min_budget``, ``max_budget``) is an option: the
-            options resolve the budget ladder.
+        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments (the
+            packed towers' own among them: ``align_mlp``, ``fuse``, ``packed_attention``).
 
     Raises:
         UnsupportedModelError: (a ``TypeError``) if no adapter serves ``model``'s class.
         InvalidOptionError: for bad options or an unknown keyword, before anything runs.
     """
-    option_names = [f.name for f in fields(VitGraphOptions)]
-    accepted = adapter_keywords(model)
-    adapter_kwargs: dict[str, Any] = {}
-    option_kwargs: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        if key in option_names:
-            option_kwargs[key] = value
-        elif accepted is None or key in accepted:  # None: the adapter takes any keyword
-            adapter_kwargs[key] = value
-        else:
-            adapter_only = [name for name in accepted if name not in option_names]
-            hint = difflib.get_close_matches(key, option_names + adapter_only, n=1)
-            raise InvalidOptionError(
-                f"unknown serve() keyword {key!r}"
-                + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                + f"; vitgraph options: {', '.join(option_names)}; adapter keywords of "
-                f"{type(model).__name__}: {', '.join(adapter_only) or 'none'}")
-    for key in SHARED_SETTINGS:  # as a keyword, else inside an options object
-        if accepted is not None and key in accepted:
-            if key in option_kwargs:
-                adapter_kwargs[key] = option_kwargs[key]
-            elif options is not None:
-                adapter_kwargs[key] = getattr(options, key)
-    invariant = option_kwargs.get("batch_invariant", options is not None
-                                  and options.batch_invariant)
-    if invariant and accepted is not None and "attention" in accepted:
-        # no kernel chosen by timing: flash varlen in every layer, the MLPs through cuBLAS
-        if adapter_kwargs.get("attention", "varlen") != "varlen":
-            raise InvalidOptionError(
-                f"attention={adapter_kwargs['attention']!r} is invalid with "
-                "batch_invariant=True: it needs one attention kernel for every budget "
-                "(attention='varlen', which batch_invariant sets)")
-        adapter_kwargs.update(attention="varlen", epilogue_fusion="off")
-    return PackedGraphEncoder(adapt(model, **adapter_kwargs), options, **option_kwargs)
+    if options is None:
+        options = VitGraphOptions(**fields)
+    elif fields:
+        raise InvalidOptionError(
+            f"give options or option keywords, not both (got {sorted(fields)})")
+    return PackedGraphEncoder(adapt(model, options), options)
 
 
 def _concat(outputs: list[Any]) -> Any:

@@ -1,7 +1,7 @@
 """cuDNN ragged segment attention (``adapters/_cudnn_attention.py``) on CUDA: against a float32
 per-segment reference on the packed layouts the Qwen adapters pass (q and k strided views of one
 buffer, v another, zero-length segment slots), inside a captured CUDA graph whose offsets change
-between replays, and served Qwen towers with ``attention="cudnn"`` (full attention through
+between replays, and served Qwen towers with ``packed_attention="cudnn"`` (full attention through
 cuDNN, window layers through flash varlen) against HF. Needs
 ``nvidia-cudnn-frontend`` (``scripts/gpu_check.sh`` installs it from ``.whl/`` when carried);
 without it these tests skip, and the default path (flash varlen) is what the other GPU tests
@@ -134,11 +134,11 @@ def test_served_towers_with_cudnn_attention_match_hf(kind):
 
     tower = _tower(kind)
     patch = 16 if kind == "qwen3" else PATCH
-    served = serve(tower, max_items_per_graph=4, max_budget=512, attention="cudnn")
+    served = serve(tower, max_items_per_graph=4, max_budget=512, packed_attention="cudnn")
     worst = _worst_error_vs_hf(served, tower, random.Random(5), 10,
                                lambda rng: rng.randint(1, 4), patch)
     state = served.encoder.attention_state
-    print(f"{kind}, attention='cudnn': max relative error vs HF (bf16) {worst:.3g}; "
+    print(f"{kind}, packed_attention='cudnn': max relative error vs HF (bf16) {worst:.3g}; "
           f"cuDNN {state['cudnn']}")
     assert worst < 5e-2
     assert state["segments"] == "cudnn" and state["cudnn"]["refused"] == {}

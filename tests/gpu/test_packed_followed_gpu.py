@@ -323,7 +323,7 @@ def test_full_attention_kernel_per_one_image_budget_matches_hf(kind, attention):
     ``test_short_attention_gpu.py``)."""
     tower = _tower(kind)
     patch = 16 if kind == "qwen3" else PATCH
-    served = serve(tower, max_items_per_graph=1, max_budget=512, attention=attention)
+    served = serve(tower, max_items_per_graph=1, max_budget=512, packed_attention=attention)
     worst = _worst_error_vs_hf(served, tower, random.Random(17), 8, lambda rng: 1, patch)
     state = served.encoder.attention_state
     print(f"{kind}, attention={attention}: max relative error vs HF (bf16) {worst:.3g}; "

@@ -146,17 +146,17 @@ def _qwen2_5_tower():
 def test_served_qwen2_5_full_layers_match_hf_and_flash_varlen(monkeypatch, chosen):
     """A Qwen2.5-VL tower (heads of 80) served with the default attention, its full-attention
     kernel timed per budget at capture, or forced to the Triton segment kernel in every budget;
-    outputs equal HF's and those of the tower served with ``attention="varlen"`` within bf16
+    outputs equal HF's and those of the tower served with ``packed_attention="varlen"`` within bf16
     rounding, over calls of one to three images."""
     pytest.importorskip("transformers")
     from vit_graph_backend import serve
 
-    if chosen == "forced":  # wherever the kernel may run: not under attention="varlen"
+    if chosen == "forced":  # wherever the kernel may run: not under packed_attention="varlen"
         monkeypatch.setattr(AttentionChoice, "_choose_segment_kernel",
                             lambda self, *args: "varlen" if self.segment is None else "triton")
     tower = _qwen2_5_tower()
     default, flash = serve(tower, max_budget=1024), serve(tower, max_budget=1024,
-                                                          attention="varlen")
+                                                          packed_attention="varlen")
     worst_hf, worst_flash = _served_errors(tower, default, flash, max_rows=1024)
     full = default.encoder.attention_state["full"]
     print(f"served qwen2.5 ({chosen}), full-attention kernels {full['by_rows']}, timings ms "

@@ -140,7 +140,7 @@ def test_the_window_kernel_is_timed_per_budget_and_kept_only_where_faster():
 def test_served_qwen2_5_window_layers_match_hf_and_flash_varlen():
     """A Qwen2.5-VL tower (heads of 32, 64-row windows) served with the default attention: each
     budget's window kernel is timed at capture; outputs equal HF's and those of the same tower
-    served with ``attention="varlen"`` (flash varlen in every layer) within bf16 rounding."""
+    served with ``packed_attention="varlen"`` (flash varlen in every layer) within bf16 rounding."""
     pytest.importorskip("transformers")
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
@@ -154,7 +154,7 @@ def test_served_qwen2_5_window_layers_match_hf_and_flash_varlen():
         depth=4, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=96,
         window_size=112, fullatt_block_indexes=[1, 3])).to(DEV, torch.bfloat16).eval()
     default, flash = serve(tower, max_budget=512), serve(tower, max_budget=512,
-                                                         attention="varlen")
+                                                         packed_attention="varlen")
     worst_hf, worst_flash = _served_errors(tower, default, flash)
     windows = default.encoder.attention_state["windows"]
     print(f"served qwen2.5, window kernels {windows['by_rows']}, timings ms "

@@ -78,7 +78,7 @@ def test_packed_attention_takes_the_dense_path_only_when_marked():
 
 def test_the_setting_is_checked_when_the_adapter_is_built():
     assert ATTENTION_SETTINGS == ("auto", "varlen", "dense", "cudnn")
-    with pytest.raises(InvalidOptionError, match=r"attention='flash' is invalid: must be None or "
+    with pytest.raises(InvalidOptionError, match=r"packed_attention='flash' is invalid: must be None or "
                                                  r"one of auto, varlen, dense, cudnn"):
         AttentionChoice("flash")
 
@@ -90,7 +90,7 @@ def no_cudnn_frontend(monkeypatch):
 
 
 def test_cudnn_without_its_library_is_refused_when_the_adapter_is_built(no_cudnn_frontend):
-    with pytest.raises(MissingDependencyError, match=r"attention='cudnn' needs cuDNN's frontend: "
+    with pytest.raises(MissingDependencyError, match=r"packed_attention='cudnn' needs cuDNN's frontend: "
                                                      r".*pip install 'vit-graph-backend\[cudnn\]'"):
         AttentionChoice("cudnn")
 
@@ -108,7 +108,7 @@ def test_varlen_never_asks_for_cudnn(monkeypatch):
         raise AssertionError(f"imported {name}")
     monkeypatch.setattr(importlib, "import_module", fail)
     choice = AttentionChoice("varlen")
-    assert choice.ragged is None and choice.state["cudnn_off"] == "attention='varlen'"
+    assert choice.ragged is None and choice.state["cudnn_off"] == "packed_attention='varlen'"
 
 
 def test_segment_attention_runs_flash_varlen_where_cudnn_does_not_serve():
@@ -194,7 +194,7 @@ def test_the_short_segment_kernel_refuses_cpu_tensors_without_importing_triton()
 
 def test_varlen_keeps_flash_varlen_in_window_layers():
     choice = AttentionChoice("varlen")
-    assert choice.short is None and choice.short_off == "attention='varlen'"
+    assert choice.short is None and choice.short_off == "packed_attention='varlen'"
     choice.prepare(256, 2, 80, 80 ** -0.5, one_segment=False, device=CPU, dtype=torch.bfloat16,
                    varlen=None, windows=(64, 20))
     assert choice.window_by_rows == {256: "varlen"} and choice.window_kernel(256) is None

@@ -161,11 +161,11 @@ def test_reference_dispatch_matches_hf_per_item(towers, case):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dense_full_attention_for_one_item_budgets_matches_hf(towers, family):
-    """``attention="dense"``: budgets of one slot (one single-frame image per batch) run full
+    """``packed_attention="dense"``: budgets of one slot (one single-frame image per batch) run full
     attention as one dense SDPA call with the padding keys hidden (``key_masked_attention``);
     every image still gets HF's output, while a budget of two slots keeps segment attention."""
     hf, _ = towers[family]
-    adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, attention="dense")
+    adapter = adapt(hf, min_budget=MIN_BUDGET, max_budget=MAX_BUDGET, packed_attention="dense")
     grids = [(1, 4, 6), (1, 2, 2), (1, 10, 6), (1, 8, 8)]
     inputs = _inputs(grids, seed=11)
     one = BudgetConfig.resolve((MIN_BUDGET, MAX_BUDGET), max_batch_size=1)

@@ -133,8 +133,8 @@ def test_settings_that_fix_a_kernel_never_run_it():
             choice = AttentionChoice(setting)
         except Exception:  # "cudnn" without the library: nothing to run it beside
             continue
-        assert choice.segment is None and choice.segment_off == f"attention={setting!r}"
-        assert choice.state["full"]["triton_off"] == f"attention={setting!r}"
+        assert choice.segment is None and choice.segment_off == f"packed_attention={setting!r}"
+        assert choice.state["full"]["triton_off"] == f"packed_attention={setting!r}"
 
 
 def test_without_triton_full_attention_keeps_its_kernel_and_says_why(monkeypatch):

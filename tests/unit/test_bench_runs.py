@@ -272,7 +272,7 @@ def test_the_attention_note_names_the_kernel_and_why_not_cudnn():
     served = SimpleNamespace(encoder=SimpleNamespace(
         attention_state=AttentionChoice("varlen").state))
     assert attention_note(served) == ("full attention in the graphs: flash varlen "
-                                      "(attention='varlen')")
+                                      "(packed_attention='varlen')")
     served.encoder.attention_state = {"segments": "cudnn", "cudnn_off": None}
     assert attention_note(served) == "full attention in the graphs: cudnn"
     assert attention_note(SimpleNamespace()) is None  # a batched mode: no packed encoder
@@ -292,8 +292,8 @@ def test_the_attention_note_counts_the_budgets_each_triton_kernel_serves(section
     state[section]["by_rows"] = {256: "varlen", 512: "varlen"}
     served = SimpleNamespace(encoder=SimpleNamespace(attention_state=state))
     assert attention_note(served) == ("full attention in the graphs: flash varlen "
-                                      "(attention='varlen')" + counted.format(0, 2)
-                                      + " (attention='varlen')")
+                                      "(packed_attention='varlen')" + counted.format(0, 2)
+                                      + " (packed_attention='varlen')")
     state.update(segments="cudnn", cudnn_off=None)
     state[section].update({off: None, "by_rows": {256: kernel, 512: "varlen", 768: kernel}})
     assert attention_note(served) == "full attention in the graphs: cudnn" + counted.format(2, 3)

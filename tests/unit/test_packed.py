@@ -51,7 +51,7 @@ def test_run_gives_one_output_per_item_in_order():
 
 
 def test_options_and_option_keywords_together_are_refused():
-    with pytest.raises(TypeError, match="give options or keyword options, not both"):
+    with pytest.raises(vg.InvalidOptionError, match="give options or option keywords, not both"):
         vg.PackedGraphEncoder(_served().encoder, vg.VitGraphOptions(), max_budget=16)
 
 
@@ -339,6 +339,6 @@ def test_a_batch_invariant_tower_runs_one_attention_kernel_and_no_timed_mlp():
     served = vg.serve(_qwen2_5().eval(), batch_invariant=True)
     assert served.encoder.attention_state["attention"] == "varlen"
     assert served.encoder.kernels.epilogue_fusion == "off"
-    with pytest.raises(vg.InvalidOptionError, match="attention='cudnn' is invalid with "
+    with pytest.raises(vg.InvalidOptionError, match="packed_attention='cudnn' is invalid with "
                                                     "batch_invariant=True"):
-        vg.serve(_qwen2_5().eval(), batch_invariant=True, attention="cudnn")
+        vg.serve(_qwen2_5().eval(), batch_invariant=True, packed_attention="cudnn")

@@ -27,7 +27,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
 from toy_encoders import randomize_weights  # noqa: E402
 import vit_graph_backend  # noqa: E402
 from vit_graph_backend import VitGraphError, serve  # noqa: E402
-from vit_graph_backend.adapters import adapt, adapter_keywords  # noqa: E402
+from vit_graph_backend.adapters import adapt  # noqa: E402
 from vit_graph_backend.errors import InvalidInputError, InvalidOptionError  # noqa: E402
 
 PATCH, MERGE = 2, 2
@@ -193,43 +193,28 @@ def test_a_list_grid_gives_the_tensor_grids_output(towers, family):
     assert [(s.input_size, s.output_tokens, s.frames) for s in specs] == [(16, 4, 1), (8, 2, 1)]
 
 
-# -- serve(): adapter keywords beside options ------------------------------------------------------
+# -- serve(): one set of options, the adapters' fields among them ----------------------------------
 
 
-def test_serve_hands_adapter_keywords_to_the_adapter(towers):
+def test_serve_hands_the_packed_fields_of_its_options_to_the_adapter(towers):
     served = serve(towers["qwen2_5"], fuse=False, align_mlp=False, max_items_per_graph=2,
                    min_budget=4, max_budget=48)
     assert served.encoder.fuse is False and served.encoder.align_mlp is False
     assert served.options.max_items_per_graph == 2
-    # min_budget/max_budget are option names too: they stay options, as before
     assert (served.options.min_budget, served.options.max_budget) == (4, 48)
     assert served.manager.token_budgets[0] == 4 and served.manager.token_budgets[-1] == 48
     default = serve(towers["qwen2_5"])
     assert default.encoder.fuse is None and default.encoder.align_mlp is None
 
 
-def test_the_adapter_keywords_are_read_from_the_adapter(towers):
-    import inspect
-
-    from vit_graph_backend.adapters.qwen_families import Qwen2_5_VLVisionAdapter
-
-    params = inspect.signature(Qwen2_5_VLVisionAdapter).parameters
-    expected = {name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert set(adapter_keywords(towers["qwen2_5"])) == expected
-    assert {"fuse", "align_mlp"} <= expected
-    assert adapter_keywords(adapt(towers["qwen2_5"])) == ()  # already a protocol model
-
-
 @pytest.mark.parametrize(("key", "hint"), [("fues", "fuse"), ("align_mpl", "align_mlp"),
                                            ("max_budgte", "max_budget")])
-def test_serve_rejects_unknown_keywords_listing_options_and_adapter_keywords(towers, key, hint):
+def test_serve_names_an_unknown_keyword_with_every_valid_one(towers, key, hint):
     with pytest.raises(InvalidOptionError, match=rf"{key!r} \(did you mean {hint!r}\?\)") as info:
         serve(towers["qwen2"], **{key: 1})
-    message = str(info.value)
-    options_part, _, adapter_part = message.partition("adapter keywords")
-    for option in ("budgets", "max_items_per_graph", "inner_compiler", "verify"):
-        assert option in options_part
-    assert "fuse" in adapter_part and "align_mlp" in adapter_part
+    for option in ("budgets", "max_items_per_graph", "inner_compiler", "fuse", "align_mlp",
+                   "packed_attention"):
+        assert option in str(info.value)
     assert isinstance(info.value, ValueError)
 
 

@@ -21,16 +21,14 @@ Example::
 
 from __future__ import annotations
 
-import difflib
 import importlib
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidOptionError, UnsupportedModelError
 from ..protocol import supports_encoder_cudagraph
 
-__all__ = ["adapt", "adapter_for", "adapter_keywords", "register_adapter", "supported_classes"]
+__all__ = ["adapt", "adapter_for", "register_adapter", "supported_classes"]
 
 # by this package's own name: a copy imported under another name (a vendored build, the
 # benchmarks' baseline tree in benchmarks/host_time_two_trees_probe.py) serves with its own code
@@ -63,8 +61,9 @@ def register_adapter(model_class: type | str, factory: str | Callable[..., Any])
     Args:
         model_class: the class, or its fully qualified name (``"pkg.module.Class"``), which
             avoids importing the model's package.
-        factory: a callable returning a ``SupportsEncoderCudaGraph`` (usually an adapter class),
-            or ``"module:attribute"`` naming one, imported at the first :func:`adapt`.
+        factory: ``factory(model, options)`` returning a ``SupportsEncoderCudaGraph`` (usually
+            an adapter class; ``options`` is the :class:`VitGraphOptions` it is served with), or
+            ``"module:attribute"`` naming one, imported at the first :func:`adapt`.
 
     Raises:
         InvalidOptionError: if ``factory`` is a string without ``":"``.
@@ -91,7 +90,7 @@ def adapter_for(model: object) -> Callable[..., Any] | None:
     return factory
 
 
-def adapt(model: Any, **kwargs: Any) -> Any:
+def adapt(model: Any, options: Any = None, **fields: Any) -> Any:
     """Return ``model`` as a ``SupportsEncoderCudaGraph``.
 
     A model that already implements the protocol is returned as is. Otherwise the adapter
@@ -99,40 +98,26 @@ def adapt(model: Any, **kwargs: Any) -> Any:
 
     Args:
         model: a packed vision encoder, e.g. ``Qwen2_5_VisionTransformerPretrainedModel``.
-        **kwargs: adapter options (:func:`adapter_keywords` lists them); the Qwen adapters
-            take ``min_budget`` and ``max_budget`` (output tokens of the smallest and largest
-            graph), ``align_mlp`` (padded MLP weight copies) and ``fuse`` (fused elementwise
-            kernels in the graphs); see ``qwen_vl._QwenVisionAdapter``.
+        options: a :class:`~vit_graph_backend.options.VitGraphOptions` (the adapter reads its
+            packed-tower fields: ``min_budget``, ``max_budget``, ``align_mlp``, ``fuse``,
+            ``packed_attention``, ``epilogue_fusion``, ``batch_invariant``); or give its
+            fields as keyword arguments.
 
     Raises:
         UnsupportedModelError: (a ``TypeError``) if no adapter serves the model's class; the
             message lists the supported classes.
-        InvalidOptionError: (a ``ValueError``) for options the adapter rejects.
+        InvalidOptionError: (a ``ValueError``) for an unknown or bad option.
     """
+    from ..options import VitGraphOptions
+
+    if options is None:
+        options = VitGraphOptions(**fields)
+    elif fields:
+        raise InvalidOptionError(
+            f"give options or option keywords, not both (got {sorted(fields)})")
     if supports_encoder_cudagraph(model):
-        if kwargs:
-            raise InvalidOptionError(
-                f"{type(model).__name__} implements SupportsEncoderCudaGraph itself; adapter "
-                f"options {sorted(kwargs)} do not apply to it")
         return model
-    factory = _factory(model)
-    _check_options(factory, kwargs)
-    return factory(model, **kwargs)
-
-
-def adapter_keywords(model: Any) -> tuple[str, ...] | None:
-    """The keyword arguments ``adapt(model, ...)`` accepts, sorted.
-
-    Returns ``()`` for a model that implements the protocol itself (it takes none), and ``None``
-    when the adapter takes ``**kwargs`` or has no signature to read (it accepts any name).
-    ``serve()`` uses this to tell adapter arguments from options.
-
-    Raises:
-        UnsupportedModelError: (a ``TypeError``) if no adapter serves the model's class.
-    """
-    if supports_encoder_cudagraph(model):
-        return ()
-    return _keywords(_factory(model))
+    return _factory(model)(model, options)
 
 
 def _factory(model: Any) -> Callable[..., Any]:
@@ -145,31 +130,3 @@ def _factory(model: Any) -> Callable[..., Any]:
             "docstring has the layout contract and an example; see also docs/adapters.md), or "
             "register an adapter with vit_graph_backend.adapters.register_adapter(cls, factory)")
     return factory
-
-
-def _keywords(factory: Callable[..., Any]) -> tuple[str, ...] | None:
-    """Names ``factory`` takes after the model; ``None`` if it takes any (``**kwargs``)."""
-    try:
-        params = list(inspect.signature(factory).parameters.values())
-    except (TypeError, ValueError):  # no signature to read: let the factory decide
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return tuple(sorted(p.name for p in params[1:] if p.kind in (
-        inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)))
-
-
-def _check_options(factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-    """Reject keyword options ``factory`` does not take, naming the ones it does."""
-    known = _keywords(factory)
-    if known is None:
-        return
-    valid = list(known)
-    for key in sorted(kwargs):
-        if key not in valid:
-            hint = difflib.get_close_matches(key, valid, n=1)
-            name = getattr(factory, "__name__", repr(factory))
-            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise InvalidOptionError(
-                f"{key}={kwargs[key]!r} is not an option of {name}{suggestion}; valid options: "
-                f"{valid}")

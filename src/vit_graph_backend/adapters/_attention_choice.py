@@ -20,7 +20,7 @@ items larger than the next smaller budget, at most 1.5x smaller with the default
 that they agree, and keeps the faster one. Dense attention is thus kept only where it wins for
 the budget's worst typical padding; a stream measured with the choice made at an eighth of
 padding instead put its largest images (40 % padding) in dense budgets, and its p99 rose from
-47.6 to 56.5 ms (``benchmarks/results/attention_choice_*``). ``attention="dense"`` suits budgets
+47.6 to 56.5 ms (``benchmarks/results/attention_choice_*``). ``packed_attention="dense"`` suits budgets
 that fit the images exactly (a fixed image size with ``budgets=`` its token count);
 ``"varlen"`` fixes flash varlen. Window attention (Qwen2.5-VL) always has many segments: its
 kernel is chosen apart (below).
@@ -29,7 +29,7 @@ Full attention over segments (every budget) runs cuDNN's ragged kernel in the gr
 ``nvidia-cudnn-frontend`` is installed (``_cudnn_attention``: 1.5 to 2x flash varlen's speed in
 the Qwen2.5-VL-3B tower's full layers; in its window layers cuDNN is slower than flash varlen),
 flash varlen otherwise: the default
-(``attention=None``) takes cuDNN when the library imports, ``"cudnn"`` insists on it (an error
+(``packed_attention=None``) takes cuDNN when the library imports, ``"cudnn"`` insists on it (an error
 when the adapter is built without it), ``"varlen"`` keeps flash varlen, and ``"auto"`` and
 ``"dense"`` compare dense attention with whichever segment kernel serves.
 
@@ -42,14 +42,14 @@ Qwen2.5-VL-3B tower's layouts, 8 % slower to 7 % faster on the Qwen3-VL-8B tower
 (cuDNN, else flash varlen) on the budget's full-attention layouts (one image of all the rows and
 one of two thirds, each with the graph's empty slots and padding segment; a budget of several
 frames also two images of a third each; the times summed), checks that they agree, and keeps
-the faster (``full_by_rows``); ``attention="varlen"`` and ``"cudnn"`` never run it.
+the faster (``full_by_rows``); ``packed_attention="varlen"`` and ``"cudnn"`` never run it.
 
 Window layers (Qwen2.5-VL: segments of at most 64 rows) have two kernels of the same inputs and
 outputs: flash varlen and the short-segment Triton kernel (``_short_attention``, about twice as
 fast at the 3B tower's shapes on an H100). For each budget of a tower with windows,
 :meth:`AttentionChoice.prepare` times both on the budget's window layout (full windows, the
 graph's empty slots and padding chunks), checks that they agree, and keeps the faster
-(``window_by_rows``); ``attention="varlen"`` keeps flash varlen there too, and so does a process
+(``window_by_rows``); ``packed_attention="varlen"`` keeps flash varlen there too, and so does a process
 without Triton.
 
 Every choice is timed from CUDA-graph replays (``gpu_timing.graph_ms``). Timed as single
@@ -118,14 +118,14 @@ class AttentionChoice:
     def __init__(self, setting: str | None = None) -> None:
         if setting is not None and setting not in ATTENTION_SETTINGS:
             raise InvalidOptionError(
-                f"attention={setting!r} is invalid: must be None or one of "
+                f"packed_attention={setting!r} is invalid: must be None or one of "
                 f"{', '.join(ATTENTION_SETTINGS)} ('auto' times segment attention against dense "
                 "SDPA per budget at capture)")
         self.setting = setting
         #: why cuDNN segment attention is off (``None``: on), for reports
-        self.cudnn_off = "attention='varlen'" if setting == "varlen" else cudnn_frontend_reason()
+        self.cudnn_off = "packed_attention='varlen'" if setting == "varlen" else cudnn_frontend_reason()
         if setting == "cudnn" and self.cudnn_off is not None:
-            raise MissingDependencyError(f"attention='cudnn' needs cuDNN's frontend: "
+            raise MissingDependencyError(f"packed_attention='cudnn' needs cuDNN's frontend: "
                                          f"{self.cudnn_off}")
         #: cuDNN segment attention for the graphs, or ``None`` (flash varlen serves)
         self.ragged = RaggedAttention() if self.cudnn_off is None else None
@@ -134,7 +134,7 @@ class AttentionChoice:
         #: static row count -> measured ms per kernel (``auto`` only), for reports
         self.timings: dict[int, dict[str, float]] = {}
         #: why window layers never run the short-segment kernel (``None``: measured per budget)
-        self.short_off = "attention='varlen'" if setting == "varlen" else triton_reason()
+        self.short_off = "packed_attention='varlen'" if setting == "varlen" else triton_reason()
         #: the short-segment kernel for window layers, or ``None`` (flash varlen serves)
         self.short = ShortSegmentAttention() if self.short_off is None else None
         #: static row count -> window layers' kernel ("short" or "varlen")
@@ -143,7 +143,7 @@ class AttentionChoice:
         self.window_timings: dict[int, dict[str, float]] = {}
         #: why full attention never runs the Triton segment kernel (``None``: measured per
         #: budget on CUDA)
-        self.segment_off = (f"attention={setting!r}" if setting in ("varlen", "cudnn")
+        self.segment_off = (f"packed_attention={setting!r}" if setting in ("varlen", "cudnn")
                             else triton_reason())
         #: the Triton segment kernel for full attention, or ``None``
         self.segment = SegmentFlashAttention() if self.segment_off is None else None

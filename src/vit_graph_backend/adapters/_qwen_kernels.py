@@ -19,9 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidOptionError
 from ..fused_linear import GATED, activation_of, linear_act
-from ..options import EPILOGUE_FUSIONS
 from ._aligned_mlp import AlignedMLPs, CopiesPinned, UntrackedWeights, is_silu, mlp_linears
 from ._fused import Ops, fusion_available, ops
 
@@ -48,23 +46,10 @@ class KernelChoices:
             inference-tensor weights, where the tower's own MLP runs); ``"off"``: never, and
             gated MLPs keep separate padded gate and up copies as before.
 
-    Raises:
-        InvalidOptionError: for a value other than ``True``, ``False`` or ``None``.
     """
 
     def __init__(self, tower: nn.Module, align_mlp: bool | None, fuse: bool | None,
                  epilogue_fusion: str = "auto") -> None:
-        if align_mlp is not None and not isinstance(align_mlp, bool):
-            raise InvalidOptionError(
-                f"align_mlp={align_mlp!r} is invalid: must be True, False or None (auto: pad on "
-                "CUDA when the MLP width is not a multiple of 8)")
-        if fuse is not None and not isinstance(fuse, bool):
-            raise InvalidOptionError(
-                f"fuse={fuse!r} is invalid: must be True, False or None (auto: fuse on CUDA "
-                "when Triton is installed)")
-        if epilogue_fusion not in EPILOGUE_FUSIONS:
-            raise InvalidOptionError(f"epilogue_fusion={epilogue_fusion!r} is invalid: must be "
-                                     f"one of {EPILOGUE_FUSIONS}")
         self.align_mlp, self.fuse = align_mlp, fuse
         self._tower, self.epilogue_fusion = tower, epilogue_fusion
         #: what the MLP's first half runs through ``fused_linear``'s ops: the GELU of an fc1/fc2

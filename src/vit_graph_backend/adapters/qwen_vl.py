@@ -42,7 +42,8 @@ from torch import nn
 from .. import _compat
 from ..budgets import packed_budget_range
 from ..errors import InvalidOptionError
-from ..specs import EncoderItemSpec, check_positive_int
+from ..options import VitGraphOptions
+from ..specs import EncoderItemSpec
 from ..weights import python_outside_graphs
 from ._attention_choice import AttentionChoice
 from ._fused import Ops
@@ -61,46 +62,23 @@ class _QwenVisionAdapter(nn.Module):
 
     Args:
         model: the HF vision tower.
-        min_budget, max_budget: output tokens of the smallest and largest graph (default: a
-            224 px square image, and 4096).
-        align_mlp: run the MLPs from weight copies zero-padded to a multiple of 8 in width
-            (same numbers, 2-3x faster GEMMs when the width is misaligned); ``None`` (default)
-            does so on CUDA when the width needs it; ``True`` also on CPU; ``False`` never.
-            ``aligned_mlp_bytes`` reports the copies' size (803 MiB for the 3B tower on an H100).
-        fuse: inside captured graphs, run each block's elementwise work (rotary embedding,
-            residual add + norm, gated activation) as Inductor-fused kernels compiled once per
-            process (see ``_fused``; 37 % less GPU time per 1024-token graph of the 3B tower on
-            an H100); ``None``
-            (default) does so on CUDA with Triton installed; ``True`` also on CPU (Inductor's
-            C++ code); ``False`` never. Eager calls always run the ops unfused.
-        attention: the attention kernels of the graphs (see ``_attention_choice``): ``None``
-            (default) runs full attention through cuDNN's ragged kernel where
-            ``nvidia-cudnn-frontend`` is installed (``pip install 'vit-graph-backend[cudnn]'``;
-            1.5 to 2x faster than flash varlen on an H100), else flash varlen, and window
-            layers through a short-segment Triton kernel where it is timed faster than flash
-            varlen for the budget (about 2x on an H100); ``"cudnn"`` the same, refused at
-            construction without the library; ``"varlen"`` flash varlen always. For budgets
-            whose batches hold one single-frame item, ``"auto"`` times segment attention
-            against dense SDPA before the budget's capture and keeps the
-            faster, and ``"dense"`` always takes dense SDPA there (the fastest where budgets
-            fit the images exactly). Eager calls run flash varlen. ``attention_state``
-            reports the choices.
-        epilogue_fusion: ``"auto"`` (default): with ``fuse`` on, an ``fc2(gelu(fc1 x))`` MLP
-            (Qwen2-VL, Qwen3-VL) runs ``fc1`` and its GELU as one op that takes, per shape, the
-            faster of a GEMM with the GELU in its epilogue and cuBLAS + one activation kernel
-            (``fused_linear``), and a SiLU-gated MLP (Qwen2.5-VL) its ``silu(gate x) * up x``
-            the same way from a packed gate/up copy (``_aligned_mlp``); ``"off"``: the tower's
-            own modules (or separate padded copies). The ``VitGraphOptions`` field of the same
-            name: ``serve()`` hands it to both.
+        options: the :class:`~vit_graph_backend.options.VitGraphOptions` it is served with;
+            the adapter reads ``min_budget`` and ``max_budget`` (its budget range; default: a
+            224 px square image, and 4096 tokens), ``align_mlp`` (padded MLP weight copies,
+            ``aligned_mlp_bytes`` reports their size), ``fuse`` (Inductor-fused elementwise
+            kernels in the graphs; eager calls always run the ops unfused),
+            ``packed_attention`` (which attention kernels the graphs run: ``attention_state``
+            reports the choices), ``epilogue_fusion`` (an ``fc2(gelu(fc1 x))`` MLP's fc1 and
+            GELU, or a SiLU-gated MLP's first half from a packed gate/up copy, as one op that
+            takes per shape the faster of a GEMM with the activation in its epilogue and cuBLAS
+            + one kernel: ``fused_linear``) and ``batch_invariant`` (flash varlen in every layer,
+            no fused MLP op: no choice made by timing).
     """
 
     #: fully qualified name of the wrapped class (checked at construction).
     wrapped_class: str = ""
 
-    def __init__(self, model: nn.Module, *, min_budget: int | None = None,
-                 max_budget: int | None = None, align_mlp: bool | None = None,
-                 fuse: bool | None = None, attention: str | None = None,
-                 epilogue_fusion: str = "auto") -> None:
+    def __init__(self, model: nn.Module, options: VitGraphOptions | None = None) -> None:
         super().__init__()
         names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
         if self.wrapped_class not in names:
@@ -119,19 +97,21 @@ class _QwenVisionAdapter(nn.Module):
         #: inputs -> graph buffers and attention segments (``_qwen_packing``)
         self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
         #: which kernels the blocks run (``_qwen_kernels``)
-        self.kernels = KernelChoices(model, align_mlp, fuse, epilogue_fusion)
+        options = options if options is not None else VitGraphOptions()
+        invariant = options.batch_invariant  # nothing chosen by timing
+        self.kernels = KernelChoices(model, options.align_mlp, options.fuse,
+                                     "off" if invariant else options.epilogue_fusion)
         #: Python inside the tower the adapter's code would not run (hooks, patched code), as
         #: found at the last hook registration of the process (``weights.py``)
         self._outside: tuple[int, str | None] = (-1, None)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
         #: the full-attention kernel per captured budget (``_attention_choice``)
-        self.attention = AttentionChoice(attention)
+        self.attention = AttentionChoice("varlen" if invariant else options.packed_attention)
         #: where the static buffers were last made (``None``: no graph reads the MLP copies yet)
         self._device: torch.device | None = None
         low, high = packed_budget_range(self.patch_size, self.merge)
-        low = low if min_budget is None else check_positive_int("min_budget", min_budget)
-        high = (max(high, low) if max_budget is None
-                else check_positive_int("max_budget", max_budget))
+        low = low if options.min_budget is None else options.min_budget
+        high = max(high, low) if options.max_budget is None else options.max_budget
         if low > high:
             raise InvalidOptionError(f"min_budget={low} is larger than max_budget={high}")
         self._budget_range = (low, high)
@@ -210,8 +190,9 @@ class _QwenVisionAdapter(nn.Module):
 
     def refresh(self) -> None:
         """Make the kernel choices again for the tower as it is now (``served.refresh()``)."""
-        self.kernels = KernelChoices(self.tower, self.kernels.align_mlp, self.kernels.fuse,
-                                     self.kernels.epilogue_fusion)
+        kernels = self.kernels
+        self.kernels = KernelChoices(self.tower, kernels.align_mlp, kernels.fuse,
+                                     kernels.epilogue_fusion)
         self._outside = (-1, None)
 
     def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
