@@ -19,7 +19,6 @@ embedding (vLLM PR #38040).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -51,21 +50,7 @@ def ceil_div(total: int, parts: int) -> int:
 #: (capture time, static buffers) faster than they cut padding.
 MAX_LADDER_STEPS = 16
 
-#: Names of the first release, kept one release with a warning (module ``__getattr__`` below).
-_RENAMED = {"MAX_STEPS_PER_DOUBLING": "MAX_LADDER_STEPS",
-            "check_steps_per_doubling": "check_ladder_steps"}
-
-
-def __getattr__(name: str) -> object:
-    if name in _RENAMED:
-        warnings.warn(f"vit_graph_backend.budgets.{name} is deprecated: use {_RENAMED[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def budget_ladder(start: int, stop: int, ladder_steps: int = 1, *,
-                  steps_per_doubling: int | None = None) -> tuple[int, ...]:
+def budget_ladder(start: int, stop: int, ladder_steps: int = 1) -> tuple[int, ...]:
     """Budgets growing from ``start`` and ending exactly at ``stop``.
 
     With ``ladder_steps=1`` the ladder doubles: ``budget_ladder(64, 1000) == (64, 128, 256,
@@ -76,16 +61,10 @@ def budget_ladder(start: int, stop: int, ladder_steps: int = 1, *,
 
     Every step from ``a`` to the next budget is at most ``ceil(a / k)`` (so at most a doubling).
 
-    ``steps_per_doubling`` is the first release's name of ``ladder_steps`` (deprecated).
-
     Raises:
         InvalidOptionError: if either end is not a positive integer, ``start > stop``, or
             ``ladder_steps`` is not an integer in ``1..MAX_LADDER_STEPS``.
     """
-    if steps_per_doubling is not None:
-        warnings.warn("budget_ladder(steps_per_doubling=...) is deprecated: use ladder_steps=",
-                      DeprecationWarning, stacklevel=2)
-        ladder_steps = steps_per_doubling
     check_positive_int("ladder start", start)
     check_positive_int("ladder stop", stop)
     check_ladder_steps("ladder_steps", ladder_steps)

@@ -37,28 +37,6 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # -- argument types (each raises ArgumentTypeError naming the bad value: argparse exits 2) -----
 
 
-class _Renamed(argparse.Action):
-    """A flag under its old name: works for one release, with a warning naming the new one."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "",
-                 **kwargs: Any) -> None:
-        self.new = new
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        import warnings
-
-        warnings.warn(f"{option_string} is renamed {self.new} (the option's name everywhere); "
-                      "the old name goes in the next release", FutureWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
-
-
-def _renamed(p: argparse.ArgumentParser, old: str, new: str, type: Any) -> None:
-    p.add_argument(old, dest=new.lstrip("-").replace("-", "_"), type=type, action=_Renamed,
-                   new=new)
-
-
 def _int_from(low: int) -> Any:
     word = "positive integer" if low == 1 else "integer"
 
@@ -166,8 +144,6 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
                    "image+video, as vLLM's examples)")
     p.add_argument("--max-frames-per-batch", type=_positive_int,
                    help="packed models: frame cap per graph (default none)")
-    _renamed(p, "--items-per-graph", "--max-items-per-graph", _positive_int)
-    _renamed(p, "--max-frames-per-graph", "--max-frames-per-batch", _positive_int)
     p.add_argument("--policy", choices=POLICIES, default="baseline",
                    help="planner policy (default baseline)")
     p.add_argument("--check-calls", type=_non_negative_int, default=3,
@@ -211,7 +187,6 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-items-per-graph", type=_positive_int,
                    help="items per graph (default: derived, never above the smallest budget; "
                    "packed only)")
-    _renamed(p, "--max-items", "--max-items-per-graph", _positive_int)
     p.add_argument("--patch", type=_positive_int, default=14, help="patch side (default 14)")
     p.add_argument("--merge", type=_positive_int, default=2, help="spatial merge (default 2)")
     p.add_argument("--policy", choices=POLICIES, default="baseline")

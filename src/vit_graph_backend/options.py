@@ -15,9 +15,8 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib.util
-import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .budgets import BudgetConfig, check_items_fit, check_ladder_steps, normalize_budgets
@@ -375,13 +374,6 @@ class VitGraphOptions:
             items_name="max_items_per_graph",
         )
 
-    def budget_config(self, model_range: tuple[int, int],
-                      default_ladder_steps: int = DEFAULT_LADDER_STEPS) -> BudgetConfig:
-        """Deprecated: :meth:`resolve` (``batched=True`` for the batched defaults)."""
-        warnings.warn("VitGraphOptions.budget_config() is deprecated: use resolve(model_range)",
-                      DeprecationWarning, stacklevel=2)
-        steps = self.ladder_steps if self.ladder_steps is not None else default_ladder_steps
-        return replace(self, ladder_steps=steps).resolve(model_range)
 
 
 _dataclass_init = VitGraphOptions.__init__

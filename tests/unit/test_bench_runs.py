@@ -164,19 +164,6 @@ def test_harness_modules_import_torch_only_inside_functions():
             assert not heavy, f"{path.name} imports {heavy} at module level"
 
 
-def test_the_first_release_routing_module_warns_and_reexports_the_preview():
-    import importlib
-    import sys
-
-    from vit_graph_backend import plan_preview
-
-    sys.modules.pop("vit_graph_backend.benchmarking.routing", None)
-    with pytest.warns(DeprecationWarning, match="use vit_graph_backend.plan_preview"):
-        routing = importlib.import_module("vit_graph_backend.benchmarking.routing")
-    assert routing.plan_stream is plan_preview.plan_stream
-    assert routing.__all__ == plan_preview.__all__
-
-
 def test_without_timm_the_default_bench_runs_the_same_shape_from_transformers(monkeypatch):
     """timm is an extra of its own (it pulls torchvision, which pins torch): the README's first
     command must still run, on a model the bench extra provides, and say so."""

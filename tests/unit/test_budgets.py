@@ -343,19 +343,6 @@ def test_docstring_examples():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_first_release_ladder_names_still_work_with_a_warning():
-    import vit_graph_backend.budgets as budgets
-
-    with pytest.warns(DeprecationWarning, match="use ladder_steps="):
-        assert budget_ladder(1, 32, steps_per_doubling=2) == budget_ladder(1, 32, 2)
-    with pytest.warns(DeprecationWarning, match="use check_ladder_steps"):
-        assert budgets.check_steps_per_doubling("k", 3) == 3
-    with pytest.warns(DeprecationWarning, match="use MAX_LADDER_STEPS"):
-        assert budgets.MAX_STEPS_PER_DOUBLING == budgets.MAX_LADDER_STEPS == 16
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        budgets.nope  # noqa: B018
-
-
 def test_one_message_for_the_items_invariant_under_each_name():
     """Options, BudgetConfig.resolve and a hand-built BudgetConfig raise the same sentence, each
     with the name its caller knows."""

@@ -345,30 +345,6 @@ def _visible_flags(subcommand: str) -> dict[str, str]:
             for flag in action.option_strings if flag.startswith("--")}
 
 
-@pytest.mark.parametrize("subcommand", ["bench", "plan"])
-def test_help_flags_are_the_option_names(subcommand):
-    from dataclasses import fields
-
-    from vit_graph_backend import VitGraphOptions
-
-    names = {f.name for f in fields(VitGraphOptions)}
-    flags = _visible_flags(subcommand)
-    wrong = {flag: dest for flag, dest in flags.items() if dest in names
-             and flag != "--" + dest.replace("_", "-")}
-    assert not wrong, f"flags not named as their option: {wrong}"
-    unnamed = [flag for flag in flags if flag not in NOT_OPTIONS
-               and any(w in flag for w in SETTING_WORDS) and flags[flag] not in names]
-    assert not unnamed, f"setting flags that are not VitGraphOptions fields: {unnamed}"
-
-
-@pytest.mark.parametrize("old,new", [("--max-items", "--max-items-per-graph")])
-def test_old_flag_names_work_with_a_warning(capsys, old, new):
-    with pytest.warns(FutureWarning, match=f"{old} is renamed {new}"):
-        code, out, _ = _run(capsys, "plan", "--items", "100,200", "--budgets", "256,512", old,
-                            "2", "--json")
-    assert code == 0 and json.loads(out)["max_items_per_graph"] == 2
-
-
 @pytest.mark.parametrize("patch", [2, 4, 14])
 def test_plan_shows_the_ladder_a_served_tower_of_that_patch_size_uses(capsys, patch):
     """``vitgraph plan --patch P --merge 2`` and a served tower of patch P agree on the ladder."""

@@ -19,7 +19,6 @@ import inspect
 import pkgutil
 import subprocess
 import sys
-import warnings
 import textwrap
 import types
 from pathlib import Path
@@ -60,17 +59,8 @@ def _walk() -> list[str]:
 
 
 MODULES = _walk()
-#: Modules kept one release under their first name; importing them warns (each has its own test
-#: of the warning), so the checks here import them with that warning silenced.
-DEPRECATED_MODULES = {"vit_graph_backend.benchmarking.routing"}
-
-
 def _import(name: str):
-    if name not in DEPRECATED_MODULES:
-        return importlib.import_module(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return importlib.import_module(name)
+    return importlib.import_module(name)
 
 
 def test_the_walk_finds_the_core_modules():

@@ -141,13 +141,6 @@ def test_resolve_batched_counts_rows_one_call_per_graph():
             VitGraphOptions(**{name: 2}).resolve(batched=True)
 
 
-def test_budget_config_is_a_deprecated_alias_of_resolve():
-    with pytest.warns(DeprecationWarning, match=r"use resolve\(model_range\)"):
-        cfg = VitGraphOptions().budget_config((64, 1024), default_ladder_steps=1)
-    assert cfg == VitGraphOptions(ladder_steps=1).resolve((64, 1024))
-    assert cfg.budgets == (64, 128, 256, 512, 1024)
-
-
 @pytest.mark.parametrize("value", [1, 2**30, 0.5, 1.0, None])
 def test_max_graph_memory_takes_bytes_or_a_fraction(value):
     assert VitGraphOptions(max_graph_memory=value).max_graph_memory == value
