@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from qwen_stream import tower  # noqa: E402
 
 import vit_graph_backend  # noqa: E402
-from vit_graph_backend.adapters._aligned_mlp import AlignedMLPs  # noqa: E402
+from vit_graph_backend.adapters.aligned_mlp import AlignedMLPs  # noqa: E402
 from vit_graph_backend.weight_watch import registrations  # noqa: E402
 
 

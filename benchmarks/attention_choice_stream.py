@@ -3,7 +3,7 @@ flash varlen always (``attention="varlen"``), the default (cuDNN segment attenti
 ``nvidia-cudnn-frontend`` is installed, else flash varlen), full attention chosen per budget at
 capture (``"auto"``), and HF eager.
 
-Models (``vit_graph_backend.benchmarking.models``, random weights, bf16): ``qwen3-vl-8b`` (the
+Models (``vit_graph_backend.bench.models``, random weights, bf16): ``qwen3-vl-8b`` (the
 Qwen3-VL-8B vision tower's shape, images up to 1312 px: the largest are GPU-bound) and
 ``qwen2.5-vl`` (the Qwen2.5-VL-3B tower). Stream: ``vitgraph bench``'s ``mixed-sizes`` workload
 (one image per call, its size drawn per call, seed 0). Both served modes use
@@ -34,9 +34,9 @@ from _bench_out import emit
 from qwen_stream import pct
 
 from vit_graph_backend import serve
-from vit_graph_backend.benchmarking.models import MODELS, build_model
-from vit_graph_backend.benchmarking.timing import CallTimer
-from vit_graph_backend.benchmarking.workloads import make_stream
+from vit_graph_backend.bench.models import MODELS, build_model
+from vit_graph_backend.bench.timing import CallTimer
+from vit_graph_backend.bench.workloads import make_stream
 
 
 def timed_pass(fn, inputs):
@@ -58,7 +58,7 @@ def run_model(name: str, calls: int, fixed: bool = False) -> dict:
     entry = MODELS[name]
     built = build_model(entry, device="cuda", dtype=torch.bfloat16, dynamic_size=True)
     if fixed:  # every image 1312 x 1312 px: 41 x 41 = 1681 tokens
-        from vit_graph_backend.benchmarking.workloads import Call, Item
+        from vit_graph_backend.bench.workloads import Call, Item
 
         stream = [Call((Item(1312, 1312),))] * calls
     else:

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from _bench_out import emit
 from cudnn_ragged_attention_probe import build_plans
 
-from vit_graph_backend.adapters._cudnn_attention import RaggedAttention, cudnn_frontend_reason
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.kernels.cudnn_attention import RaggedAttention, cudnn_frontend_reason
+from vit_graph_backend.runtime.timing import graph_ms
 
 #: name -> (rows of the image, padding rows after it, heads, head size, padded sizes to try)
 CASES = {

@@ -23,8 +23,8 @@ import torch
 from _bench_out import emit
 
 from vit_graph_backend.attention_op import CHOICES
-from vit_graph_backend.backend import vitgraph
-from vit_graph_backend.benchmarking.models import MODELS, build_model
+from vit_graph_backend.compile.backend import vitgraph
+from vit_graph_backend.bench.models import MODELS, build_model
 
 
 def main() -> None:

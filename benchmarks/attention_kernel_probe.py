@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from _bench_out import emit
 
-from vit_graph_backend.adapters._short_attention_kernel import attend
-from vit_graph_backend.gpu_timing import graph_ms as _graph_ms
+from vit_graph_backend.kernels._short_attention_triton import attend
+from vit_graph_backend.runtime.timing import graph_ms as _graph_ms
 
 
 def window_triton(q, k, v, offsets, max_len, scale, warps=4):
@@ -176,7 +176,7 @@ def run_rotary_windows(lines):
     ``_fused.rotate_qk``, as the graphs run it) then attention (flash varlen, or the
     short-segment kernel), against one kernel rotating q and k as it loads them
     (``window_triton_rotary``, 1, 2 or 4 heads a program)."""
-    from vit_graph_backend.adapters._fused import rotate_qk
+    from vit_graph_backend.kernels.fused_ops import rotate_qk
 
     dev, dtype, heads, dim = "cuda", torch.bfloat16, 16, 80
     scale = dim ** -0.5

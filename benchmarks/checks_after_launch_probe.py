@@ -33,7 +33,8 @@ def main() -> None:
     from _bench_out import emit
     from qwen_stream import tower, warm_image
 
-    from vit_graph_backend import runtime, serve
+    from vit_graph_backend import serve
+    from vit_graph_backend.runtime import manager as runtime
 
     served = serve(tower())
     state = {"before": False}

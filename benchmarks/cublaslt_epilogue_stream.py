@@ -11,7 +11,7 @@ import collections
 import sys
 
 from vit_graph_backend.cli import main
-from vit_graph_backend.fused_linear import CHOICES
+from vit_graph_backend.kernels.fused_linear import CHOICES
 
 if __name__ == "__main__":
     which, args = sys.argv[1], sys.argv[2:]

@@ -28,7 +28,7 @@ from varlen_attention_probe import (
     reference,
 )
 
-from vit_graph_backend.adapters._cudnn_attention import RaggedAttention
+from vit_graph_backend.kernels.cudnn_attention import RaggedAttention
 
 
 def build_plans(cudnn, graph, device) -> torch.Tensor:

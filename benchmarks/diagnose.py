@@ -115,7 +115,7 @@ def mlp_section():
 def vit_section():
     import timm
 
-    from vit_graph_backend.backend import vitgraph
+    from vit_graph_backend.compile.backend import vitgraph
 
     torch.manual_seed(0)
     dt = torch.bfloat16

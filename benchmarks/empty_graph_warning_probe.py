@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from vit_graph_backend import gpu_timing
+from vit_graph_backend.runtime import timing as gpu_timing
 
 for label in ("without the write into the capture", "with it"):
     saved = gpu_timing._write_in_capture

@@ -34,7 +34,8 @@ import transformers
 from torch._dynamo.utils import counters
 
 import vit_graph_backend
-from vit_graph_backend import attention_op, fused_linear
+from vit_graph_backend import attention_op
+from vit_graph_backend.kernels import fused_linear
 
 
 def _time_spent(cls: type) -> list[float]:

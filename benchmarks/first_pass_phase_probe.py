@@ -52,14 +52,12 @@ from collections import defaultdict
 import torch
 from first_pass_cache_probe import clip_l14_336_and_images
 
-from vit_graph_backend import (
-    _compat,
-    backend,
-    batched,
-    fused_linear,
-    gpu_timing,
-    graph_capture,
-)
+from vit_graph_backend import _compat
+from vit_graph_backend.compile import backend
+from vit_graph_backend.compile import batched
+from vit_graph_backend.kernels import fused_linear
+from vit_graph_backend.runtime import timing as gpu_timing
+from vit_graph_backend.runtime import capture as graph_capture
 
 _spent: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
 _profiler: cProfile.Profile | None = None

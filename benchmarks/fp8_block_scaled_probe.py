@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.runtime.timing import graph_ms
 
 E4M3 = torch.float8_e4m3fn
 MAX = float(torch.finfo(E4M3).max)

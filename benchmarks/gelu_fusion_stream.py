@@ -23,8 +23,8 @@ from attention_choice_stream import two_passes
 from qwen_stream import pct
 
 from vit_graph_backend import serve
-from vit_graph_backend.benchmarking.models import MODELS, build_model
-from vit_graph_backend.benchmarking.workloads import Call, Item, make_stream
+from vit_graph_backend.bench.models import MODELS, build_model
+from vit_graph_backend.bench.workloads import Call, Item, make_stream
 
 
 def run(calls: int, fixed: bool) -> list[str]:
@@ -61,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=40)
     args = parser.parse_args()
-    from vit_graph_backend.fused_linear import CHOICES
+    from vit_graph_backend.kernels.fused_linear import CHOICES
 
     lines = [f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; bf16, random "
              "weights; second pass timed"]

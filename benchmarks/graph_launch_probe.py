@@ -286,9 +286,9 @@ def tower_part(lines, configs, model):
 
 def parts_part(lines, model):
     """Per-step host time of packed calls: wrap the steps, sum per call, median over calls."""
-    import vit_graph_backend.graph_launch as graph_launch
-    import vit_graph_backend.replay_io as replay_io
-    import vit_graph_backend.runtime as runtime
+    import vit_graph_backend.runtime.launch as graph_launch
+    import vit_graph_backend.runtime.replay_io as replay_io
+    import vit_graph_backend.runtime.manager as runtime
     from vit_graph_backend import serve
 
     from packed_host_overhead import host_probe, settle

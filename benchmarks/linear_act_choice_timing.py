@@ -24,9 +24,9 @@ import statistics
 import torch
 from _bench_out import emit
 
-from vit_graph_backend import fused_linear
-from vit_graph_backend.benchmarking.timing import CallTimer
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.kernels import fused_linear
+from vit_graph_backend.bench.timing import CallTimer
+from vit_graph_backend.runtime.timing import graph_ms
 
 # (label, rows, K, N, activation): N is the gated MLP's unpacked width
 SHAPES = ([(f"clip-l fc1 b{b}", 577 * b, 1024, 4096, "quick_gelu")

@@ -33,10 +33,10 @@ import time
 import torch
 import triton
 
-from vit_graph_backend import _linear_act_kernels as K
+from vit_graph_backend.kernels import _linear_act_triton as K
 from vit_graph_backend.budgets import budget_ladder
-from vit_graph_backend.fused_linear import FUSED_CONFIGS
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.kernels.fused_linear import FUSED_CONFIGS
+from vit_graph_backend.runtime.timing import graph_ms
 
 TOKENS, HIDDEN, WIDTH = 577, 1024, 4096  # CLIP ViT-L/14-336's fc1
 

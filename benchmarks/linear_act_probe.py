@@ -1,6 +1,6 @@
 """A linear layer and its activation: cuBLAS then a separate activation kernel (what an Inductor
 graph runs today), against one Triton GEMM with the activation in its epilogue
-(``vit_graph_backend._linear_act_kernels``), at the MLP shapes of the encoders we serve.
+(``vit_graph_backend.kernels._linear_act_triton``), at the MLP shapes of the encoders we serve.
 
 For each shape (rows, K, N, activation), on CUDA in bf16:
 
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from _bench_out import emit
 from diagnose import capture
 
-from vit_graph_backend import _linear_act_kernels as K
+from vit_graph_backend.kernels import _linear_act_triton as K
 
 ALL_SHAPES = {
     # CLIP ViT-L/14-336: 577 tokens per image, hidden 1024, MLP 4096, quick GELU
@@ -149,12 +149,12 @@ def probe(name, rows, k, n, activation, lines):
         if OP_TIMES:  # what the op's own timing (gpu_timing.graph_ms, 3 calls) measures here
             import logging
 
-            from vit_graph_backend.fused_linear import linear_act
+            from vit_graph_backend.kernels.fused_linear import linear_act
 
             seen = []
             handler = logging.Handler()
             handler.emit = lambda record: seen.append(record.getMessage())
-            logger = logging.getLogger("vit_graph_backend.fused_linear")
+            logger = logging.getLogger("vit_graph_backend.kernels.fused_linear")
             logger.addHandler(handler)
             logger.setLevel(logging.DEBUG)
             try:
@@ -190,7 +190,7 @@ def probe(name, rows, k, n, activation, lines):
 
 
 def probe_gated(name, rows, k, width, lines):
-    from vit_graph_backend.fused_linear import GATE_CHUNK, pack_gated
+    from vit_graph_backend.kernels.fused_linear import GATE_CHUNK, pack_gated
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)

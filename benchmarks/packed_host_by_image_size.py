@@ -29,7 +29,7 @@ from packed_host_overhead import profile_table  # noqa: E402
 from qwen_stream import tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
-from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
+from vit_graph_backend.bench.timing import CallTimer  # noqa: E402
 
 SIDES = (16, 32, 64, 128)
 

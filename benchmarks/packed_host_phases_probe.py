@@ -60,12 +60,16 @@ def main() -> None:
     from qwen_stream import tower, warm_image
 
     import vit_graph_backend as vg
-    from vit_graph_backend import packed, runtime, serve, weight_watch
+    from vit_graph_backend import serve, weight_watch
+    from vit_graph_backend.adapters import serve as packed
+    from vit_graph_backend.runtime import manager as runtime
     try:
         from vit_graph_backend import call_checks
     except ImportError:  # a tree from before the checks after the launch
         call_checks = None
-    from vit_graph_backend.adapters import _qwen_kernels, _qwen_packing, qwen_vl
+    from vit_graph_backend.adapters import kernel_choices as _qwen_kernels
+    from vit_graph_backend.adapters import packing as _qwen_packing
+    from vit_graph_backend.adapters import qwen as qwen_vl
 
     served = serve(tower())
     side = args.side

@@ -47,8 +47,8 @@ from qwen_stream import flash_windows  # noqa: E402
 from qwen_stream import tower as qwen25_tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
-from vit_graph_backend.benchmarking.models import MODELS, build_model  # noqa: E402
-from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
+from vit_graph_backend.bench.models import MODELS, build_model  # noqa: E402
+from vit_graph_backend.bench.timing import CallTimer  # noqa: E402
 
 
 def kernel_events(fn, calls: int = 5) -> list[tuple[str, float]]:

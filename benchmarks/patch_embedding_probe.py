@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.runtime.timing import graph_ms
 
 #: (name, image side, patch side, width): CLIP ViT-L/14-336, ViT-B/16, SigLIP so400m/14-384.
 SHAPES = (("clip-l14-336", 336, 14, 1024), ("vit-b16", 224, 16, 768),

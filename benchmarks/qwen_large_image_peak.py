@@ -5,7 +5,7 @@ always) and with ``max_items_per_graph=1`` (budgets of one image), against HF ea
 4,096 / 16,384 patches (32 x 32, 64 x 64, 128 x 128; one image per call, bf16, random weights).
 
 FLOPs per call are counted by PyTorch's ``FlopCounterMode`` on the HF tower's eager forward
-(``vit_graph_backend.benchmarking.roofline.count_stream_flops``); the bf16 matmul peak is measured
+(``vit_graph_backend.bench.roofline.count_stream_flops``); the bf16 matmul peak is measured
 in the same run (``matmul_peak_tflops``). Times are medians of CUDA-synchronized calls after a
 warm-up (the served tower's first call captures its graphs).
 
@@ -40,11 +40,11 @@ from _bench_out import emit  # noqa: E402
 from qwen_stream import flash_windows, tower  # noqa: E402
 
 from vit_graph_backend import serve  # noqa: E402
-from vit_graph_backend.benchmarking.roofline import (  # noqa: E402
+from vit_graph_backend.bench.roofline import (  # noqa: E402
     count_stream_flops,
     matmul_peak_tflops,
 )
-from vit_graph_backend.benchmarking.timing import CallTimer  # noqa: E402
+from vit_graph_backend.bench.timing import CallTimer  # noqa: E402
 
 SIDES = (32, 64, 128)
 #: Each mode's serve() settings beside the defaults.

@@ -22,8 +22,8 @@ import torch
 from _bench_out import emit
 
 from vit_graph_backend import _compat
-from vit_graph_backend.adapters._fused import rotate_qk
-from vit_graph_backend.benchmarking.timing import CallTimer
+from vit_graph_backend.kernels.fused_ops import rotate_qk
+from vit_graph_backend.bench.timing import CallTimer
 
 
 def halves(qkv, cos, sin):

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from vit_graph_backend.benchmarking import BenchConfig, resolve
-    from vit_graph_backend.benchmarking.environment import collect_environment
+    from vit_graph_backend.bench import BenchConfig, resolve
+    from vit_graph_backend.bench.environment import collect_environment
     from vit_graph_backend.cli import main as vitgraph
 
     defaults = resolve(BenchConfig(model=ours.model, workload=ours.workload, device=ours.device),

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from _bench_out import emit
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.runtime.timing import graph_ms
 
 # name -> (heads, tokens, head size, batch sizes)
 SHAPES = {

@@ -37,10 +37,10 @@ import time
 import torch
 import triton
 
-from vit_graph_backend.adapters import _segment_attention_kernel as K
+from vit_graph_backend.kernels import _segment_attention_triton as K
 from vit_graph_backend.attention_op import TRITON_CONFIGS
 from vit_graph_backend.budgets import budget_ladder
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.runtime.timing import graph_ms
 
 TOKENS, HEADS, DIM = 577, 16, 64  # CLIP ViT-L/14-336's attention
 BEFORE_SLOTS = 16

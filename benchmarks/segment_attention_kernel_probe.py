@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from _bench_out import emit
 
-from vit_graph_backend.adapters._cudnn_attention import RaggedAttention, cudnn_frontend_reason
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.kernels.cudnn_attention import RaggedAttention, cudnn_frontend_reason
+from vit_graph_backend.runtime.timing import graph_ms
 
 #: name -> (segment lengths, heads, head size); the last segment of "... in N" is padding
 CASES = {
@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     from torch.nn.attention.varlen import varlen_attn
 
-    from vit_graph_backend.adapters import _segment_attention_kernel as seg
+    from vit_graph_backend.kernels import _segment_attention_triton as seg
 
     dev = "cuda"
     ragged = RaggedAttention() if cudnn_frontend_reason() is None else None

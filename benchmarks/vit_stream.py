@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from vit_graph_backend.benchmarking.timing import percentile
+from vit_graph_backend.bench.timing import percentile
 
 
 def run_mode(name, model, stream, dtype, repeats=3):
-    from vit_graph_backend.backend import vitgraph
+    from vit_graph_backend.compile.backend import vitgraph
 
     torch.compiler.reset()
     torch.cuda.synchronize()

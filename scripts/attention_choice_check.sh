@@ -22,7 +22,7 @@ for part in ${*:-tests stream peak stress}; do
     python3 benchmarks/qwen_large_image_peak.py 2>&1 | grep -vE "WARNING|Warning" | tee "$OUT/peak.log" ;;
   stress)
     echo "== stress (300 calls per part)"
-    python3 -m vit_graph_backend.benchmarking.stress --calls 300 --json "$OUT/stress.json" 2>&1 \
+    python3 -m vit_graph_backend.bench.stress --calls 300 --json "$OUT/stress.json" 2>&1 \
       | grep -v WARNING | tee "$OUT/stress.log" | tail -8 ;;
   esac
 done

@@ -40,7 +40,7 @@ for part in ${*:-tests probe fixed profile vitb stress}; do
     bench --modes eager,vitgraph,vitgraph-timed-attention --json "$OUT/json/vit_b16.json" | tee -a "$OUT/vitb.log" ;;
   stress)
     echo "== stress (${STRESS_CALLS:-300} calls a part)"
-    python3 -m vit_graph_backend.benchmarking.stress --calls "${STRESS_CALLS:-300}" \
+    python3 -m vit_graph_backend.bench.stress --calls "${STRESS_CALLS:-300}" \
       --json "$OUT/stress.json" 2>&1 | tee "$OUT/stress.log" | grep -v WARNING | tail -12 ;;
   esac
 done

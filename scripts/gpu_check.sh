@@ -17,7 +17,7 @@ python3 -m pytest ${VITGRAPH_TESTS:-tests/gpu} -m gpu -q -s -p no:cacheprovider 
 calls=${VITGRAPH_STRESS_CALLS:-5000}
 if [ "$calls" != "0" ]; then
   echo "== stress ($calls calls per part)"
-  python3 -m vit_graph_backend.benchmarking.stress --calls "$calls" --json "$OUT/stress.json" 2>&1 | tee "$OUT/stress.log" | grep -v WARNING | tail -12
+  python3 -m vit_graph_backend.bench.stress --calls "$calls" --json "$OUT/stress.json" 2>&1 | tee "$OUT/stress.log" | grep -v WARNING | tail -12
 fi
 for b in ${VITGRAPH_BENCHES:-}; do
   echo "== bench $b"; python3 $b 2>&1 | tee -a "$OUT/bench.log" | tail -30

@@ -68,7 +68,7 @@ def _reset_dynamo():
 def padded_cpu(monkeypatch):
     """Managers made during the test pad batches to their budgets without CUDA, as graphs
     would, so routing and padding are tested on CPU (``EncoderCudaGraphManager``)."""
-    from vit_graph_backend.runtime import EncoderCudaGraphManager
+    from vit_graph_backend.runtime.manager import EncoderCudaGraphManager
 
     monkeypatch.setattr(EncoderCudaGraphManager, "pad_without_graphs", True)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit_graph_backend.fused_linear import (
+from vit_graph_backend.kernels.fused_linear import (
     fused_epilogue_unavailable,
     linear_act_reference,
     linear_silu_mul_reference,

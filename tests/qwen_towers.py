@@ -29,11 +29,11 @@ from toy_encoders import randomize_weights  # noqa: E402
 from vit_graph_backend.adapters import (  # noqa: E402
     adapt,
 )
-from vit_graph_backend.adapters._staging import BLOCK  # noqa: E402
+from vit_graph_backend.adapters.staging import BLOCK  # noqa: E402
 from vit_graph_backend.budgets import BudgetConfig  # noqa: E402
 from vit_graph_backend.planner import plan_batches  # noqa: E402
-from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
-from vit_graph_backend.replay_io import write_inputs  # noqa: E402
+from vit_graph_backend.runtime.capture import BudgetGraph  # noqa: E402
+from vit_graph_backend.runtime.replay_io import write_inputs  # noqa: E402
 
 PATCH, MERGE = 2, 2
 PATCH_DIM = 3 * 2 * PATCH * PATCH

@@ -63,8 +63,9 @@ __all__ = [
     "supports_encoder_cudagraph",
 ]
 
-_LAZY = {"PackedGraphEncoder": "packed", "serve": "packed", "report": "backend",
-         "serve_vision_": "hf", "restore_vision_": "hf", "data_parallel": "parallel"}
+_LAZY = {"PackedGraphEncoder": "adapters.serve", "serve": "adapters.serve",
+         "report": "compile.backend", "serve_vision_": "integrations.hf",
+         "restore_vision_": "integrations.hf", "data_parallel": "integrations.parallel"}
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._version import __version__
-from .benchmarking.modes import MODES as _MODES
+from .bench.modes import MODES as _MODES
 from .budgets import DEFAULT_PACKED_MAX_BUDGET, MAX_LADDER_STEPS, packed_budget_range
 from .options import DEFAULT_BATCHED_MAX_BUDGET
 from .planner import POLICIES
@@ -104,9 +104,9 @@ def _device(text: str) -> str:
 
 
 def _add_bench(sub: Any) -> argparse.ArgumentParser:
-    from .benchmarking.models import MODELS
-    from .benchmarking.runner import DTYPES
-    from .benchmarking.workloads import MODALITIES, WORKLOADS
+    from .bench.models import MODELS
+    from .bench.runner import DTYPES
+    from .bench.workloads import MODALITIES, WORKLOADS
 
     p = sub.add_parser(
         "bench", help="compare eager, torch.compile and vitgraph on a seeded stream",
@@ -272,7 +272,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .benchmarking.environment import backend_status, collect_environment
+    from .bench.environment import backend_status, collect_environment
 
     env = collect_environment()
     backend = backend_status()
@@ -300,8 +300,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _list_bench() -> int:
-    from .benchmarking.models import MODELS, availability
-    from .benchmarking.workloads import WORKLOADS
+    from .bench.models import MODELS, availability
+    from .bench.workloads import WORKLOADS
 
     print("models:")
     for entry in MODELS.values():
@@ -327,10 +327,10 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     import torch
 
-    from .benchmarking import format_text, write_json, write_plot
-    from .benchmarking.distributed import is_rank_zero
-    from .benchmarking.models import MODELS, availability
-    from .benchmarking.runner import BenchConfig, resolve, run_benchmark
+    from .bench import format_text, write_json, write_plot
+    from .bench.distributed import is_rank_zero
+    from .bench.models import MODELS, availability
+    from .bench.runner import BenchConfig, resolve, run_benchmark
     from .errors import InvalidOptionError
 
     config = BenchConfig(

@@ -10,8 +10,9 @@ import logging
 import pytest
 import torch
 
-from vit_graph_backend import _compat, fused_linear
-from vit_graph_backend.fused_linear import CHOICES, linear_act_reference
+from vit_graph_backend import _compat
+from vit_graph_backend.kernels import fused_linear
+from vit_graph_backend.kernels.fused_linear import CHOICES, linear_act_reference
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(fused_linear.fused_epilogue_unavailable(
@@ -52,7 +53,7 @@ def test_the_epilogue_replays_from_a_graph_on_new_data():
 
 def test_the_op_times_the_epilogue_at_siglip_fc1_for_one_image(caplog):
     x, w, b = _operands(729, 1152, 4304, seed=2)
-    with caplog.at_level(logging.DEBUG, logger="vit_graph_backend.fused_linear"):
+    with caplog.at_level(logging.DEBUG, logger="vit_graph_backend.kernels.fused_linear"):
         out = fused_linear.linear_act(x, w, b, "gelu_tanh")
     torch.cuda.synchronize()
     timed = [r.getMessage() for r in caplog.records if "729 x 1152 -> 4304" in r.getMessage()]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vit_graph_backend.adapters._cudnn_attention import (
+from vit_graph_backend.kernels.cudnn_attention import (
     RaggedAttention,
     cudnn_frontend_reason,
 )

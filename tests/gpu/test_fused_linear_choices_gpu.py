@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import vit_graph_backend
-from vit_graph_backend import fused_linear
-from vit_graph_backend.fused_linear import (
+from vit_graph_backend.kernels import fused_linear
+from vit_graph_backend.kernels.fused_linear import (
     CHOICES,
     FUSED_CONFIGS,
     GATED,
@@ -158,7 +158,7 @@ def test_kernels_that_fail_leave_the_shape_to_pytorch(monkeypatch):
 def test_the_ops_run_on_their_tensors_gpu_whichever_is_current():
     """Operands on ``cuda:1`` while ``cuda:0`` is current: the timing, the Triton launches and a
     captured graph all run on ``cuda:1`` (the op enters the tensors' device)."""
-    from vit_graph_backend.graph_launch import capture_stream
+    from vit_graph_backend.runtime.launch import capture_stream
 
     dev = torch.device("cuda", 1)
     x, w, b = (t.to(dev) for t in _operands(2 * 577, 256, 1024, seed=30))

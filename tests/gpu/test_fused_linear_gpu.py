@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit_graph_backend import _threaded_builds, fused_linear
-from vit_graph_backend.fused_linear import (
+from vit_graph_backend.kernels import _threaded_builds
+from vit_graph_backend.kernels import fused_linear
+from vit_graph_backend.kernels.fused_linear import (
     CHOICES,
     FUSED_CONFIGS,
     GATE_CHUNK,
@@ -31,7 +32,7 @@ pytestmark = FUSED_KERNEL_TESTS
 @pytest.mark.parametrize("config", FUSED_CONFIGS, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_kernel_matches_fp32_reference(activation, config, bias):
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     # rows and N not multiples of any tile: the descriptors' edges are exercised
     x, w, b = _operands(3 * 577, 256, 392, bias=bias)
@@ -45,7 +46,7 @@ def test_fused_kernel_matches_fp32_reference(activation, config, bias):
 def test_two_programs_per_sm_walk_every_tile_once(config):
     """A seventh field launches that many persistent programs per SM: with more tiles than
     programs, each walks several, and every output tile is written once, right."""
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     x, w, b = _operands(20 * 577, 256, 392, bias=True)
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
@@ -55,13 +56,13 @@ def test_two_programs_per_sm_walk_every_tile_once(config):
 
 
 def _compiles() -> int:
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     return sum(len(cache[0]) for cache in K._linear_act_kernel.device_caches.values())
 
 
 def test_one_compile_of_a_configuration_serves_every_row_count():
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     # a configuration the choices never time, without bias and with the exact tanh: a variant
     # no other test launches, so it compiles here
@@ -77,7 +78,7 @@ def test_one_compile_of_a_configuration_serves_every_row_count():
 
 
 def test_precompile_builds_each_configuration_so_the_launches_compile_nothing():
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     # the exact tanh with quick GELU: a variant no other test launches, so it is compiled here
     x, w, b = _operands(2 * 577, 64, 256, seed=11)
@@ -93,7 +94,7 @@ def test_precompile_builds_each_configuration_so_the_launches_compile_nothing():
 
 
 def test_precompile_leaves_a_configuration_that_cannot_build_to_fail_at_its_launch():
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     x, w, b = _operands(300, 64, 256, seed=12)
     too_big = (256, 256, 128, 6, 8, 0)  # 768 KiB of operand stages: more than any GPU has
@@ -104,7 +105,7 @@ def test_precompile_leaves_a_configuration_that_cannot_build_to_fail_at_its_laun
 
 
 def test_precompile_without_threads_to_start_leaves_the_compiles_to_the_launches(monkeypatch):
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     class NoThreads:
         def __init__(self, *args, **kwargs):
@@ -135,7 +136,7 @@ def test_prefetch_builds_the_configurations_so_the_timing_compiles_nothing():
 
 @pytest.mark.parametrize("activation", ["quick_gelu", "gelu", "gelu_tanh"])
 def test_separate_activation_kernel_matches(activation):
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     y = torch.randn(1001, 72, device=DEV, dtype=DT) * 4
     ref = linear_act_reference(torch.eye(72, device=DEV), y.float(), None, activation).t()
@@ -145,7 +146,7 @@ def test_separate_activation_kernel_matches(activation):
 @pytest.mark.parametrize("config", GATED_CONFIGS, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("bias", [True, False])
 def test_gated_kernel_matches_fp32_reference(config, bias):
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     # 392 wide: packed to 2 x 512 rows, the last chunk partly padding; rows not a tile multiple
     x, w, b = _gated_operands(3 * 577, 256, 392, seed=11, bias=bias)
@@ -156,7 +157,7 @@ def test_gated_kernel_matches_fp32_reference(config, bias):
 
 
 def test_separate_silu_mul_kernel_matches():
-    from vit_graph_backend import _linear_act_kernels as K
+    from vit_graph_backend.kernels import _linear_act_triton as K
 
     y = torch.randn(1001, 2 * 384, device=DEV, dtype=DT) * 4
     ref = linear_silu_mul_reference(y.float(), torch.eye(2 * 384, device=DEV), None)

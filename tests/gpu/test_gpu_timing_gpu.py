@@ -13,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from vit_graph_backend import fused_linear, gpu_timing
-from vit_graph_backend.benchmarking.timing import CallTimer
-from vit_graph_backend.fused_linear import CHOICES
-from vit_graph_backend.gpu_timing import graph_ms
+from vit_graph_backend.kernels import fused_linear
+from vit_graph_backend.runtime import timing as gpu_timing
+from vit_graph_backend.bench.timing import CallTimer
+from vit_graph_backend.kernels.fused_linear import CHOICES
+from vit_graph_backend.runtime.timing import graph_ms
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

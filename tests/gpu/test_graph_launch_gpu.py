@@ -22,9 +22,9 @@ import torch
 
 from toy_encoders import PaddedSegToyEncoder
 from vit_graph_backend import _compat
-from vit_graph_backend.graph_launch import DeviceLaunchGraph, launch_kind, make_launcher
+from vit_graph_backend.runtime.launch import DeviceLaunchGraph, launch_kind, make_launcher
 from vit_graph_backend.options import VitGraphOptions
-from vit_graph_backend.runtime import EncoderCudaGraphManager
+from vit_graph_backend.runtime.manager import EncoderCudaGraphManager
 
 pytestmark = pytest.mark.gpu
 

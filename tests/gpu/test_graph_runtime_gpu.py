@@ -19,7 +19,7 @@ import torch
 
 from toy_encoders import PaddedSegToyEncoder, fill_static_floats_with_nan
 from vit_graph_backend.options import VitGraphOptions
-from vit_graph_backend.runtime import EncoderCudaGraphManager
+from vit_graph_backend.runtime.manager import EncoderCudaGraphManager
 
 pytestmark = pytest.mark.gpu
 
@@ -147,7 +147,7 @@ def _vit(depth=2):
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 @torch.no_grad()
 def test_compiled_timm_vit_matches_eager(inner):
-    from vit_graph_backend.backend import vitgraph
+    from vit_graph_backend.compile.backend import vitgraph
 
     model = _vit()
     compiled = torch.compile(model, backend="vitgraph", options={"inner_compiler": inner})
@@ -165,7 +165,7 @@ def test_compiled_timm_vit_matches_eager(inner):
 
 @torch.no_grad()
 def test_default_compiles_a_repeated_static_graph_at_its_second_call():
-    from vit_graph_backend.backend import vitgraph
+    from vit_graph_backend.compile.backend import vitgraph
 
     model = _vit()
     compiled = torch.compile(model, backend="vitgraph")  # inner_compiler="auto": Inductor here

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
 import vit_graph_backend as vg  # noqa: E402
-from vit_graph_backend.hf import served_towers  # noqa: E402
+from vit_graph_backend.integrations.hf import served_towers  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -184,7 +184,7 @@ def test_fused_graphs_equal_unfused_graphs(kind, monkeypatch):
     """The Inductor-fused rotary / residual-add + norm / SiLU gate inside the captured graphs
     (default on CUDA) against the same graphs with the ops unfused (``fuse=False``)."""
     from vit_graph_backend import adapt
-    from vit_graph_backend.adapters import _fused
+    from vit_graph_backend.kernels import fused_ops as _fused
 
     monkeypatch.setattr(_fused, "_COMPILED", None)  # a fresh set: what compiles is this test's
     tower = _tower(kind)
@@ -214,7 +214,7 @@ def test_fused_graphs_equal_unfused_graphs(kind, monkeypatch):
 def test_inductor_inner_compiler_compiles_once_for_every_budget(monkeypatch):
     """``inner_compiler="inductor"``: the tower's compute is compiled by Inductor once (row
     dimensions symbolic) and every budget's graph captures it; outputs match HF in bf16."""
-    from vit_graph_backend import packed
+    from vit_graph_backend.adapters import serve as packed
 
     real = packed.inner_backend
     compiles = []

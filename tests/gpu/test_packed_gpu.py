@@ -46,8 +46,8 @@ def test_served_tower_matches_hf_in_bf16(kind):
     assert mgr.stats.graph_replays > 0 and mgr.stats.eager_items == 0
     # each MLP's first half runs through fused_linear's ops (fc1 + GELU, or the SiLU gate on
     # the padded width), timed per budget's rows
-    from vit_graph_backend.adapters._aligned_mlp import mlp_linears
-    from vit_graph_backend.fused_linear import CHOICES, gated_width
+    from vit_graph_backend.adapters.aligned_mlp import mlp_linears
+    from vit_graph_backend.kernels.fused_linear import CHOICES, gated_width
 
     epilogue = {"qwen2": "quick_gelu", "qwen2_5": "silu_mul", "qwen3": "gelu_tanh"}[kind]
     assert served.encoder.kernels.epilogue == epilogue
@@ -79,7 +79,7 @@ def test_a_tower_on_the_second_gpu_is_served_there_whichever_gpu_is_current():
     print(f"qwen2_5 on cuda:1: max relative error vs HF eager {worst:.3g}")
     assert worst < 5e-2
     assert served.manager.stats.graph_replays > 0
-    from vit_graph_backend.fused_linear import CHOICES
+    from vit_graph_backend.kernels.fused_linear import CHOICES
     assert any(k.startswith("cuda:1 ") and "silu_mul" in k for k in CHOICES.state["chosen"])
 
 
@@ -90,8 +90,8 @@ def test_repeated_and_alternating_grids_match_hf_with_metadata_left_in_place(kin
     (``replay_io.write_inputs``: only the pixels are copied); Qwen2.5-VL's graphs gather their
     rows into window order themselves. Same grid with new pixels, then two grids in turn on one
     budget, then a shorter one (its pixel tail zeroed): every output is HF's."""
-    from vit_graph_backend.adapters import _qwen_packing
-    from vit_graph_backend.adapters._staging import BLOCK
+    from vit_graph_backend.adapters import packing as _qwen_packing
+    from vit_graph_backend.adapters.staging import BLOCK
 
     tower = _tower(kind)
     served = serve(tower, max_items_per_graph=2, min_budget=128, max_budget=128)
@@ -181,7 +181,7 @@ def test_many_mixed_calls_share_one_pool_without_nan():
 
 @torch.no_grad()
 def test_torch_compile_of_served_tower_compiles_nothing_around_routing():
-    from vit_graph_backend.backend import vitgraph
+    from vit_graph_backend.compile.backend import vitgraph
 
     tower = _tower("qwen2_5")
     served = serve(tower, max_items_per_graph=4, max_budget=512)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vit_graph_backend
-from vit_graph_backend.patch_rewrite import patch_embeddings_as_gemm
+from vit_graph_backend.compile.patch_rewrite import patch_embeddings_as_gemm
 
 pytestmark = pytest.mark.gpu
 

@@ -18,13 +18,13 @@ from segment_operands import (
     _served_errors,
 )
 
-from vit_graph_backend import _threaded_builds
-from vit_graph_backend.adapters._attention_choice import AttentionChoice
-from vit_graph_backend.adapters._segment_attention import (
+from vit_graph_backend.kernels import _threaded_builds
+from vit_graph_backend.kernels.attention_choice import AttentionChoice
+from vit_graph_backend.kernels.segment_attention import (
     SegmentFlashAttention,
     segment_unserved_reason,
 )
-from vit_graph_backend.adapters._triton_calls import triton_reason
+from vit_graph_backend.kernels._triton_calls import triton_reason
 
 DEV = "cuda"
 
@@ -176,7 +176,7 @@ def test_served_qwen2_5_full_layers_match_hf_and_flash_varlen(monkeypatch, chose
 
 
 def _compiles() -> int:
-    from vit_graph_backend.adapters import _segment_attention_kernel as K
+    from vit_graph_backend.kernels import _segment_attention_triton as K
 
     return sum(len(cache[0]) for cache in K._segment_attention.device_caches.values())
 
@@ -197,7 +197,7 @@ def _attends_right(out, qkv, lengths, scale):
 def test_one_compile_serves_every_segment_count_up_to_the_least_slots():
     """Segment counts of 1, a multiple of 16 and neither, up to ``MIN_SLOTS``: a kernel
     specialised on the count or scanning fewer slots would compile three to five times."""
-    from vit_graph_backend.adapters import _segment_attention_kernel as K
+    from vit_graph_backend.kernels import _segment_attention_triton as K
 
     config = (64, 32, 4, 3)  # launched by no other test: it compiles here
     before = _compiles()
@@ -210,7 +210,7 @@ def test_one_compile_serves_every_segment_count_up_to_the_least_slots():
 
 @torch.no_grad()
 def test_precompile_builds_each_configuration_so_the_launches_compile_nothing():
-    from vit_graph_backend.adapters import _segment_attention_kernel as K
+    from vit_graph_backend.kernels import _segment_attention_triton as K
 
     configs = [(64, 64, 4, 4), (128, 32, 4, 3)]  # launched by no other test
     qkv, offsets, lengths = _images(3, seed=21)
@@ -225,7 +225,7 @@ def test_precompile_builds_each_configuration_so_the_launches_compile_nothing():
 
 @torch.no_grad()
 def test_precompile_leaves_a_configuration_that_cannot_build_to_fail_at_its_launch():
-    from vit_graph_backend.adapters import _segment_attention_kernel as K
+    from vit_graph_backend.kernels import _segment_attention_triton as K
 
     qkv, offsets, lengths = _images(2, dim=128, seed=22)
     too_big = (256, 256, 4, 6)  # megabytes of key and value stages: more than any GPU has
@@ -237,7 +237,7 @@ def test_precompile_leaves_a_configuration_that_cannot_build_to_fail_at_its_laun
 
 @torch.no_grad()
 def test_precompile_without_threads_to_start_leaves_the_compiles_to_the_launches(monkeypatch):
-    from vit_graph_backend.adapters import _segment_attention_kernel as K
+    from vit_graph_backend.kernels import _segment_attention_triton as K
 
     class NoThreads:
         def __init__(self, *args, **kwargs):

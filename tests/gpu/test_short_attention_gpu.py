@@ -14,8 +14,8 @@ import torch
 from segment_operands import (DEV, _first_call_in_a_capture, _layout, _offsets, _reference,
                               _served_errors)
 
-from vit_graph_backend.adapters._attention_choice import AttentionChoice
-from vit_graph_backend.adapters._short_attention import ShortSegmentAttention, triton_reason
+from vit_graph_backend.kernels.attention_choice import AttentionChoice
+from vit_graph_backend.kernels.short_attention import ShortSegmentAttention, triton_reason
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(triton_reason() is not None, reason=f"{triton_reason()}")]
@@ -97,7 +97,7 @@ def test_out_of_memory_at_the_first_run_leaves_the_shape_to_be_compiled_at_the_n
     would be refused for the process: ``tests/unit/test_adapters_attention_choice.py``)."""
     import importlib
 
-    kernel = importlib.import_module("vit_graph_backend.adapters._short_attention_kernel")
+    kernel = importlib.import_module("vit_graph_backend.kernels._short_attention_triton")
 
     class FullOnce:
         failed = False

@@ -29,9 +29,9 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionCon
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionMLP  # noqa: E402
 
 from vit_graph_backend.adapters import adapt  # noqa: E402
-from vit_graph_backend.adapters._aligned_mlp import AlignedMLPs  # noqa: E402
+from vit_graph_backend.adapters.aligned_mlp import AlignedMLPs  # noqa: E402
 from vit_graph_backend.errors import InvalidOptionError  # noqa: E402
-from vit_graph_backend.packed import PackedGraphEncoder  # noqa: E402
+from vit_graph_backend.adapters.serve import PackedGraphEncoder  # noqa: E402
 
 PATCH, MERGE, HIDDEN, WIDTH, DEPTH = 2, 2, 32, 42, 2
 ATOL = 1e-5

@@ -17,23 +17,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vit_graph_backend.adapters._attention_choice import (
+from vit_graph_backend.kernels.attention_choice import (
     ATTENTION_SETTINGS,
     AttentionChoice,
 )
-from vit_graph_backend.adapters._cudnn_attention import (
+from vit_graph_backend.kernels.cudnn_attention import (
     RaggedAttention,
     element_offsets,
     segment_lengths,
 )
-from vit_graph_backend.adapters._packed_attention import (
+from vit_graph_backend.kernels.packed_attention import (
     Segments,
     key_masked_attention,
     packed_attention,
     segment_loop_attention,
     varlen_attention,
 )
-from vit_graph_backend.adapters._short_attention import (
+from vit_graph_backend.kernels.short_attention import (
     MAX_HEAD_DIM,
     MAX_ROWS,
     ShortSegmentAttention,

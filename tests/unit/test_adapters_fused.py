@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf_qwen  # noqa: E402
 
-from vit_graph_backend.adapters import _fused  # noqa: E402
-from vit_graph_backend.adapters.qwen_vl import _add_norm, _norm, _patch_embed  # noqa: E402
+from vit_graph_backend.kernels import fused_ops as _fused  # noqa: E402
+from vit_graph_backend.adapters.qwen import _add_norm, _norm, _patch_embed  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 Qwen2_5_VisionPatchEmbed = hf_qwen.Qwen2_5_VisionPatchEmbed
@@ -153,7 +153,7 @@ def test_rotate_qk_wide_is_rotate_qk_then_the_dense_widening_and_traces_once():
     """The dense-attention path's fused function equals the rotary embedding followed by
     ``widen_for_dense``, and one trace serves every row count (the row dimension is dynamic,
     the real-row tensor is data)."""
-    from vit_graph_backend.adapters._packed_attention import widen_for_dense
+    from vit_graph_backend.kernels.packed_attention import widen_for_dense
 
     torch.compiler.reset()
     backend = CountingBackend()

@@ -20,16 +20,16 @@ pytest.importorskip("transformers")
 from qwen_towers import FAMILIES, MAX_BUDGET, MERGE, MIN_BUDGET, PATCH, _inputs  # noqa: E402
 
 from vit_graph_backend.adapters import adapt  # noqa: E402
-from vit_graph_backend.adapters._packed_attention import (  # noqa: E402
+from vit_graph_backend.kernels.packed_attention import (  # noqa: E402
     Segments,
     masked_attention,
     packed_attention,
     segment_loop_attention,
 )
 from vit_graph_backend.budgets import BudgetConfig  # noqa: E402
-from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
+from vit_graph_backend.runtime.capture import BudgetGraph  # noqa: E402
 from vit_graph_backend.planner import plan_batches  # noqa: E402
-from vit_graph_backend.replay_io import write_inputs  # noqa: E402
+from vit_graph_backend.runtime.replay_io import write_inputs  # noqa: E402
 from vit_graph_backend.testing import image_grids  # noqa: E402
 
 

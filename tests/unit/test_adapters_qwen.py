@@ -31,14 +31,14 @@ pytest.importorskip("transformers")
 from vit_graph_backend.adapters import (  # noqa: E402
     adapt,
 )
-from vit_graph_backend.adapters._qwen_packing import ROW_INDEX  # noqa: E402
-from vit_graph_backend.adapters._staging import BLOCK  # noqa: E402
+from vit_graph_backend.adapters.packing import ROW_INDEX  # noqa: E402
+from vit_graph_backend.adapters.staging import BLOCK  # noqa: E402
 from vit_graph_backend.budgets import BudgetConfig  # noqa: E402
 from vit_graph_backend.errors import (  # noqa: E402
     UnsupportedGraphError,
 )
-from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
-from vit_graph_backend.replay_io import write_inputs  # noqa: E402
+from vit_graph_backend.runtime.capture import BudgetGraph  # noqa: E402
+from vit_graph_backend.runtime.replay_io import write_inputs  # noqa: E402
 from vit_graph_backend.testing import image_grids  # noqa: E402
 
 from qwen_towers import (EAGER_ATOL, FAMILIES, FAST, GRAPH_ATOL, GRID_SETS,  # noqa: E402

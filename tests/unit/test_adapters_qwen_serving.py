@@ -186,7 +186,7 @@ def _serve_mixed_call(hf, adapter):
     """Run ``MIXED_CALL`` (images, a video, an item over the largest budget) through the
     package's runtime on CPU and check each item against HF's output for it alone."""
     from vit_graph_backend.options import VitGraphOptions
-    from vit_graph_backend.runtime import EncoderCudaGraphManager
+    from vit_graph_backend.runtime.manager import EncoderCudaGraphManager
 
     manager = EncoderCudaGraphManager(adapter, VitGraphOptions(
         max_items_per_graph=2, max_frames_per_batch=4), pad_without_graphs=True)
@@ -203,8 +203,8 @@ def _serve_mixed_call(hf, adapter):
 def test_rotary_of_q_and_k_together_equals_hf(dtype):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
 
-    from vit_graph_backend.adapters._fused import rotate_qk
-    from vit_graph_backend.adapters.qwen_vl import _signed_sin
+    from vit_graph_backend.kernels.fused_ops import rotate_qk
+    from vit_graph_backend.adapters.qwen import _signed_sin
 
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(11, 3, 16, generator=gen).to(dtype) for _ in range(2))
@@ -223,7 +223,8 @@ def test_fused_graph_path_matches_hf_and_compiles_each_function_once(towers, fam
     """``fuse=True``: the graph path calls the compiled block functions (a counting backend
     stands in for Inductor), once compiled for every budget; the eager path never calls them;
     outputs equal HF's."""
-    from vit_graph_backend.adapters import _fused, _qwen_kernels
+    from vit_graph_backend.kernels import fused_ops as _fused
+    from vit_graph_backend.adapters import kernel_choices as _qwen_kernels
 
     compiles: list[str] = []
 
@@ -270,8 +271,8 @@ def test_compiled_served_tower_traces_the_compute_once_and_never_the_routing(tow
     runs outside Dynamo (the vitgraph backend compiles nothing), and ``encoder_cudagraph_forward``
     is traced once for every budget (its row dimensions symbolic), not once per budget shape. A
     counting backend stands in for Inductor; outputs equal HF's per item."""
-    from vit_graph_backend import packed
-    from vit_graph_backend.backend import vitgraph
+    from vit_graph_backend.adapters import serve as packed
+    from vit_graph_backend.compile.backend import vitgraph
 
     traced: list[list[tuple[int, ...]]] = []
 
@@ -306,7 +307,7 @@ def test_mlps_run_their_first_half_as_one_op_where_fusion_is_on(towers, monkeypa
     ``silu(gate x) * up x`` through ``linear_silu_mul`` on the packed copy (``align_mlp=True``
     has the copies on CPU too; on CPU the ops compute with PyTorch's ops, so the output still
     equals HF's); the eager path never calls them."""
-    from vit_graph_backend import fused_linear
+    from vit_graph_backend.kernels import fused_linear
 
     expected = {"qwen2": "quick_gelu", "qwen2_5": "silu_mul", "qwen3": "gelu_tanh"}
     calls: list[str] = []

@@ -14,9 +14,10 @@ import sys
 import pytest
 import torch
 
-from vit_graph_backend.adapters import _attention_choice, _segment_attention
-from vit_graph_backend.adapters._attention_choice import AttentionChoice
-from vit_graph_backend.adapters._segment_attention import (
+from vit_graph_backend.kernels import attention_choice as _attention_choice
+from vit_graph_backend.kernels import segment_attention as _segment_attention
+from vit_graph_backend.kernels.attention_choice import AttentionChoice
+from vit_graph_backend.kernels.segment_attention import (
     MAX_HEAD_DIM,
     MAX_SEGMENTS,
     SegmentFlashAttention,

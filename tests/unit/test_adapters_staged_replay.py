@@ -22,13 +22,14 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
     Qwen2VisionTransformerPretrainedModel,
 )
 
-from vit_graph_backend.adapters import _qwen_packing, adapt  # noqa: E402
-from vit_graph_backend.adapters._qwen_packing import ROW_INDEX  # noqa: E402
-from vit_graph_backend.adapters._staging import BLOCK  # noqa: E402
+from vit_graph_backend.adapters import adapt  # noqa: E402
+from vit_graph_backend.adapters import packing as _qwen_packing  # noqa: E402
+from vit_graph_backend.adapters.packing import ROW_INDEX  # noqa: E402
+from vit_graph_backend.adapters.staging import BLOCK  # noqa: E402
 from vit_graph_backend.errors import UnsupportedGraphError  # noqa: E402
-from vit_graph_backend.graph_capture import BudgetGraph  # noqa: E402
+from vit_graph_backend.runtime.capture import BudgetGraph  # noqa: E402
 from vit_graph_backend.protocol import StampedBuffers  # noqa: E402
-from vit_graph_backend.replay_io import write_inputs  # noqa: E402
+from vit_graph_backend.runtime.replay_io import write_inputs  # noqa: E402
 
 PATCH = 2
 PATCH_DIM = 3 * 2 * PATCH * PATCH
@@ -146,7 +147,7 @@ def test_served_calls_load_a_batch_once_and_match_the_tower(window, monkeypatch,
     alternate between two batches on one budget reload the metadata at each switch, repeated
     ones do not, and every output is the tower's own."""
     from vit_graph_backend import serve
-    from vit_graph_backend.adapters import _staging
+    from vit_graph_backend.adapters import staging as _staging
 
     loads = []
     pinned = _staging.HostStage.pinned

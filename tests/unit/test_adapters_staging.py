@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vit_graph_backend.adapters import _staging
-from vit_graph_backend.adapters._staging import BLOCK, HostStage, layout_of, upload
+from vit_graph_backend.adapters import staging as _staging
+from vit_graph_backend.adapters.staging import BLOCK, HostStage, layout_of, upload
 from vit_graph_backend.errors import UnsupportedGraphError
 
 CPU = torch.device("cpu")

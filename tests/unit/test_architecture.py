@@ -28,21 +28,13 @@ import vit_graph_backend
 SRC = Path(vit_graph_backend.__file__).resolve().parent
 PACKAGE = "vit_graph_backend"
 
-_CORE = {"errors", "specs", "budgets", "stats", "planner", "plan_preview", "assignment", "options",
-         "protocol"}
-#: The graph runtime's own parts, below the manager (``runtime``): stream ordering, capture with
-#: its memory book, the book of served budgets and their plans, and the tensor helpers of a replay.
-_GRAPH_PARTS = {"stream_order", "graph_capture", "graph_launch", "replay_io", "graph_report",
-                "served_budgets", "weight_watch", "code_watch", "call_checks", "native_checks"}
-_RUNTIME_DEPS = ({"planner", "budgets", "specs", "options", "protocol", "errors", "stats",
-                  "_compat"} | _GRAPH_PARTS)
-#: What ``backend`` may import: every layer below it.
-_BELOW_BACKEND = _CORE | _GRAPH_PARTS | {"_compat", "_version", "adapters", "runtime", "batched",
-                                         "batched_layout", "packed", "inner", "fp8_linear",
-                                         "fused_linear", "linear_rewrite", "gpu_timing",
-                                         "attention_op", "patch_rewrite"}
+#: The pure core: value types, budgets, the planner, options, the protocol; ``_compat`` is the
+#: one door to private PyTorch, which every layer above may use.
+_CORE = {"errors", "_version", "specs", "budgets", "stats", "planner", "plan_preview", "options",
+         "protocol", "_compat"}
 
-#: Layer of a module (its file stem, or its top folder for subpackages) -> layers it may import.
+#: Layer of a module (its file stem at the top, or its sub-package) -> layers it may import. The
+#: direction: core -> runtime -> kernels -> adapters -> compile -> integrations -> bench and cli.
 #: ``__init__`` is the package itself (``from vit_graph_backend import x``, ``from .. import x``).
 LAYERS: dict[str, set[str]] = {
     "errors": set(),
@@ -53,64 +45,26 @@ LAYERS: dict[str, set[str]] = {
     "planner": {"budgets", "specs", "errors"},
     # What the planner does with a call or a stream, for `vitgraph plan` and the bench: pure.
     "plan_preview": {"budgets", "planner", "specs", "stats"},
-    # Which rank encodes which item (data parallelism): pure, like the planner.
-    "assignment": {"specs", "errors"},
     "options": {"budgets", "specs", "planner", "errors"},
     "protocol": {"specs", "budgets"},
     "_compat": set(),
-    # fused_linear's op: the Qwen-VL adapters run fc1 + GELU through it (it imports nothing above)
-    "adapters": {"protocol", "budgets", "specs", "errors", "options", "_compat", "fused_linear",
-                 "gpu_timing", "weight_watch", "code_watch", "_threaded_builds", "native_checks"},
-    "stream_order": {"_compat"},
-    "graph_capture": {"_compat", "graph_launch", "errors"},
-    # How a captured graph is instantiated and launched (the CUDA driver through ctypes).
-    "graph_launch": {"_compat"},
-    "replay_io": {"planner", "protocol"},
-    "graph_report": {"stats", "native_checks", "gpu_timing"},
-    # Whether a module's weights still live where its graphs were captured.
-    "weight_watch": {"_compat", "code_watch", "native_checks"},
-    # The per-call checks' loops in C++, built on the user's machine (Python fallback).
-    "native_checks": set(),
-    # Whether a module tree's classes run their libraries' code (no patched forward).
-    "code_watch": {"native_checks"},
-    "served_budgets": {"budgets", "planner", "specs"},
-    # What a manager checks for each call, before and after its graphs launch.
-    "call_checks": {"replay_io", "weight_watch", "errors"},
-    "runtime": _RUNTIME_DEPS,
-    # The batched [B, C, H, W] layout: pads the batch axis and drives the runtime's graphs.
-    "batched": _RUNTIME_DEPS | {"runtime", "batched_layout"},
-    "batched_layout": {"_compat"},
-    # Packed (Qwen-VL style) serving: adapters + inner compiler + runtime, one level below backend.
-    "packed": _RUNTIME_DEPS | {"runtime", "adapters", "inner"},
-    "inner": {"options", "errors", "_compat"},
-    # quantization="fp8": a rewrite of the traced graph, applied by the backend before `inner`.
-    "fp8_linear": {"errors", "_compat", "linear_rewrite"},
-    # epilogue_fusion="auto": linear + GELU (or a SiLU gate) as one op, called by the adapters
-    # and by the graphs the rewrite below makes; its Triton kernels (imported only when a CUDA
-    # graph uses them) are the private module below it.
-    "fused_linear": {"_linear_act_kernels", "gpu_timing", "_compat"},
-    # attention_kernel="timed": SDPA -> the op that times SDPA against the packed towers' Triton
-    # segment kernel per shape (imported only when a CUDA graph runs it).
-    "attention_op": {"adapters", "fused_linear", "gpu_timing"},
-    # The GPU time of a candidate kernel from a small CUDA graph's replays (the choices above).
-    "gpu_timing": {"_compat", "errors"},
-    # The backend's graph rewrites' walk over linear layers, and linear + GELU -> the op.
-    "linear_rewrite": {"fused_linear"},
-    # patch_embedding="gemm": a ViT's patch convolution -> one GEMM, PyTorch's own ops only.
-    "patch_rewrite": {"_compat"},
-    # Kernel configurations built side by side in threads (the Triton kernels' cold compiles).
-    "_threaded_builds": set(),
-    "_linear_act_kernels": {"_threaded_builds"},
-    "backend": _BELOW_BACKEND,
-    "__init__": _BELOW_BACKEND | {"backend", "hf", "parallel", "assignment"},
-    # Integrations: one call on a whole Hugging Face model (packed serving + the backend).
-    "hf": _BELOW_BACKEND | {"backend"},
-    # Data parallelism over torch.distributed: packed serving + the pure assignment.
-    "parallel": _BELOW_BACKEND | {"assignment"},
-    "cli": _BELOW_BACKEND | {"backend", "hf", "parallel", "__init__", "benchmarking"},
-    "benchmarking": _BELOW_BACKEND | {"backend", "hf", "parallel", "__init__", "cli"},
+    # The graph runtime: the manager and its parts, the weights contract, inner compilers.
+    "runtime": _CORE,
+    # The package's kernels and their choice per shape, timed with the runtime's timing.
+    "kernels": _CORE | {"runtime"},
+    # Packed towers: the registry, the Qwen body and families, serve().
+    "adapters": _CORE | {"runtime", "kernels"},
+    # torch.compile: the backend, batched graphs, graph rewrites; report() counts served towers.
+    "compile": _CORE | {"runtime", "kernels", "adapters"},
+    # Hugging Face models in place, and torch.distributed.
+    "integrations": _CORE | {"runtime", "kernels", "adapters", "compile"},
+    "__init__": _CORE | {"adapters", "compile", "integrations"},
+    # Hypothesis strategies and checks for users' suites.
+    "testing": _CORE | {"runtime", "adapters"},
+    "bench": _CORE | {"runtime", "kernels", "adapters", "compile", "integrations", "__init__"},
+    "cli": _CORE | {"runtime", "kernels", "adapters", "compile", "integrations", "__init__",
+                    "bench"},
     "__main__": {"cli"},
-    "testing": {"budgets", "planner", "specs", "stats", "options", "protocol", "errors"},
 }
 
 #: Third-party top-level modules -> the layers allowed to import them (absent: anyone may).
@@ -119,12 +73,11 @@ THIRD_PARTY: dict[str, set[str]] = {
     "benchmarks": set(),
 }
 #: Layers that never import torch; ``protocol`` may, under ``TYPE_CHECKING`` only.
-NO_TORCH = {"errors", "_version", "specs", "budgets", "stats", "planner", "plan_preview", "assignment",
-            "options",
-            "protocol"}
+NO_TORCH = {"errors", "_version", "specs", "budgets", "stats", "planner", "plan_preview",
+            "options", "protocol"}
 TORCH_UNDER_TYPE_CHECKING = {"protocol"}
 #: Optional dependencies imported only lazily, inside a function, and only by these layers.
-LAZY_ONLY: dict[str, set[str]] = {"torch_tensorrt": {"inner"}}
+LAZY_ONLY: dict[str, set[str]] = {"torch_tensorrt": {"runtime"}}
 PRIVATE_TORCH = {"_compat"}
 
 
@@ -289,30 +242,44 @@ def test_the_check_sees_the_package():
 VIOLATIONS = {
     "budgets.py": ("from .planner import plan_batches\n", "budgets imports vit_graph_backend.planner"),
     "specs.py": ("import torch\n", "specs imports torch"),
-    "planner.py": (
-        "def f():\n    from vit_graph_backend import runtime\n", "planner imports vit_graph_backend.runtime"
-    ),
+    "planner.py": ("def f():\n    from vit_graph_backend import runtime\n",
+                   "planner imports vit_graph_backend.runtime"),
     "stats.py": ("import hypothesis\n", "stats imports hypothesis"),
-    "runtime.py": ("import torch\nx = torch._dynamo.reset\n", "torch._dynamo.reset: private torch API"),
-    "inner.py": ("import torch_tensorrt\n", "inner imports torch_tensorrt at module level"),
-    "backend.py": ("from torch._inductor import config\n", "from torch._inductor import ...: private"),
+    "runtime/manager.py": ("import torch\nx = torch._dynamo.reset\n",
+                           "torch._dynamo.reset: private torch API"),
+    "runtime/inner.py": ("import torch_tensorrt\n", "runtime imports torch_tensorrt at module level"),
+    "runtime/capture.py": ("from ..kernels import fused_linear\n",
+                           "runtime imports vit_graph_backend.kernels.fused_linear"),
+    "kernels/fused_linear.py": ("from ..adapters import qwen\n",
+                                "kernels imports vit_graph_backend.adapters.qwen"),
+    "compile/backend.py": ("from torch._inductor import config\n",
+                           "from torch._inductor import ...: private"),
+    "compile/batched.py": ("from ..integrations import hf\n",
+                           "compile imports vit_graph_backend.integrations.hf"),
     "cli.py": ("from .testing import strategies\n", "cli imports vit_graph_backend.testing"),
     "options.py": ("import benchmarks.vit_stream\n", "options imports benchmarks.vit_stream"),
-    "adapters/timm_vit.py": ("from ..runtime import x\n", "adapters imports vit_graph_backend.runtime"),
-    "testing/models.py": ("from .. import backend\n", "testing imports vit_graph_backend.backend"),
+    "adapters/timm_vit.py": ("from ..compile import backend\n",
+                             "adapters imports vit_graph_backend.compile.backend"),
+    "testing/models.py": ("from ..compile import backend\n",
+                          "testing imports vit_graph_backend.compile.backend"),
     "protocol.py": ("import torch\n", "protocol imports torch"),
-    "batched.py": ("import torch as t\nt.cuda._lazy_init()\n", "t.cuda._lazy_init: private torch API"),
+    "compile/layout.py": ("import torch as t\nt.cuda._lazy_init()\n",
+                          "t.cuda._lazy_init: private torch API"),
     "newthing.py": ("x = 1\n", "layer 'newthing' has no row"),
 }
 
 ALLOWED = {
     "protocol.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
-    "inner.py": "def trt():\n    import torch_tensorrt\n    return torch_tensorrt\n",
+    "runtime/inner.py": "def trt():\n    import torch_tensorrt\n    return torch_tensorrt\n",
     "_compat.py": "import torch\nfrom torch._dynamo import reset\nx = torch._C\n",
-    "testing/strategies.py": "from hypothesis import strategies\nfrom ..budgets import x\nfrom . import models\n",
-    "runtime.py": "import torch\nx = torch.__version__\nfrom . import _compat\n",
-    "adapters/__init__.py": "from .qwen import adapt\nfrom .. import budgets\n",
-    "__init__.py": "from ._version import __version__\nfrom .backend import vitgraph\n",
+    "testing/strategies.py": "from hypothesis import strategies\nfrom ..budgets import x\n"
+                             "from . import models\n",
+    "runtime/manager.py": "import torch\nx = torch.__version__\nfrom .. import _compat\n"
+                          "from .capture import x\n",
+    "kernels/fused_linear.py": "from ..runtime import timing\n",
+    "adapters/__init__.py": "from .qwen import adapt\nfrom .. import budgets\n"
+                            "from ..kernels import fused_linear\n",
+    "__init__.py": "from ._version import __version__\nfrom .compile import vitgraph\n",
 }
 
 
@@ -325,7 +292,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
         path.write_text(source)
     # Every layer exists, so imports of it resolve.
     for stem in LAYERS:
-        if stem in ("adapters", "testing", "benchmarking"):
+        if stem in ("runtime", "kernels", "adapters", "compile", "integrations", "testing",
+                    "bench"):
             (root / stem).mkdir(exist_ok=True)
             (root / stem / "__init__.py").touch()
         elif not stem.startswith("__"):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vit_graph_backend.assignment import DEFAULT_ATTENTION_ROWS, assign_items, item_cost
+from vit_graph_backend.integrations.assignment import DEFAULT_ATTENTION_ROWS, assign_items, item_cost
 from vit_graph_backend.errors import InvalidOptionError
 from vit_graph_backend.specs import EncoderItemSpec
 from vit_graph_backend.testing import item_spec_lists

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from vit_graph_backend.backend import VitGraphBackend, vitgraph
+from vit_graph_backend.compile.backend import VitGraphBackend, vitgraph
 from vit_graph_backend.errors import InvalidOptionError
 
 ATOL = 1e-4
@@ -99,7 +99,7 @@ def test_static_first_compile_is_served_exactly():
 def _counting_inner(monkeypatch):
     """Count the inner compiles the backend asks for; each returns the traced graph itself
     (what runs inside is not under test here, only when it is compiled)."""
-    import vit_graph_backend.backend as backend_module
+    import vit_graph_backend.compile.backend as backend_module
 
     compiled = []
 
@@ -300,7 +300,7 @@ def test_entry_point_works_in_a_fresh_interpreter():
             for b in (3, 5, 1):
                 x = torch.randn(b, 4)
                 torch.testing.assert_close(c(x), m(x))
-        import vit_graph_backend.backend as be
+        import vit_graph_backend.compile.backend as be
         assert be.register() is False  # already registered through the entry point
         print("OK", be.vitgraph.report()["compiles"])
     """)
@@ -313,7 +313,7 @@ def test_entry_point_works_in_a_fresh_interpreter():
 def test_register_is_guarded_after_import_too():
     code = textwrap.dedent("""
         import torch
-        import vit_graph_backend.backend as be   # importing registers nothing
+        import vit_graph_backend.compile.backend as be   # importing registers nothing
         assert be.register() is False            # the entry point already names it
         c = torch.compile(torch.nn.Linear(2, 2), backend="vitgraph")
         with torch.no_grad():

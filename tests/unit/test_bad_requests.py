@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 import bad_requests as br  # noqa: E402
 import vit_graph_backend  # noqa: E402
-from vit_graph_backend.backend import vitgraph  # noqa: E402
+from vit_graph_backend.compile.backend import vitgraph  # noqa: E402
 
 # The encoder under test carries its state from one example to the next, so a shrunk sequence
 # would not replay the failure: no shrinking, and the failing draws are printed as they came.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vit_graph_backend.backend import vitgraph
+from vit_graph_backend.compile.backend import vitgraph
 
 
 def _mlp():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit_graph_backend.batched_layout import analyze_graph
+from vit_graph_backend.compile.layout import analyze_graph
 
 
 def _layouts(fn, batches, shape=(4,), **compile_kwargs):

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from vit_graph_backend.benchmarking import BenchConfig, format_text, run_benchmark
-from vit_graph_backend.benchmarking.timing import progress
+from vit_graph_backend.bench import BenchConfig, format_text, run_benchmark
+from vit_graph_backend.bench.timing import progress
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def _labels_in_view(ax) -> list[str]:
                          ids=["between powers of ten", "a sliver above 1 ms"])
 def test_latency_plot_labels_an_axis_spanning_less_than_a_decade(cpu_doc, per_call_ms):
     pytest.importorskip("matplotlib")
-    from vit_graph_backend.benchmarking.report import latency_figure
+    from vit_graph_backend.bench.report import latency_figure
 
     doc = copy.deepcopy(cpu_doc)
     doc["modes"][0]["per_call_ms"] = per_call_ms
@@ -94,7 +94,7 @@ def test_log_records_do_not_land_inside_a_progress_bar(capsys):
     try:
         for i in progress(range(3), desc="vitgraph: first pass", total=3):
             if i == 1:
-                logging.getLogger("vit_graph_backend.runtime").warning(message)
+                logging.getLogger("vit_graph_backend.runtime.manager").warning(message)
     finally:
         logging.getLogger().removeHandler(handler)
     err = capsys.readouterr().err

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import vit_graph_backend
-from vit_graph_backend.benchmarking import (
+from vit_graph_backend.bench import (
     MODELS,
     RESULT_SCHEMA,
     SCHEMA_VERSION,
@@ -27,9 +27,9 @@ from vit_graph_backend.benchmarking import (
     run_benchmark,
     validate,
 )
-from vit_graph_backend.benchmarking.models import availability, build_model, call_specs
-from vit_graph_backend.benchmarking.attention_note import attention_note
-from vit_graph_backend.benchmarking.workloads import make_stream
+from vit_graph_backend.bench.models import availability, build_model, call_specs
+from vit_graph_backend.bench.attention_note import attention_note
+from vit_graph_backend.bench.workloads import make_stream
 
 SRC = Path(vit_graph_backend.__file__).resolve().parent
 TINY = [name for name in MODELS if name.endswith("-tiny") or name == "vit-micro"]
@@ -109,7 +109,7 @@ def test_tiny_models_build_and_emit_one_row_per_planned_token(name):
     modality = "image+video" if entry.packed else "image"
     [call] = make_stream(workload, modality, entry.space, calls=1, seed=1, max_batch=3)
     built = build_model(entry, device="cpu", dtype=torch.float32, dynamic_size=True)
-    from vit_graph_backend.benchmarking.models import primary_output
+    from vit_graph_backend.bench.models import primary_output
 
     with torch.no_grad():
         out = primary_output(built.module(*built.inputs(call, torch.Generator().manual_seed(0))))
@@ -133,7 +133,7 @@ def test_compile_default_runs_and_matches_eager():
 
 
 def test_packed_vitgraph_mode_matches_eager_and_the_planned_routing(padded_cpu):
-    pytest.importorskip("vit_graph_backend.packed", reason="packed serving module not present yet")
+    pytest.importorskip("vit_graph_backend.adapters.serve", reason="packed serving module not present yet")
     if availability(MODELS["qwen2.5-vl-tiny"]) is not None:
         pytest.skip(availability(MODELS["qwen2.5-vl-tiny"]))
     doc = run_benchmark(BenchConfig(model="qwen2.5-vl-tiny", workload="multi-image",
@@ -222,7 +222,7 @@ def test_data_parallel_needs_a_torchrun_launch_and_a_vitgraph_mode(monkeypatch):
 @pytest.mark.parametrize("off", [True, False])
 def test_a_run_without_a_bytecode_cache_says_its_first_pass_includes_compiling_imports(
         monkeypatch, off):
-    from vit_graph_backend.benchmarking.runner import BYTECODE_NOTE
+    from vit_graph_backend.bench.runner import BYTECODE_NOTE
 
     monkeypatch.setattr(sys, "dont_write_bytecode", off)
     # a transformers model: the test needs no timm
@@ -236,7 +236,7 @@ def test_a_run_without_a_bytecode_cache_says_its_first_pass_includes_compiling_i
 def test_a_run_without_a_compile_job_id_says_a_new_process_traces_twice(job_id):
     import torch
 
-    from vit_graph_backend.benchmarking.runner import JOB_ID_NOTE
+    from vit_graph_backend.bench.runner import JOB_ID_NOTE
 
     with torch.compiler.config.patch(job_id=job_id):
         doc = run_benchmark(BenchConfig(model="qwen2.5-vl-tiny", workload="multi-image",
@@ -254,7 +254,7 @@ def test_the_attention_note_names_the_kernel_and_why_not_cudnn():
     """Served packed towers say in the bench notes which kernel runs their full attention."""
     from types import SimpleNamespace
 
-    from vit_graph_backend.adapters._attention_choice import AttentionChoice
+    from vit_graph_backend.kernels.attention_choice import AttentionChoice
 
     served = SimpleNamespace(encoder=SimpleNamespace(
         attention_state=AttentionChoice("varlen").state))
@@ -273,7 +273,7 @@ def test_the_attention_note_counts_the_budgets_each_triton_kernel_serves(section
                                                                         counted):
     from types import SimpleNamespace
 
-    from vit_graph_backend.adapters._attention_choice import AttentionChoice
+    from vit_graph_backend.kernels.attention_choice import AttentionChoice
 
     state = AttentionChoice("varlen").state
     state[section]["by_rows"] = {256: "varlen", 512: "varlen"}

@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 
 import vit_graph_backend
-from vit_graph_backend.benchmarking import (
+from vit_graph_backend.bench import (
     MODELS,
     WORKLOADS,
     BenchConfig,
     resolve,
 )
-from vit_graph_backend.benchmarking.models import call_specs
-from vit_graph_backend.benchmarking.runner import stream_budget_range
+from vit_graph_backend.bench.models import call_specs
+from vit_graph_backend.bench.runner import stream_budget_range
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.plan_preview import plan_stream, summarize_plans
-from vit_graph_backend.benchmarking.timing import CallTimer, percentile, summarize
-from vit_graph_backend.benchmarking.workloads import make_stream, resolve_modality
+from vit_graph_backend.bench.timing import CallTimer, percentile, summarize
+from vit_graph_backend.bench.workloads import make_stream, resolve_modality
 from vit_graph_backend.budgets import BudgetConfig
 from vit_graph_backend.specs import EncoderItemSpec
 
@@ -179,7 +179,7 @@ def test_call_specs():
     [call] = make_stream("fixed-batch", "image", MODELS["vit-micro"].space, calls=1, seed=0,
                          max_batch=5)
     assert call_specs(MODELS["vit-micro"], call) == [EncoderItemSpec(5, 5)]  # one row item
-    from vit_graph_backend.benchmarking.workloads import Call, Item
+    from vit_graph_backend.bench.workloads import Call, Item
 
     qwen = MODELS["qwen2.5-vl-tiny"]  # patch 14, merge 2, temporal patch 2
     specs = call_specs(qwen, Call((Item(56, 84), Item(56, 56, frames=4))))

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from vit_graph_backend import __version__
-from vit_graph_backend.benchmarking import SCHEMA_VERSION, validate
+from vit_graph_backend.bench import SCHEMA_VERSION, validate
 from vit_graph_backend.cli import main
 
 FAST = ["--model", "clip-tiny", "--calls", "4", "--max-batch", "4", "--no-progress"]
@@ -57,7 +57,7 @@ def test_bench_eager_writes_valid_json_and_a_png(tmp_path, capsys):
 
 
 def test_a_failing_mode_is_reported_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
-    import vit_graph_backend.backend as backend_module
+    import vit_graph_backend.compile.backend as backend_module
 
     class Broken(backend_module.VitGraphBackend):   # its compile fails, the rest is the backend's
         def __call__(self, gm, example_inputs, **kwargs):
@@ -78,7 +78,7 @@ def test_a_failing_mode_is_reported_and_the_run_goes_on(tmp_path, capsys, monkey
 
 
 def test_vitgraph_mode_runs_and_matches_eager(tmp_path, capsys):
-    pytest.importorskip("vit_graph_backend.backend", reason="backend module not present yet")
+    pytest.importorskip("vit_graph_backend.compile.backend", reason="backend module not present yet")
     path = tmp_path / "r.json"
     code, out, _ = _run(capsys, "bench", *FAST, "--workload", "uniform-batch",
                         "--modes", "eager,vitgraph", "--json", str(path))
@@ -94,7 +94,7 @@ def test_vitgraph_mode_runs_and_matches_eager(tmp_path, capsys):
 
 
 def test_enable_vit_cuda_graph_picks_the_single_mode(capsys):
-    pytest.importorskip("vit_graph_backend.backend", reason="backend module not present yet")
+    pytest.importorskip("vit_graph_backend.compile.backend", reason="backend module not present yet")
     code, out, _ = _run(capsys, "bench", *FAST, "--enable-vit-cuda-graph")
     assert code == 0
     table = out[out.index("mode  "):]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import vit_graph_backend
 from vit_graph_backend import VitGraphOptions
 from vit_graph_backend.errors import InvalidOptionError
-from vit_graph_backend.fused_linear import (
+from vit_graph_backend.kernels.fused_linear import (
     CHOICES,
     fused_epilogue_unavailable,
     gated_width,
@@ -25,7 +25,7 @@ from vit_graph_backend.fused_linear import (
     linear_silu_mul_reference,
     pack_gated,
 )
-from vit_graph_backend.linear_rewrite import fuse_linear_activations
+from vit_graph_backend.compile.linear_rewrite import fuse_linear_activations
 
 DT = torch.bfloat16
 
@@ -213,7 +213,7 @@ def test_cpu_graph_is_left_alone_and_says_why(caplog):
 def _timed_with(monkeypatch, failure):
     """``LinearActChoices._time`` with every fused candidate raising ``failure`` and cuBLAS +
     activation running: the timer only calls its work here (the graph timing is a GPU test)."""
-    from vit_graph_backend import fused_linear
+    from vit_graph_backend.kernels import fused_linear
 
     def launch(choice, rows, weight, bias, activation):
         if choice != "cublas+activation":
@@ -242,7 +242,7 @@ def test_a_candidate_that_fails_to_build_is_refused(monkeypatch):
 
 
 def test_out_of_memory_for_every_candidate_leaves_cublas(monkeypatch):
-    from vit_graph_backend import fused_linear
+    from vit_graph_backend.kernels import fused_linear
 
     monkeypatch.setattr(fused_linear, "graph_ms", lambda fn, calls, reps: (_ for _ in ()).throw(
         torch.OutOfMemoryError("CUDA out of memory")))
@@ -289,7 +289,7 @@ class _Kernels:
 
 
 def _prefetching(monkeypatch, kernels):
-    from vit_graph_backend import fused_linear
+    from vit_graph_backend.kernels import fused_linear
 
     monkeypatch.setattr(fused_linear, "_kernels", lambda: (kernels, None))
     monkeypatch.setattr(fused_linear.LinearActChoices, "_fusable",

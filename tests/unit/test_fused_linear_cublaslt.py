@@ -13,7 +13,7 @@ def _candidates_timed(monkeypatch, activation, bias, fail=None):
     """The candidates ``LinearActChoices._time`` hands to ``time_each`` for one shape, and what
     it chose; ``fail``: a candidate whose timing raises that (the others take 1 ms, the
     cuBLASLt epilogue 0.5)."""
-    from vit_graph_backend import fused_linear
+    from vit_graph_backend.kernels import fused_linear
 
     seen = []
 
@@ -49,7 +49,7 @@ def test_a_cublaslt_epilogue_that_fails_is_refused_and_not_timed_again(monkeypat
     assert chosen == "cublas+activation"
     assert choices.state["refused"] == {"cublaslt epilogue": "RuntimeError: no"}
     seen = []
-    from vit_graph_backend import fused_linear
+    from vit_graph_backend.kernels import fused_linear
 
     monkeypatch.setattr(fused_linear, "time_each", lambda candidates, run, **kw: (
         seen.append(list(candidates)) or ({"cublas+activation": 1.0}, {})))
@@ -58,7 +58,7 @@ def test_a_cublaslt_epilogue_that_fails_is_refused_and_not_timed_again(monkeypat
 
 
 def test_the_cublaslt_epilogue_computes_the_tanh_gelu_of_the_layer():
-    from vit_graph_backend import fused_linear
+    from vit_graph_backend.kernels import fused_linear
 
     torch.manual_seed(0)
     x, w, b = torch.randn(5, 8), torch.randn(16, 8), torch.randn(16)

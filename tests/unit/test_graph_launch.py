@@ -12,8 +12,8 @@ import logging
 import pytest
 import torch
 
-from vit_graph_backend import graph_launch
-from vit_graph_backend.graph_launch import launch_kind, make_launcher
+from vit_graph_backend.runtime import launch as graph_launch
+from vit_graph_backend.runtime.launch import launch_kind, make_launcher
 
 
 class _FakeGraph:
@@ -42,7 +42,7 @@ def _fresh_log_memory(monkeypatch):
 def test_refused_device_launch_instantiates_through_torch_and_logs_why(
         mode, uses_rng, reason, caplog):
     graph = _FakeGraph()
-    with caplog.at_level(logging.INFO, logger="vit_graph_backend.graph_launch"):
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend.runtime.launch"):
         launcher = make_launcher(graph, torch.device("cuda", 0), mode, uses_rng)
         make_launcher(_FakeGraph(), torch.device("cuda", 0), mode, uses_rng)
     assert launcher is graph and graph.instantiated == 1
@@ -54,7 +54,7 @@ def test_refused_device_launch_instantiates_through_torch_and_logs_why(
 def test_driver_library_missing_keeps_torch_replay(monkeypatch, caplog):
     monkeypatch.setattr(graph_launch, "_driver", lambda: OSError("libcuda.so.1: not found"))
     graph = _FakeGraph()
-    with caplog.at_level(logging.INFO, logger="vit_graph_backend.graph_launch"):
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend.runtime.launch"):
         assert make_launcher(graph, torch.device("cuda", 0), "auto", False) is graph
     assert graph.instantiated == 1
     assert "the CUDA driver library did not load (libcuda.so.1: not found)" in caplog.text
@@ -100,7 +100,7 @@ def test_a_budget_is_captured_on_its_device_s_stream(monkeypatch):
     device is current (on a GPU: ``tests/gpu/test_graph_runtime_gpu.py``'s second-GPU test)."""
     import contextlib
 
-    from vit_graph_backend import graph_capture
+    from vit_graph_backend.runtime import capture as graph_capture
 
     used = []
 

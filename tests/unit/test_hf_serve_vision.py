@@ -25,7 +25,7 @@ from vit_graph_backend.errors import (  # noqa: E402
     InvalidOptionError,
     UnsupportedModelError,
 )
-from vit_graph_backend.hf import served_towers  # noqa: E402
+from vit_graph_backend.integrations.hf import served_towers  # noqa: E402
 
 LOGIT_ATOL = 1e-5
 

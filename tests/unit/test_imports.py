@@ -34,9 +34,9 @@ PACKAGE = vit_graph_backend.__name__
 OPTIONAL_DEPENDENCIES: dict[str, str] = {
     f"{PACKAGE}.testing": "hypothesis",
     f"{PACKAGE}.testing.strategies": "hypothesis",
-    f"{PACKAGE}._linear_act_kernels": "triton",
-    f"{PACKAGE}.adapters._segment_attention_kernel": "triton",
-    f"{PACKAGE}.adapters._short_attention_kernel": "triton",
+    f"{PACKAGE}.kernels._linear_act_triton": "triton",
+    f"{PACKAGE}.kernels._segment_attention_triton": "triton",
+    f"{PACKAGE}.kernels._short_attention_triton": "triton",
 }
 
 #: Never imported by ``import vit_graph_backend``: optional, test-only or heavy dependencies.
@@ -211,7 +211,7 @@ def test_package_import_leaves_torch_for_the_names_that_need_it():
         import {PACKAGE} as pkg
         before = "torch" in sys.modules
         serve = pkg.serve
-        from {PACKAGE}.packed import serve as real
+        from {PACKAGE}.adapters.serve import serve as real
         try:
             pkg.no_such_name
             missing = "no error"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vit_graph_backend.errors import MissingDependencyError
-from vit_graph_backend.inner import compile_inner, inner_backend
+from vit_graph_backend.runtime.inner import compile_inner, inner_backend
 from vit_graph_backend.options import VitGraphOptions
 
 

@@ -22,8 +22,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
 )
 
 import vit_graph_backend as vg  # noqa: E402
-from vit_graph_backend.backend import vitgraph  # noqa: E402
-from vit_graph_backend import packed as packed_mod  # noqa: E402
+from vit_graph_backend.compile.backend import vitgraph  # noqa: E402
+from vit_graph_backend.adapters import serve as packed_mod  # noqa: E402
 from toy_encoders import Wrapper  # noqa: E402
 
 GRID = [[1, 4, 4], [1, 2, 4], [1, 2, 2]]
@@ -80,7 +80,7 @@ def test_items_back_to_back_in_one_storage_join_as_a_view_else_cat():
     """``forward`` returns one batch's items as a view of the rows cloned from the graph's
     output, not a second copy; anything else (items out of order, other storages, autograd
     history) goes through ``torch.cat``. Either way the values are ``torch.cat``'s."""
-    from vit_graph_backend.packed import _joined
+    from vit_graph_backend.adapters.serve import _joined
 
     base = torch.arange(40.0).reshape(10, 4)
     parts = [base[0:3], base[3:4], base[4:10]]
@@ -226,7 +226,7 @@ def test_forward_hooks_inside_the_tower_run_as_in_its_own_forward(where, path, c
     run the tower's own forward, the hook's effect and calls HF's (``weights.py``). Without
     graphs (CPU) every call runs it so while the hook is there."""
     if path == "graphs":
-        from vit_graph_backend.runtime import EncoderCudaGraphManager
+        from vit_graph_backend.runtime.manager import EncoderCudaGraphManager
 
         monkeypatch.setattr(EncoderCudaGraphManager, "pad_without_graphs", True)
     served, pixels = _served(), _pixels()

@@ -242,7 +242,7 @@ def test_one_call_reads_its_grid_once_and_the_next_call_reads_it_again(towers, i
     ``PackedCall`` the grid is read once (on CUDA every read is a sync that stalls the host). A
     later call is a new ``PackedCall`` and reads the grid again, so an in-place write between calls
     is seen, also under ``torch.inference_mode`` (whose tensors keep no version counter)."""
-    from vit_graph_backend.adapters._packed_inputs import PackedCall
+    from vit_graph_backend.adapters.inputs import PackedCall
 
     adapter = adapt(towers["qwen2_5"])
     reads: list[int] = []
@@ -275,7 +275,7 @@ def test_served_calls_read_the_grid_once_each(towers):
 def test_rows_given_with_the_call_are_checked_without_reading_the_grid(towers):
     """A list grid reaches the adapter as ``PackedCall.rows`` too (``PackedGraphEncoder``): the
     check reads those instead of the tensor, and they are checked the same way."""
-    from vit_graph_backend.adapters._packed_inputs import PackedCall
+    from vit_graph_backend.adapters.inputs import PackedCall
 
     adapter = adapt(towers["qwen2"])
     reads: list[int] = []

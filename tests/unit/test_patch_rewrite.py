@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compile_caches import cache_outcomes
-from vit_graph_backend.backend import vitgraph
-from vit_graph_backend.patch_rewrite import patch_embeddings_as_gemm
+from vit_graph_backend.compile.backend import vitgraph
+from vit_graph_backend.compile.patch_rewrite import patch_embeddings_as_gemm
 
 
 class _Embed(nn.Module):
@@ -136,7 +136,7 @@ def test_vits_compiled_with_the_gemm_equal_eager(name, inner, caplog):
     side = 32 if name == "timm_vit" else 28
     compiled = torch.compile(model, backend="vitgraph", options={
         "max_budget": 8, "patch_embedding": "gemm", "inner_compiler": inner})
-    with caplog.at_level(logging.INFO, logger="vit_graph_backend.backend"):
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend.compile.backend"):
         for batch in (3, 5, 11):  # a static compile, a dynamic one, a call cut into chunks
             x = torch.randn(batch, 3, side, side)
             for got, ref in zip(_tensors(compiled(x)), _tensors(model(x)), strict=True):
@@ -150,7 +150,7 @@ def test_vits_compiled_with_the_gemm_equal_eager(name, inner, caplog):
 @torch.no_grad()
 def test_the_default_rewrites_and_conv_leaves_the_convolution(options, rewritten, caplog):
     model = _Embed(8, 8).eval()
-    with caplog.at_level(logging.INFO, logger="vit_graph_backend.backend"):
+    with caplog.at_level(logging.INFO, logger="vit_graph_backend.compile.backend"):
         out = torch.compile(model, backend="vitgraph", options=options)(torch.randn(2, 3, 16, 16))
     logged = [r.getMessage() for r in caplog.records if "patch_embedding" in r.getMessage()]
     assert logged == (["vitgraph: patch_embedding='gemm': 1 patch convolutions as one GEMM each"]

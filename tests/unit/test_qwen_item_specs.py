@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
-from vit_graph_backend.adapters import _qwen_packing  # noqa: E402
-from vit_graph_backend.adapters._packed_inputs import PackedCall  # noqa: E402
+from vit_graph_backend.adapters import packing as _qwen_packing  # noqa: E402
+from vit_graph_backend.adapters.inputs import PackedCall  # noqa: E402
 from vit_graph_backend.specs import EncoderItemSpec  # noqa: E402
 
 from qwen_towers import FAST, MERGE, PATCH_DIM  # noqa: E402

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vit_graph_backend.graph_capture import BudgetGraph
+from vit_graph_backend.runtime.capture import BudgetGraph
 from vit_graph_backend.protocol import StampedBuffers
-from vit_graph_backend.replay_io import copy_padded, head_copy, write_inputs
+from vit_graph_backend.runtime.replay_io import copy_padded, head_copy, write_inputs
 
 ROWS = 12
 
@@ -119,7 +119,7 @@ def test_budgets_viewing_one_row_buffer_zero_their_whole_tails():
     """Batched graphs' budgets view one row buffer (``batched.py``): a budget's write puts rows
     where another budget believed zeros were. Marked aliased over all budgets, every short write
     zeroes to its end, so no budget's padding holds another's rows."""
-    from vit_graph_backend.graph_capture import _aliased
+    from vit_graph_backend.runtime.capture import _aliased
 
     buffer = torch.zeros(16, 2)
     small, large = BudgetGraph(8, {"0": buffer[:8]}), BudgetGraph(16, {"0": buffer[:16]})
@@ -139,7 +139,7 @@ def test_the_memory_bound_reads_free_memory_after_releasing_cached_blocks(monkey
     allocator holds cached counted as free: they are released before the reading (the warm-up
     releases them a moment later anyway), so kernel timings or earlier calls that left blocks
     cached do not shrink the bound."""
-    from vit_graph_backend.graph_capture import GraphMemory
+    from vit_graph_backend.runtime.capture import GraphMemory
 
     cached = {"bytes": 600}
     events = []
@@ -171,7 +171,7 @@ def test_a_warm_up_out_of_memory_skips_the_budget_whatever_class_says_so(monkeyp
     """Memory running out in the warm-up skips the budget with the reason (a later clear()
     tries it again), whether PyTorch or a library's CUDA call raised it; any other failure
     propagates (``errors.out_of_memory``)."""
-    from vit_graph_backend import graph_capture
+    from vit_graph_backend.runtime import capture as graph_capture
 
     def warmup(*args):
         raise error

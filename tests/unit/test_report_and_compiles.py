@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import vit_graph_backend
-from vit_graph_backend.backend import vitgraph
-from vit_graph_backend.graph_report import REPORT_FIELDS
+from vit_graph_backend.compile.backend import vitgraph
+from vit_graph_backend.runtime.report import REPORT_FIELDS
 
 ATOL = 1e-4
 

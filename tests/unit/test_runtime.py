@@ -16,7 +16,7 @@ import logging
 
 from vit_graph_backend.errors import InvalidInputError, InvalidOptionError
 from vit_graph_backend.options import VitGraphOptions
-from vit_graph_backend.runtime import EncoderCudaGraphManager
+from vit_graph_backend.runtime.manager import EncoderCudaGraphManager
 
 MBS = 4
 
@@ -171,7 +171,7 @@ def test_a_bad_call_raises_and_costs_the_graphs_nothing():
 @torch.no_grad()
 def test_each_fallback_reason_is_logged_once_at_warning(caplog):
     _, mgr = _setup()
-    with caplog.at_level(logging.WARNING, logger="vit_graph_backend.runtime"):
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend.runtime.manager"):
         for _ in range(3):
             mgr.run(_call([100]))   # over the largest budget (64)
     hits = [r for r in caplog.records if "running a batch eagerly" in r.getMessage()]
@@ -248,7 +248,7 @@ def test_a_budget_is_captured_with_the_encoder_s_device_current(monkeypatch):
     whichever device the caller has current (on two GPUs: ``tests/gpu/test_graph_runtime_gpu.py``)."""
     import contextlib
 
-    from vit_graph_backend.graph_capture import CaptureOutcome
+    from vit_graph_backend.runtime.capture import CaptureOutcome
 
     _, mgr = _setup()
     current = []

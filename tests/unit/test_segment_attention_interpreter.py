@@ -31,8 +31,8 @@ def _skip_reason() -> str | None:
 
 CHECK = r'''
 import torch
-from vit_graph_backend.adapters import _segment_attention_kernel as kernel
-from vit_graph_backend.adapters._packed_attention import masked_attention
+from vit_graph_backend.kernels import _segment_attention_triton as kernel
+from vit_graph_backend.kernels.packed_attention import masked_attention
 
 torch.manual_seed(0)
 cases = [([100], 2, 80, 32, 16), ([37, 0, 64, 5, 90], 2, 80, 32, 16),

@@ -7,7 +7,7 @@ budget that holds a batch), not taken from the planner.
 from __future__ import annotations
 
 from vit_graph_backend.budgets import BudgetConfig
-from vit_graph_backend.served_budgets import PLAN_CACHE_SIZE, ServedBudgets
+from vit_graph_backend.runtime.served_budgets import PLAN_CACHE_SIZE, ServedBudgets
 from vit_graph_backend.specs import EncoderItemSpec
 
 

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from vit_graph_backend import stream_order
-from vit_graph_backend.stream_order import StreamOrder, order_for
+from vit_graph_backend.runtime import stream_order
+from vit_graph_backend.runtime.stream_order import StreamOrder, order_for
 
 
 class _Event:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit_graph_backend.benchmarking.stress import (PartResult, StressConfig, _hammer,
+from vit_graph_backend.bench.stress import (PartResult, StressConfig, _hammer,
                                                    format_stress, run_stress)
 
 pytest.importorskip("timm")
@@ -49,8 +49,8 @@ def test_poison_fills_every_kind_of_static_buffer():
     """Floats get NaN, integers -1, and a block of bytes under typed views (the packed
     adapters' metadata, ``adapters/_staging.py``) all-ones bytes, which its int views read as -1
     and its float views as NaN."""
-    from vit_graph_backend.adapters._staging import upload
-    from vit_graph_backend.benchmarking.poison import _fill_nan
+    from vit_graph_backend.adapters.staging import upload
+    from vit_graph_backend.bench.poison import _fill_nan
 
     static = upload({"lengths": torch.tensor([3, 4], dtype=torch.int32),
                      "weights": torch.ones(2)}, torch.device("cpu"), blocks=True)

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from vit_graph_backend import _threaded_builds
-from vit_graph_backend._threaded_builds import build_side_by_side
+from vit_graph_backend.kernels import _threaded_builds
+from vit_graph_backend.kernels._threaded_builds import build_side_by_side
 
 
 def test_every_configuration_is_built_once_each_in_a_thread_of_its_own():

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from ..errors import InvalidOptionError
-from ._qwen_metadata import Grid
-from ._qwen_ops import _patch_embed
-from .qwen_vl import _QwenVisionAdapter
+from .metadata import Grid
+from .qwen import _patch_embed, _QwenVisionAdapter
 
 __all__ = ["Qwen2VLVisionAdapter", "Qwen2_5_VLVisionAdapter", "Qwen3VLMoeVisionAdapter",
            "Qwen3VLVisionAdapter", "Qwen3_5MoeVisionAdapter", "Qwen3_5VisionAdapter"]

@@ -1,0 +1,385 @@
+"""The shared body of the adapters that serve HF Qwen-VL vision towers from budgeted CUDA graphs.
+
+The adapter classes, one per tower, are in ``qwen_families.py``. The body has three parts, each
+its own module: ``_qwen_packing`` lays inputs and metadata out into graph buffers,
+``_qwen_kernels`` decides which kernels run (padded MLP weights, fused ops), and this module's
+class runs the blocks and speaks the protocol. Each adapter is a ``torch.nn.Module`` wrapping one
+tower (``adapter.tower``) and reusing its own
+submodules and weights (patch embedding, blocks' norms/qkv/proj/MLP, rotary ``inv_freq``,
+mergers), so ``.to()``, ``.eval()`` and loaded weights act on both. One exception, for speed:
+when the MLP width is not a multiple of 8 (Qwen2.5-VL's 3420), the adapter runs the MLPs from
+zero-padded copies of their weights on CUDA (``align_mlp``; see ``_aligned_mlp``), re-copied
+before any call after the tower's MLP parameters change. Each
+implements :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`, plus
+``forward(pixel_values, grid_thw)`` and ``graph_unsupported_reason()``.
+
+What the towers return in transformers 5.x, and what the adapters return:
+
+- ``Qwen2VisionTransformerPretrainedModel`` and ``Qwen2_5_VisionTransformerPretrainedModel`` return
+  ``BaseModelOutputWithPooling``: ``last_hidden_state`` holds the unmerged patch rows (for
+  Qwen2.5-VL still in window order) and ``pooler_output`` the merged per-token features in the
+  caller's order, which the language model consumes (``get_image_features`` splits it). The
+  adapters return ``pooler_output``: a ``(tokens, out_hidden)`` tensor.
+- ``Qwen3VLVisionModel`` (and Qwen3-VL-MoE's) returns ``BaseModelOutputWithDeepstackFeatures``;
+  the adapter returns the tuple ``(pooler_output, *deepstack_features)``, every tensor
+  ``(tokens, out_hidden)``. Qwen3.5's towers have no deepstack mergers: ``pooler_output`` only.
+
+Inputs are a mapping with ``"pixel_values"`` (``(patches, C * temporal_patch * patch**2)``, as the
+HF processor emits) and ``"grid_thw"`` (``(items, 3)``, or a list of ``[t, h, w]`` rows), checked
+by ``_packed_inputs`` before anything else runs. Static buffers and how padding works: see
+``_qwen_metadata``. Attention: ``_packed_attention``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _compat
+from ..budgets import packed_budget_range
+from ..errors import InvalidOptionError
+from ..options import VitGraphOptions
+from ..specs import EncoderItemSpec
+from ..runtime.weights import python_outside_graphs
+from ..kernels.attention_choice import AttentionChoice
+from ..kernels.fused_ops import Ops
+from ..kernels.packed_attention import Segments, dense_sdpa, packed_attention, varlen_supported
+from .inputs import grid_tensor
+from .kernel_choices import KernelChoices
+from .metadata import Grid, PackedMetadata, QwenLayout
+from .packing import ROW_INDEX, QwenPacker
+
+__all__: list[str] = []
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, so that ``rotate_half(x) * sin`` (HF) equals
+    ``roll(x, half) * signed_sin``: ``cat(-x2, x1) * cat(s1, s2) == cat(x2, x1) * cat(-s1, s2)``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _is_rms_norm(norm: nn.Module) -> bool:
+    return (type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
+            and isinstance(getattr(norm, "weight", None), torch.Tensor))
+
+
+def _add_norm(fns: Ops, norm: nn.Module | None, hidden: torch.Tensor, update: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``hidden + update`` and ``norm`` of it (``None`` when there is no next norm), as one
+    fused kernel where ``fns`` is compiled and the norm is an RMSNorm or affine LayerNorm."""
+    if norm is None:
+        return hidden + update, None
+    if _is_rms_norm(norm):
+        return fns.add_rms_norm(hidden, update, norm.weight, norm.variance_epsilon)
+    if isinstance(norm, nn.LayerNorm) and norm.elementwise_affine:
+        return fns.add_layer_norm(hidden, update, norm.weight, norm.bias, norm.eps)
+    hidden = hidden + update
+    return hidden, _norm(norm, hidden)
+
+
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # HF's Qwen2RMSNorm as one fused kernel: F.rms_norm keeps float32 statistics for bf16/fp16
+    # input, as HF does, and applies the weight before its one rounding to the input dtype
+    # (HF rounds the normalized value, then multiplies by the weight in the input dtype: at most
+    # one unit in the last place apart). HF's version costs five kernels and two float32 copies.
+    if _is_rms_norm(norm):
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
+def _patch_embed(embed: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """HF's patch embedding (a Conv3d whose stride equals its kernel, over rows that each hold
+    one whole kernel window) as the GEMM it is: ``pixels @ weight.flatten(1).T``. The same
+    products and sums as the convolution in one cuBLAS call; on an H100 it took 0.5 ms off the
+    3B tower's 1024-token graph (``benchmarks/qwen_floor.py``). Other patch embeddings run as
+    they are."""
+    proj = getattr(embed, "proj", None)
+    if (isinstance(proj, nn.Conv3d) and tuple(proj.kernel_size) == tuple(proj.stride)
+            and tuple(proj.padding) == (0, 0, 0) and tuple(proj.dilation) == (1, 1, 1)
+            and proj.groups == 1 and pixels.dim() == 2
+            and pixels.shape[1] == proj.weight[0].numel()):
+        weight = proj.weight.flatten(1)
+        return F.linear(pixels.to(weight.dtype), weight, proj.bias)
+    return embed(pixels)
+
+
+class _QwenVisionAdapter(nn.Module):
+    """Shared code of the three adapters; subclasses fill in the family hooks.
+
+    Args:
+        model: the HF vision tower.
+        options: the :class:`~vit_graph_backend.options.VitGraphOptions` it is served with;
+            the adapter reads ``min_budget`` and ``max_budget`` (its budget range; default: a
+            224 px square image, and 4096 tokens), ``align_mlp`` (padded MLP weight copies,
+            ``aligned_mlp_bytes`` reports their size), ``fuse`` (Inductor-fused elementwise
+            kernels in the graphs; eager calls always run the ops unfused),
+            ``packed_attention`` (which attention kernels the graphs run: ``attention_state``
+            reports the choices), ``epilogue_fusion`` (an ``fc2(gelu(fc1 x))`` MLP's fc1 and
+            GELU, or a SiLU-gated MLP's first half from a packed gate/up copy, as one op that
+            takes per shape the faster of a GEMM with the activation in its epilogue and cuBLAS
+            + one kernel: ``fused_linear``) and ``batch_invariant`` (flash varlen in every layer,
+            no fused MLP op: no choice made by timing).
+    """
+
+    #: fully qualified name of the wrapped class (checked at construction).
+    wrapped_class: str = ""
+
+    def __init__(self, model: nn.Module, options: VitGraphOptions | None = None) -> None:
+        super().__init__()
+        names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
+        if self.wrapped_class not in names:
+            raise InvalidOptionError(
+                f"{type(self).__name__} wraps {self.wrapped_class}, got "
+                f"{type(model).__module__}.{type(model).__qualname__}; use "
+                "vit_graph_backend.adapters.adapt(model) to pick the adapter by class")
+        self.tower = model
+        self.training = model.training  # a new wrapper mirrors the tower (nn.Module says True)
+        cfg = model.config
+        self.merge = int(cfg.spatial_merge_size)
+        self.patch_size = int(cfg.patch_size)
+        patch_dim = int(cfg.in_channels) * int(cfg.temporal_patch_size) * self.patch_size ** 2
+        self.patch_dim = patch_dim
+        self.layout = QwenLayout(self.merge, self._window_tokens())
+        #: inputs -> graph buffers and attention segments (``_qwen_packing``)
+        self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
+        #: which kernels the blocks run (``_qwen_kernels``)
+        options = options if options is not None else VitGraphOptions()
+        invariant = options.batch_invariant  # nothing chosen by timing
+        self.kernels = KernelChoices(model, options.align_mlp, options.fuse,
+                                     "off" if invariant else options.epilogue_fusion)
+        #: Python inside the tower the adapter's code would not run (hooks, patched code), as
+        #: found at the last hook registration of the process (``weights.py``)
+        self._outside: tuple[int, str | None] = (-1, None)
+        self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
+        #: the full-attention kernel per captured budget (``_attention_choice``)
+        self.attention = AttentionChoice("varlen" if invariant else options.packed_attention)
+        #: where the static buffers were last made (``None``: no graph reads the MLP copies yet)
+        self._device: torch.device | None = None
+        low, high = packed_budget_range(self.patch_size, self.merge)
+        low = low if options.min_budget is None else options.min_budget
+        high = max(high, low) if options.max_budget is None else options.max_budget
+        if low > high:
+            raise InvalidOptionError(f"min_budget={low} is larger than max_budget={high}")
+        self._budget_range = (low, high)
+
+    # ------------------------------------------------------------------ family hooks
+    def _window_tokens(self) -> int:
+        return 0
+
+    def _item_extras(self, grid: Grid) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return _patch_embed(self.tower.patch_embed, values["pixel_values"])
+
+    def _is_full_attention(self, layer: int) -> bool:
+        return True
+
+    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
+              features: list[torch.Tensor]) -> Any:
+        return self.tower.merger(hidden)
+
+    def _collect(self, layer: int, hidden: torch.Tensor, features: list[torch.Tensor]) -> None:
+        pass
+
+    def _from_tower(self, out: Any) -> Any:
+        """This adapter's output from the output of the tower's own forward."""
+        return out.pooler_output
+
+    # ------------------------------------------------------------------ protocol
+    def get_encoder_cudagraph_item_specs(self, inputs: Mapping[str, torch.Tensor]
+                                         ) -> list[EncoderItemSpec]:
+        """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``.
+
+        Raises:
+            InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
+                before the runtime plans the call (see ``_packed_inputs``).
+        """
+        return self.packer.item_specs(inputs)
+
+    def get_encoder_cudagraph_budget_range(self) -> tuple[int, int]:
+        """``(tokens of a 224 px square image, 4096)`` unless given to the constructor."""
+        return self._budget_range
+
+    def prepare_encoder_cudagraph_capture_inputs(
+        self, budget: int, max_batch_size: int, max_frames_per_batch: int | None,
+        device: torch.device, dtype: torch.dtype,
+    ) -> dict[str, torch.Tensor]:
+        """Static buffers of ``budget``'s graph (see :meth:`QwenPacker.capture_values`)."""
+        self._device = torch.device(device)
+        self.kernels.sync(device, capture=True)
+        values = self.packer.capture_values(budget, max_batch_size, max_frames_per_batch, device,
+                                            dtype)
+        attn = self.tower.blocks[0].attn
+        slots = self.packer.captured_slots[budget]
+        windows = (self.layout.window_rows, slots.windows) if self.layout.window else None
+        self.attention.prepare(
+            values["pixel_values"].shape[0], attn.num_heads, attn.head_dim, attn.scaling,
+            one_segment=slots.frames == 1, device=device, dtype=values["pixel_values"].dtype,
+            varlen=self._varlen, windows=windows, frames=slots.frames)
+        return values
+
+    def prepare_encoder_cudagraph_replay_buffers(
+        self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int], budget: int,
+    ) -> dict[str, torch.Tensor]:
+        """The items' rows and metadata, back to back, unpadded: the runtime copies each buffer
+        into the head of its static buffer and zeroes the tail (zero-length segments, zero
+        pixels); the graph gives the padding rows their own segments."""
+        return self.packer.replay_values(inputs, item_indices, budget)
+
+    def refresh_encoder_cudagraph_weights(self) -> bool:
+        """Bring the padded MLP copies the graphs read up to date with the tower's MLP
+        parameters written in place; True if one was copied. The runtime calls it once for
+        every call it serves from graphs, after the call's first launch: a replay then read the
+        old copies (valid memory), and it replays again."""
+        return self._device is not None and self.kernels.sync(self._device, replay=True)
+
+    def refresh(self) -> None:
+        """Make the kernel choices again for the tower as it is now (``served.refresh()``)."""
+        kernels = self.kernels
+        self.kernels = KernelChoices(self.tower, kernels.align_mlp, kernels.fuse,
+                                     kernels.epilogue_fusion)
+        self._outside = (-1, None)
+
+    def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
+        """The captured computation over the static buffers (pure tensor code: every Python int
+        comes from a static shape, ``max_seqlen`` is the buffer's row count)."""
+        return self._run(values, None)
+
+    def encoder_eager_forward(self, inputs: Mapping[str, torch.Tensor],
+                              item_indices: Sequence[int]) -> Any:
+        """``item_indices`` packed back to back without padding, exact segment lengths; through
+        the tower's own forward while a module inside it has forward hooks or a forward replaced
+        on the instance, or a class of it runs a patched forward (``weights.py``), which the
+        adapter's code, calling the blocks' parts, would not run."""
+        made = _compat.hook_handles_made()
+        if self._outside[0] != made:
+            self._outside = (made, python_outside_graphs(self.tower))
+        if self._outside[1] is not None:
+            pixels, grids = self.packer.rows(inputs, item_indices)
+            grid = torch.tensor(grids, dtype=torch.int64, device=pixels.device)
+            # the class's forward: served in place (``hf.py``), the instance's is the graphs'
+            return self._from_tower(type(self.tower).forward(self.tower, pixels, grid_thw=grid))
+        values, meta = self.packer.eager_values(inputs, item_indices)
+        self.kernels.sync(values["pixel_values"].device)
+        return self._run(values, meta)
+
+    def forward(self, pixel_values: torch.Tensor,
+                grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Any:
+        """The tower's packed output for all items (see the module docstring for which);
+        ``grid_thw`` may also be a list of ``[t, h, w]`` rows."""
+        inputs = {"pixel_values": pixel_values, "grid_thw": grid_tensor(grid_thw)}
+        return self.encoder_eager_forward(inputs, range(len(self.packer.check(inputs).grids)))
+
+    def graph_unsupported_reason(self) -> str | None:
+        """Why this tower cannot be served from CUDA graphs right now, or ``None`` if it can."""
+        if self.tower.training:
+            return "the vision tower is in training mode; CUDA graphs serve eval() inference"
+        param = next(self.tower.parameters())
+        if param.device.type != "cuda":
+            return None  # the runtime runs its CPU path without graphs
+        if self._varlen is None:
+            return (f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn "
+                    "(PyTorch 2.11+), which the packed graph needs on CUDA")
+        head_dim = self.tower.blocks[0].attn.head_dim
+        if not varlen_supported(param.dtype, head_dim):
+            return (f"varlen flash attention needs float16/bfloat16 weights and head_dim a "
+                    f"multiple of 8 up to 256; got {param.dtype} and head_dim={head_dim} "
+                    "(a dense budget x budget mask would be used instead)")
+        return None
+
+    # ------------------------------------------------------------------ settings, as given
+    @property
+    def align_mlp(self) -> bool | None:
+        """The ``align_mlp`` setting (see :class:`KernelChoices`)."""
+        return self.kernels.align_mlp
+
+    @property
+    def fuse(self) -> bool | None:
+        """The ``fuse`` setting (see :class:`KernelChoices`)."""
+        return self.kernels.fuse
+
+    @property
+    def aligned_mlp_bytes(self) -> int:
+        """Bytes held by the zero-padded MLP weight copies (0 when not in use)."""
+        return self.kernels.aligned_bytes
+
+    @property
+    def staged_metadata_bytes(self) -> int:
+        """GPU bytes held by the recent batches' metadata records (``_qwen_packing``: at most
+        ``STAGED_DEVICE_BYTES``, 64 MiB)."""
+        return self.packer.staged_bytes
+
+    @property
+    def attention_state(self) -> dict[str, Any]:
+        """The ``attention`` setting, the kernel of the graphs' full attention over segments
+        (``"cudnn"`` or ``"flash varlen"``, with why cuDNN is off and the shapes it refused),
+        the full-attention kernel chosen for each captured budget (by its static row count),
+        with the timings ``"auto"`` measured, under ``"full"`` whether the Triton segment
+        kernel serves each budget's full attention (``"triton"``) with its timings against
+        cuDNN or flash varlen, and under ``"windows"`` the window layers' kernel
+        per budget (``"short"`` or ``"varlen"``) with its timings. Under
+        ``inner_compiler="inductor"`` the compute is traced once for every budget and always
+        runs flash varlen, whatever is recorded here."""
+        return self.attention.state
+
+    @property
+    def fusion_state(self) -> dict[str, Any]:
+        """Whether graphs use fused kernels: ``fuse`` as given, the reason fusion is off per
+        device type seen (``None``: on), and compile failures (functions then run unfused)."""
+        return self.kernels.state
+
+    # ------------------------------------------------------------------ the blocks
+    def _attention(self, fns: Ops, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, segments: Segments, full: bool) -> torch.Tensor:
+        rows = x.shape[0]
+        qkv = attn.qkv(x).reshape(rows, 3, attn.num_heads, -1)
+        if segments.dense:  # the rotary embedding and the widening in one fused kernel
+            wide = fns.rotate_qk_wide(qkv, cos.unsqueeze(1), sin.unsqueeze(1),
+                                      segments.offsets[1:2])
+            out = dense_sdpa(wide, qkv.shape[-1], attn.scaling)
+            return attn.proj(out.reshape(rows, -1))
+        # q and k rotated together: half the launches of rotating them one by one
+        q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
+        v = qkv[:, 2]
+        # in graphs, full attention tries the Triton segment kernel where it was timed faster
+        # for this budget, else cuDNN, and window layers the short-segment kernel where it was
+        # (``_attention_choice``); cuDNN is slower than flash varlen on windows
+        # (``_cudnn_attention``)
+        kernel = (self.attention.graph_kernel(rows) if full
+                  else self.attention.window_kernel(rows))
+        out = packed_attention(q, k, v, segments, attn.scaling, self._varlen, kernel)
+        return attn.proj(out.reshape(rows, -1))
+
+    def _run(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None) -> Any:
+        if meta is None and ROW_INDEX in values:  # a graph's rows, given in caller order
+            values = {**values,
+                      "pixel_values": values["pixel_values"].index_select(0, values[ROW_INDEX])}
+        hidden = self._embed(values)
+        fns = self.kernels.ops_for(hidden.device, graph=meta is None)
+        cos, sin = self.tower.rotary_pos_emb(hidden, values["position_ids"])
+        cos, sin = cos.unsqueeze(-2).float(), _signed_sin(sin.unsqueeze(-2).float())
+        full, window = self.packer.segments(values, meta)
+        if meta is None and self.attention.dense(hidden.shape[0]):  # chosen at this capture
+            full = dataclasses.replace(full, dense=True)
+        features: list[torch.Tensor] = []
+        blocks = list(self.tower.blocks)
+        # each residual add is fused with the norm that reads its result (the next block's norm1
+        # after an MLP), so hidden and its normed copy come out of one kernel
+        normed = _norm(blocks[0].norm1, hidden) if blocks else hidden
+        for layer, block in enumerate(blocks):
+            is_full = window is None or self._is_full_attention(layer)
+            update = self._attention(fns, block.attn, normed, cos, sin,
+                                     full if is_full else window, is_full)
+            hidden, normed = _add_norm(fns, block.norm2, hidden, update)
+            after = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else None
+            hidden, normed = _add_norm(fns, after, hidden, self.kernels.mlp(fns, layer, block,
+                                                                              normed))
+            self._collect(layer, hidden, features)
+        return self._head(hidden, values, features)

@@ -1,0 +1,232 @@
+"""Serving packed encoders: :class:`PackedGraphEncoder` and :func:`serve`.
+
+A packed encoder (``pixel_values [total_patches, D]`` + ``grid_thw [items, 3]``) implements
+:class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`, usually through an adapter from
+:func:`vit_graph_backend.adapters.adapt`. :class:`PackedGraphEncoder` wraps it: its ``forward``
+routes items through an :class:`~vit_graph_backend.runtime.manager.EncoderCudaGraphManager` and returns
+the packed output in the caller's item order, exactly as the wrapped tower would.
+
+The routing frame is Python over host metadata (grids, plans, offsets) and must not be traced:
+``forward`` is excluded from Dynamo with ``torch.compiler.disable``, so
+``torch.compile(served, backend="vitgraph")`` works and compiles nothing around it. The
+budget-shaped compute, ``encoder_cudagraph_forward``, is what the inner compiler sees: with
+``inner_compiler="eager"`` (what ``"auto"``, the default, picks for packed towers: the adapters
+fuse their own kernels) it runs as written inside the graph; with ``"inductor"`` it is traced
+and compiled once, with the static buffers' row dimensions symbolic, before the first capture, and
+every budget's graph captures that one compiled function. Compiling per budget shape instead
+would cost one Inductor compile per budget (31 s each for the Qwen2.5-VL-3B tower on an H100) and,
+past Dynamo's recompile limit (8 per function), leave the remaining budgets running uncompiled.
+TensorRT engines are built for static shapes, so ``"tensorrt"`` compiles once per budget shape.
+
+Options for packed encoders are given here (``serve(model, max_items_per_graph=4, ...)``), not
+through ``torch.compile(options=...)``: Dynamo never calls a backend for a frame it skips, so
+those options could not reach the router. The adapter reads its own fields from the same
+options (``align_mlp``, ``fuse``, ``packed_attention``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _compat
+from . import adapt
+from .inputs import PackedCall, grid_tensor
+from ..errors import InvalidOptionError
+from ..runtime.report import summarize
+from ..runtime.inner import inner_backend
+from ..options import VitGraphOptions
+from ..protocol import SupportsEncoderCudaGraph
+from ..runtime.manager import EncoderCudaGraphManager, infer_device_dtype
+
+__all__ = ["PackedGraphEncoder", "live_served", "serve"]
+
+_served: weakref.WeakSet[PackedGraphEncoder] = weakref.WeakSet()
+_served_lock = threading.Lock()
+
+#: List grids whose tensors a served tower keeps (:meth:`PackedGraphEncoder._grid_of`).
+KEPT_GRIDS = 256
+
+
+def live_served() -> list[PackedGraphEncoder]:
+    """The served towers still alive (for ``vit_graph_backend.report()``)."""
+    with _served_lock:
+        return list(_served)
+
+
+class _CompiledCompute:
+    """The encoder with ``encoder_cudagraph_forward`` replaced by its inner-compiled version."""
+
+    def __init__(self, encoder: Any, options: VitGraphOptions) -> None:
+        self._encoder = encoder
+        self._dynamic_rows = options.inner_compiler != "tensorrt"
+        self._forward = torch.compile(encoder.encoder_cudagraph_forward,
+                                      backend=inner_backend(options),
+                                      dynamic=None if self._dynamic_rows else False)
+
+    def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
+        if self._dynamic_rows:  # one trace serves every budget (see the module docstring)
+            for value in values.values():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    _compat.maybe_mark_dynamic(value, 0)
+        return self._forward(values)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._encoder, name)
+
+
+class PackedGraphEncoder(nn.Module):
+    """A packed encoder served from budgeted CUDA graphs.
+
+    Args:
+        encoder: a ``SupportsEncoderCudaGraph`` module (e.g. from ``adapt(hf_tower)``).
+        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments.
+
+    Example::
+
+        served = serve(hf_qwen25_vl.model.visual, max_items_per_graph=4)
+        merged = served(pixel_values, grid_thw)       # same layout as the HF tower's output
+        print(served.report())                          # graphs, memory, hits, fallbacks
+    """
+
+    def __init__(self, encoder: SupportsEncoderCudaGraph, options: VitGraphOptions | None = None,
+                 **option_kwargs: Any) -> None:
+        super().__init__()
+        if options is None:
+            options = VitGraphOptions(**option_kwargs)
+        elif option_kwargs:
+            raise InvalidOptionError(
+                f"give options or option keywords, not both (got {sorted(option_kwargs)})")
+        self.encoder = encoder
+        self.options = options
+        # the compiled wrapper is no nn.Module: take device and dtype from the encoder itself
+        device, dtype = infer_device_dtype(encoder)
+        inner = options.inner_compiler_for(cuda=device.type == "cuda", packed=True)
+        compute = encoder if inner == "eager" else _CompiledCompute(encoder, options)
+        # the tower's weights are the ones the graphs read (``weights.py``); an adapter wraps it
+        self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype,
+                                               watch=getattr(encoder, "tower", encoder))
+        #: grid tensors of recent list grids, by their rows (see _grid_of)
+        self._grids: dict[tuple, torch.Tensor] = {}
+        self._grids_lock = threading.Lock()
+        with _served_lock:
+            _served.add(self)
+
+    def refresh(self) -> None:
+        """Serve the tower as it is now, after a submodule was replaced, a hook added or code
+        patched: what the graphs read is read again, and they are captured again at the next
+        call (``weights.py`` says what needs it)."""
+        refresh = getattr(self.encoder, "refresh", None)
+        if callable(refresh):
+            refresh()
+        self.manager.refresh()
+
+    def report(self) -> dict[str, Any]:
+        """What this tower did: graphs, graph memory, capture time and call counters, with the
+        fields of :func:`vit_graph_backend.report` (the README's ``report()`` section)."""
+        return summarize([self.manager])
+
+    @torch.compiler.disable
+    def forward(self, pixel_values: torch.Tensor,
+                grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Any:
+        """Encode packed items; returns the packed output (a tensor or a tuple of tensors).
+
+        ``grid_thw`` may be a tensor or a list of ``[t, h, w]`` rows.
+
+        Raises:
+            InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
+                before any graph runs.
+        """
+        rows = None
+        if not isinstance(grid_thw, torch.Tensor):
+            # once here, not in every specs/replay call of the encoder that re-reads the grid
+            grid_thw, rows = self._grid_of(grid_thw)
+        # the grid is read once a call (PackedCall), and not at all when it came as a list
+        outputs = self.manager.run(PackedCall(pixel_values, grid_thw, rows))
+        return _concat(outputs)
+
+    def _grid_of(self, rows: Any) -> tuple[torch.Tensor, list[tuple[int, int, int]] | None]:
+        """``grid_tensor(rows)``, and the rows as Python ints when they are a list of ``[t, h,
+        w]`` rows of ints (``None`` otherwise). Rows seen in one of the last
+        :data:`KEPT_GRIDS` calls give that call's tensor again: serving streams repeat sizes,
+        and a tensor costs 10 to 30 us of host time to build (the encoders only read it)."""
+        try:
+            key = tuple(map(tuple, rows))
+        except TypeError:  # not rows of sequences: grid_tensor names the problem
+            return grid_tensor(rows), None
+        # ints only: 4.0 == 4 and True == 1, but grid_tensor refuses floats and bools
+        if not all(type(v) is int for row in key for v in row):
+            return grid_tensor(rows), None
+        grid = self._grids.get(key)
+        if grid is None:
+            grid = grid_tensor(rows)  # the shape and emptiness checks
+            with self._grids_lock:
+                if len(self._grids) >= KEPT_GRIDS:  # the oldest first: dicts keep their order
+                    del self._grids[next(iter(self._grids))]
+                self._grids[key] = grid
+        return grid, list(key)
+
+    @torch.compiler.disable
+    def run(self, inputs: Mapping[str, Any]) -> list[Any]:
+        """Encode ``inputs`` (the encoder's own input mapping); one output per item, in order."""
+        return self.manager.run(inputs)
+
+
+def serve(model: nn.Module, options: VitGraphOptions | None = None,
+          **fields: Any) -> PackedGraphEncoder:
+    """Serve a packed encoder from CUDA graphs, adapting it first if it needs an adapter.
+
+    Args:
+        model: a packed tower (adapted by class, see ``adapters.adapt``) or a
+            ``SupportsEncoderCudaGraph``.
+        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments (the
+            packed towers' own among them: ``align_mlp``, ``fuse``, ``packed_attention``).
+
+    Raises:
+        UnsupportedModelError: (a ``TypeError``) if no adapter serves ``model``'s class.
+        InvalidOptionError: for bad options or an unknown keyword, before anything runs.
+    """
+    if options is None:
+        options = VitGraphOptions(**fields)
+    elif fields:
+        raise InvalidOptionError(
+            f"give options or option keywords, not both (got {sorted(fields)})")
+    return PackedGraphEncoder(adapt(model, options), options)
+
+
+def _concat(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if len(outputs) == 1:  # already the caller's own tensor(s), never a graph's static output
+        return first
+    if isinstance(first, torch.Tensor):
+        return _joined(outputs)
+    return type(first)(_joined([o[i] for o in outputs]) for i in range(len(first)))
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, or a view when the parts already lie back to back in one storage
+    (one batch's items in the caller's order: views of the rows the runtime cloned out of the
+    graph's output), so such a call copies its output once, not twice."""
+    first = parts[0]
+    # not for outputs that carry autograd history (the eager fallback under grad): cat's
+    # backward is the plain one
+    if first.is_contiguous() and first.dim() >= 1 and not first.requires_grad:
+        row = first[0].numel() * first.element_size() if first.shape[0] else 0
+        end, rows = first.data_ptr(), 0
+        for part in parts:
+            if (part.data_ptr() != end or not part.is_contiguous() or part.dtype != first.dtype
+                    or part.device != first.device or part.shape[1:] != first.shape[1:]
+                    or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+                break
+            end += part.shape[0] * row
+            rows += part.shape[0]
+        else:
+            if row:
+                return first.as_strided((rows, *first.shape[1:]), first.stride(),
+                                        first.storage_offset())
+    return torch.cat(parts)

@@ -1,0 +1,141 @@
+"""The modes ``vitgraph bench`` compares, each a way to run the same model on the same stream.
+
+============================  ====================================================================
+``eager``                     the model as is (``torch.no_grad``)
+``compile-default``           ``torch.compile(model)``
+``reduce-overhead``           ``torch.compile(model, mode="reduce-overhead")`` (Inductor's CUDA
+                              graph trees)
+``vitgraph``                  the defaults: batched: ``torch.compile(model, backend=vitgraph,
+                              options={...})`` (``inner_compiler="auto"``: Inductor inside the
+                              graphs on a GPU); packed: ``serve(tower, **options)``
+``vitgraph-eager``            the same with ``inner_compiler="eager"`` (the traced graph's own
+                              kernels inside the graphs, the default before ``"auto"``)
+``vitgraph-inductor``         the same with ``inner_compiler="inductor"`` (not in the default list:
+                              on a GPU, batched ``vitgraph`` is this; for packed towers, the whole
+                              tower through Inductor instead of the adapter's fused kernels)
+``vitgraph-epilogue-off``     ``vitgraph`` with ``epilogue_fusion="off"``: linear + GELU left to the
+                              inner compiler (cuBLAS and a separate kernel), to compare with the
+                              fused default (not in the default list)
+``vitgraph-batch-invariant``  ``vitgraph`` with ``batch_invariant=True``: an item's output the same
+                              bits alone and in any batch (not in the default list)
+``vitgraph-torch-launch``     ``vitgraph`` with ``graph_launch="torch"``: every graph replayed
+                              through ``CUDAGraph.replay()``, to compare with the default's
+                              device-launch executables (not in the default list)
+``vitgraph-patch-conv``       ``vitgraph`` with ``patch_embedding="conv"``: the patch convolution
+                              left to cuDNN, to compare with the default's GEMM over the patches
+                              (batched models; not in the default list)
+============================  ====================================================================
+
+Packed towers go through :func:`vit_graph_backend.adapters.serve.serve` (adapter + router) rather than
+``torch.compile(adapter, backend="vitgraph", options=...)``: the router frame is skipped by Dynamo,
+so options given to ``torch.compile`` could not reach it (see ``packed.py``). The backend object is
+imported and passed directly, so a broken entry point cannot hide behind a name lookup. Any failure
+(the backend missing, a compile or capture error, a crash at replay) is raised to the runner,
+which reports the mode as failed and goes on with the next one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DEFAULT_MODES",
+    "MODES",
+    "VITGRAPH_MODES",
+    "PreparedMode",
+    "backend_report",
+    "prepare_mode",
+    "reset",
+]
+
+#: The modes a GPU run compares when none are named.
+DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead", "vitgraph",
+                                  "vitgraph-eager")
+#: Every mode ``--modes`` accepts.
+MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor",
+                          "vitgraph-epilogue-off", "vitgraph-batch-invariant",
+                          "vitgraph-torch-launch", "vitgraph-patch-conv")
+
+#: The vitgraph modes and the backend options each one adds.
+VITGRAPH_MODES: dict[str, dict[str, Any]] = {
+    "vitgraph": {},
+    "vitgraph-eager": {"inner_compiler": "eager"},
+    "vitgraph-inductor": {"inner_compiler": "inductor"},
+    "vitgraph-epilogue-off": {"epilogue_fusion": "off"},
+    "vitgraph-batch-invariant": {"batch_invariant": True},
+    "vitgraph-torch-launch": {"graph_launch": "torch"},
+    "vitgraph-patch-conv": {"patch_embedding": "conv"},
+}
+
+
+@dataclass
+class PreparedMode:
+    """A mode ready to run: ``fn(*inputs)``; vitgraph modes add a report and a cleanup."""
+
+    name: str
+    fn: Callable[..., Any]
+    report: Callable[[], dict[str, Any]] | None = None
+    cleanup: Callable[[], None] | None = None
+    options: dict[str, Any] | None = None
+
+
+def _packed_report(served: Any) -> dict[str, Any]:
+    """A packed encoder's report, shaped like ``vitgraph.report()`` (no Dynamo compiles)."""
+    return {"compiles": None, **served.report()}
+
+
+def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> PreparedMode:
+    """Build mode ``name`` around ``built`` (a :class:`~.models.BuiltModel`).
+
+    Args:
+        name: one of :data:`MODES`.
+        built: the model.
+        vitgraph_options: backend options shared by the vitgraph modes (budgets, policy, ...);
+            the mode adds its own (:data:`VITGRAPH_MODES`).
+
+    Raises:
+        ValueError: for an unknown mode. Anything else (missing backend or adapter) propagates.
+    """
+    import torch
+
+    if name == "eager":
+        return PreparedMode(name, built.module)
+    if name == "compile-default":
+        return PreparedMode(name, torch.compile(built.module))
+    if name == "reduce-overhead":
+        return PreparedMode(name, torch.compile(built.module, mode="reduce-overhead"))
+    if name not in VITGRAPH_MODES:
+        raise ValueError(f"mode={name!r} is invalid: choose from {', '.join(MODES)}")
+    options = {**vitgraph_options, **VITGRAPH_MODES[name]}
+    if built.entry.packed:
+        from ..adapters.serve import serve
+
+        served = serve(built.module, **options)
+        return PreparedMode(name, served, lambda: _packed_report(served),
+                            served.manager.clear, options)
+    from ..compile.backend import vitgraph as backend
+
+    fn = torch.compile(built.module, backend=backend, options=options)
+    return PreparedMode(name, fn, backend.report, backend.reset, options)
+
+
+def backend_report(mode: PreparedMode) -> dict[str, Any] | None:
+    """The vitgraph counters after a vitgraph mode ran, or ``None`` for the other modes."""
+    return None if mode.report is None else dict(mode.report())
+
+
+def reset(mode: PreparedMode | None = None) -> None:
+    """Free compiled frames and captured graphs between modes (``torch.compiler.reset()``, which
+    also resets the vitgraph backend, plus the mode's own cleanup)."""
+    import gc
+
+    import torch
+
+    torch.compiler.reset()
+    if mode is not None and mode.cleanup is not None:
+        mode.cleanup()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,78 @@
+"""The stress suite's ``ordering`` part: what :class:`~vit_graph_backend.runtime.stream_order.StreamOrder`
+costs per call on the host, measured beside the same calls without it in one run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["part_ordering"]
+
+
+def part_ordering(cfg: Any, result: Any) -> Any:
+    """What the stream ordering costs per call on the host: the enter/exit pair alone (one
+    stream; two alternating streams, less the cost of switching streams), and a launch-bound
+    compiled ViT at batch 1 called back to back with and without it (same run, interleaved)."""
+    import torch
+
+    from ..compile.backend import vitgraph
+    from ..runtime.stream_order import StreamOrder
+    from .models import MODELS, build_model
+
+    order = StreamOrder(torch.device(cfg.device))
+    n = 20000
+    start = time.perf_counter()
+    for _ in range(n):
+        order.exit(order.enter())
+    result.details["order_us_one_stream"] = round((time.perf_counter() - start) / n * 1e6, 2)
+    streams = (torch.cuda.current_stream(), torch.cuda.Stream())
+    spent = {}
+    for label in ("switch_only", "switch_and_order"):
+        start = time.perf_counter()
+        for k in range(n):
+            with torch.cuda.stream(streams[k % 2]):
+                if label == "switch_and_order":
+                    order.exit(order.enter())
+        spent[label] = (time.perf_counter() - start) / n * 1e6
+    result.details["order_us_two_streams"] = round(spent["switch_and_order"]
+                                                   - spent["switch_only"], 2)
+    built = build_model(MODELS["vit-micro"], device=cfg.device, dtype=torch.float16,
+                        dynamic_size=False)
+    compiled = torch.compile(built.module, backend=vitgraph)
+    x = torch.randn(1, 3, 64, 64, device=cfg.device, dtype=torch.float16)
+    times: dict[str, list[float]] = {"ordered": [], "unordered": []}
+    with torch.inference_mode():
+        for _ in range(3):
+            compiled(x)
+        managers = [m for e in vitgraph.encoders for m in e.managers]
+        real = [m.order for m in managers]
+        for _ in range(10):
+            for label in ("ordered", "unordered"):
+                for m, o in zip(managers, real):
+                    m.order = o if label == "ordered" else _NoOrder()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    compiled(x)
+                torch.cuda.synchronize()
+                times[label].append((time.perf_counter() - t0) / 200 * 1e6)
+        for m, o in zip(managers, real):
+            m.order = o
+    for label, values in times.items():
+        result.details[f"vit_micro_b1_us_per_call_{label}"] = round(min(values), 1)
+    torch.compiler.reset()
+    return result
+
+
+class _NoOrder:
+    def enter(self) -> None:
+        return None
+
+    def exit(self, stream: Any) -> None:
+        return None
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

@@ -1,0 +1,234 @@
+"""The ``vitgraph`` torch.compile backend.
+
+``torch.compile(model, backend="vitgraph")`` finds :data:`vitgraph` through the
+``torch_dynamo_backends`` entry point (see ``pyproject.toml``); PyTorch registers it itself when it
+loads the entry point, so this module never calls ``register_backend`` on import (a second
+registration of the name would trip the registry's duplicate-name assertion). For an environment
+where the package is on ``sys.path`` but not installed, :func:`register` registers it once,
+guarded. Passing the object directly, ``torch.compile(model, backend=vitgraph)``, always works.
+
+Dynamo calls the backend as ``backend(gm, example_inputs, **kwargs)``; ``options=`` arrives only
+when non-empty and ``mode=`` only when not the default. Both are validated into a
+:class:`~vit_graph_backend.options.VitGraphOptions` here, at compile time.
+
+``torch.compiler.reset()`` calls :meth:`VitGraphBackend.reset`, which frees every captured graph.
+
+**A call that raises while Dynamo traces it** (a model's own input check: a wrong image size, a
+wrong channel count) makes Dynamo mark that frame's code skipped for the rest of the process
+(``_compat.uncompiled_callers`` says how that is seen). Its later calls would then run the
+frame as plain Python and compile its submodules as separate graphs, every one captured anew,
+and the graphs already captured for the whole frame would never serve again. So the backend
+remembers the code of every frame it compiled; a compile requested while one of them runs
+uncompiled above it is such a fragment: the remembered frame is re-armed, so that Dynamo serves
+its next call from its cache (the same graphs as before the bad call), and the fragment runs
+eagerly, never captured, re-arming the frame again whenever it is called.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import types
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .. import _compat
+from .batched import BatchedGraphEncoder
+from .layout import returns_nothing
+from ..errors import InvalidOptionError
+from ..kernels.fused_linear import CHOICES as FUSED_CHOICES
+from ..kernels.fused_linear import fused_epilogue_unavailable
+from ..runtime.report import summarize
+from ..runtime.inner import compile_inner, inner_compiler_name
+from .linear_rewrite import fuse_linear_activations
+from ..options import VitGraphOptions
+from ..adapters.serve import live_served
+from .patch_rewrite import patch_embeddings_as_gemm
+
+__all__ = ["VitGraphBackend", "register", "report", "vitgraph"]
+
+log = logging.getLogger(__name__)
+
+
+class VitGraphBackend:
+    """The backend object: compiles graphs, keeps the live encoders for reports and reset."""
+
+    __name__ = "vitgraph"
+
+    def __init__(self) -> None:
+        self._encoders: weakref.WeakSet[BatchedGraphEncoder] = weakref.WeakSet()
+        #: code objects of the frames compiled into encoders (see the module docstring)
+        self._codes: set[types.CodeType] = set()
+        self._lock = threading.Lock()
+        self.compiles = 0
+        #: linear + activation pairs rewritten into one op (``fused_linear.py``) since reset
+        self.fused_linear_activations = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                 options: dict[str, Any] | None = None, mode: str | None = None,
+                 **kwargs: Any) -> Any:
+        """Compile one Dynamo graph; returns the callable Dynamo runs in its place."""
+        if kwargs:
+            raise InvalidOptionError(
+                f"the vitgraph backend got unexpected arguments {sorted(kwargs)}: pass settings "
+                "as torch.compile(..., options={...})")
+        opts = VitGraphOptions.from_compile_kwargs(options, mode)
+        code = _compat.compiling_code()
+        with self._lock:
+            skipped = [c for c in _compat.uncompiled_callers() if c in self._codes and c is not code]
+        if skipped:
+            return _Fragment(gm, skipped)
+        if returns_nothing(gm):
+            return gm
+        if opts.backed_size_oblivious and _compat.enable_backed_size_oblivious():
+            log.warning("vitgraph: backed_size_oblivious=True turned on PyTorch's "
+                        "torch.fx.experimental._config.backed_size_oblivious for this whole "
+                        "process (every later Dynamo compile), so that dynamic graphs serve a "
+                        "batch of 1 without another compile")
+        inner = inner_compiler_name(example_inputs, opts)
+        if opts.patch_embedding == "gemm":  # PyTorch's own ops: any device, any inner compiler
+            log.info("vitgraph: patch_embedding='gemm': %d patch convolutions as one GEMM each",
+                     patch_embeddings_as_gemm(gm, example_inputs))
+        fused = self._fuse_epilogues(gm, example_inputs, opts, inner)
+        encoder = BatchedGraphEncoder(gm, example_inputs, opts,
+                                      functools.partial(compile_inner, gm, example_inputs, opts),
+                                      defer=None if inner == "eager" else self._alone)
+        with self._lock:
+            self.compiles += 1
+            self.fused_linear_activations += fused
+            self._encoders.add(encoder)
+            if code is not None:
+                self._codes.add(code)
+        log.info("vitgraph: compiled graph %d (%s, batch axis %s, inner %s%s)", self.compiles,
+                 "static" if encoder.static_shape else "dynamic",
+                 encoder.layout.batch_symbol, inner,
+                 ", at its second call" if encoder.compile_pending else "")
+        return encoder
+
+    @staticmethod
+    def _fuse_epilogues(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                        opts: VitGraphOptions, inner: str) -> int:
+        """``epilogue_fusion="auto"``: rewrite the graph's linear + GELU pairs where the fused
+        op can serve; returns how many (the reason it does not is logged at info level)."""
+        if opts.epilogue_fusion == "off" or opts.batch_invariant:  # no choice made by timing
+            return 0
+        # each fused layer's kernels begin compiling at once, in the background
+        fuse = functools.partial(fuse_linear_activations, rewritten=FUSED_CHOICES.prefetch)
+        return _rewrite(gm, example_inputs, inner, fuse,
+                        fused_epilogue_unavailable(next((x.device for x in example_inputs
+                                                         if isinstance(x, torch.Tensor)), None)),
+                        "epilogue_fusion='auto'", "leaves linear layers as they are",
+                        "linear + GELU pairs as one op, each shape timed against cuBLAS + a "
+                        "separate activation at its first run")
+
+    def _alone(self, encoder: BatchedGraphEncoder) -> bool:
+        """Whether a static graph called again deserves its deferred inner compile
+        (``batched.py``): not when a live dynamic graph reads the same parameters, i.e. serves
+        the same model's other sizes."""
+        with self._lock:
+            others = [e for e in self._encoders if e is not encoder]
+        return not any(not e.static_shape and e.param_ids & encoder.param_ids for e in others)
+
+    def reset(self) -> None:
+        """Free every captured graph, buffer and pool (called by ``torch.compiler.reset()``)."""
+        with self._lock:
+            encoders = list(self._encoders)
+            self._encoders = weakref.WeakSet()
+            self._codes = set()
+            self.compiles = 0
+            self.fused_linear_activations = 0
+        for encoder in encoders:
+            encoder.clear()
+
+    @property
+    def encoders(self) -> list[BatchedGraphEncoder]:
+        """The live compiled graphs (each with its graph sets' ``managers``)."""
+        with self._lock:
+            return list(self._encoders)
+
+    def report(self, served: Sequence[Any] = ()) -> dict[str, Any]:
+        """What the live compiled graphs did: ``compiles``, ``fused_linear_activations`` and the
+        fields of :func:`vit_graph_backend.report` (the README's ``report()`` section), totalled
+        with the ``served`` towers' managers when given."""
+        with self._lock:
+            encoders = list(self._encoders)
+            compiles, fused = self.compiles, self.fused_linear_activations
+        managers = [m for encoder in encoders for m in encoder.managers]
+        managers += [tower.manager for tower in served]
+        return {"compiles": compiles, "fused_linear_activations": fused,
+                **summarize(managers, [encoder.stats for encoder in encoders])}
+
+
+def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner: str,
+             rewrite: Any, why: str | None, setting: str, left: str, done: str) -> int:
+    """``rewrite(gm, example_inputs)`` into the package's ops, whose kernels ``why`` says the
+    device lacks (else ``None``), unless the graph cannot take them: they have no backward, and
+    TensorRT compiles only PyTorch's own ops. Logs ``setting`` and what it ``left`` (with why)
+    or how many it rewrote (``done``); returns that count."""
+    if why is None and inner == "tensorrt":
+        why = "inner_compiler='tensorrt' compiles only PyTorch's own ops"
+    if why is None and torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        why = "the graph records gradients (the op has no backward)"
+    if why is not None:
+        log.info("vitgraph: %s %s: %s", setting, left, why)
+        return 0
+    count = rewrite(gm, example_inputs)
+    log.info("vitgraph: %s: %d %s", setting, count, done)
+    return count
+
+
+class _Fragment:
+    """A part of a frame that Dynamo compiled separately because it skipped the whole frame
+    after a call raised inside it (module docstring): runs eagerly and re-arms the frame."""
+
+    def __init__(self, gm: torch.fx.GraphModule, frames: list[types.CodeType]) -> None:
+        self.gm, self.frames = gm, frames
+        self._rearm()
+        log.info("vitgraph: %s ran uncompiled after a call raised while Dynamo traced it; "
+                 "its next call is served from its graphs again (this part runs eagerly)",
+                 ", ".join(f"{c.co_name} ({c.co_filename}:{c.co_firstlineno})"
+                           for c in self.frames))
+
+    def _rearm(self) -> None:
+        for code in self.frames:
+            _compat.rearm_code(code)
+
+    def __call__(self, *args: Any) -> Any:
+        self._rearm()
+        return self.gm(*args)
+
+
+#: The backend instance the entry point names.
+vitgraph = VitGraphBackend()
+
+
+def register() -> bool:
+    """Register ``"vitgraph"`` with Dynamo unless it is already known (installed entry point or an
+    earlier call). Returns True if this call registered it. Only needed when the package is used
+    from a source tree without being installed."""
+    if "vitgraph" in torch.compiler.list_backends(exclude_tags=()):
+        return False
+    _compat.register_dynamo_backend("vitgraph", vitgraph)
+    return True
+
+
+def report() -> dict[str, Any]:
+    """What every compiled graph and served tower of this process did, in one dictionary.
+
+    ``compiles`` (Dynamo compiles through the ``vitgraph`` backend), ``fused_linear_activations``
+    (linear + GELU pairs those compiles rewrote into one op: ``epilogue_fusion``),
+    ``served_towers`` (live ``serve()`` results) and, totalled over both, the fields of
+    ``PackedGraphEncoder.report()``: graphs, graph memory, capture time and the call counters.
+    Fields are true on every device (the README's ``report()`` section); read one tower alone
+    with ``served.report()``.
+    """
+    towers = live_served()
+    summary = vitgraph.report(towers)
+    return {"compiles": summary.pop("compiles"),
+            "fused_linear_activations": summary.pop("fused_linear_activations"),
+            "served_towers": len(towers), **summary}

@@ -1,0 +1,210 @@
+"""The Triton kernel of ``_segment_attention``: flash attention within segments of any length,
+for head sizes that are not a power of two, on GPUs with TMA (compute capability 9.0+).
+
+Imported only on CUDA (Triton is not installed with PyTorch's CPU wheels). One program attends
+``BLOCK_M`` rows of one segment for one head, with the online softmax of flash attention over
+the segment's keys: whole blocks of keys without a mask, the segment's last partial block with
+one. Programs are laid out segment after segment, each segment taking ``ceil(length / BLOCK_M)``
+of them; every program finds its segment from the offsets itself (a cumulative sum over the
+segment slots), so the kernel needs nothing derived from the offsets and the grid is static:
+``ceil(rows / BLOCK_M)`` plus one program per segment slot, the programs past the last
+segment's blocks storing nothing.
+
+A head of 80 (Qwen2.5-VL) or 72 (Qwen3-VL) is read as a 64-wide part and a 16-wide tail, each
+with its own tensor-core dots, instead of one tile rounded up to 128: cuDNN runs these heads in
+its 128-wide kernel (``benchmarks/results/attention_head_padding_*``). q, k and v are read
+through TMA descriptors over ``(rows, heads, head_dim)``, which return zeros past the last row
+and past the head's last column (the tail of a head of 72). The output is stored through a row
+mask: a block's rows past its segment's end belong to the next segment's programs.
+
+Measured on an H100 (``benchmarks/results/segment_attention_kernel_*``):
+
+- 128 rows by 64 keys, 4 warps, 3 pipeline stages. Eight warps, 128 keys a step or 64 rows
+  were slower; one pipeline stage made an illegal memory access (Triton 3.6), so the wrapper
+  never asks for it. q, k and v read through TMA descriptors instead of pointers: 9 to 16 %
+  faster. 256 rows on 8 warps, registers capped for more CTAs an SM (``registers``: it
+  spills), Triton's warp specialization of the key loop (it fails to compile with 4 warps)
+  and scoring the next block of keys before a block's softmax (two blocks of scores in
+  registers) were no faster.
+- Heads vary fastest in the grid. Cutting the rows into fixed blocks regardless of segments was
+  5 % faster on one segment, but the block across a segment's end then walked both segments'
+  keys and, started late, set the kernel's time: one image of 2,730 rows and its padding in a
+  4,096-row budget took 0.201 ms against cuDNN's 0.154 (this layout: 0.152).
+- An earlier form with ``if`` blocks around the key loops gave NaN in some outputs; the masked
+  last block is therefore a loop of at most one turn.
+
+Cold compiles: Triton compiles the kernel once per value of its compile-time arguments and per
+specialisation of its integer ones. The segment count only bounds the slot scan, so the kernel
+is not specialised on it (``do_not_specialize``), and the slots scanned are a power of two of at
+least :data:`MIN_SLOTS`, so every batch of up to that many segments shares one compile.
+:func:`precompile` builds the configurations a shape is about to time side by side in threads
+(``attention_op``'s timing). On an H100 with cold caches, CLIP ViT-L/14-336's attention over the
+1..48-image ladder in both timed configurations went from 12 compiles in 13.4 s to 2 in 2.6 s,
+with bitwise the same outputs; scanning 64 slots instead of 16 made the kernel 3 to 12 % faster
+at 1 to 16 segments (``benchmarks/results/segment_attention_kernel_cold_compiles_*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._threaded_builds import build_side_by_side
+
+__all__ = ["MIN_SLOTS", "attend", "precompile", "split_head"]
+
+_LOG2E = 1.4426950408889634
+#: The fewest segment slots a program scans for its own segment (a power of two).
+MIN_SLOTS = 64
+
+
+@triton.jit
+def _keys(q0, q1, m_i, l_i, acc0, acc1, k0_desc, k1_desc, v0_desc, v1_desc, start, head,
+          key_end, scale_log2, HEAD: tl.constexpr, TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
+          MASKED: tl.constexpr):
+    """The online-softmax update of (m, l, acc0, acc1) by the keys from row ``start``; ``m``
+    is kept in scaled log2 units, so the scale folds into the exponent's multiply-add."""
+    k0 = tl.reshape(k0_desc.load([start, head, 0]), [BLOCK_N, HEAD])
+    v0 = tl.reshape(v0_desc.load([start, head, 0]), [BLOCK_N, HEAD])
+    scores = tl.dot(q0, tl.trans(k0))
+    if TAIL > 0:
+        k1 = tl.reshape(k1_desc.load([start, head, HEAD]), [BLOCK_N, TAIL])
+        scores += tl.dot(q1, tl.trans(k1))
+    if MASKED:
+        keys = start + tl.arange(0, BLOCK_N)
+        scores = tl.where(keys[None, :] < key_end, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    weights = tl.exp2(scores * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(weights, 1)
+    p = weights.to(v0.dtype)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)
+    if TAIL > 0:
+        v1 = tl.reshape(v1_desc.load([start, head, HEAD]), [BLOCK_N, TAIL])
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
+    return m_new, l_i, acc0, acc1
+
+
+# The segment count only masks the slot scan: a specialisation on its value (1, or a multiple of
+# 16) would compile the kernel again for no speed.
+@triton.jit(do_not_specialize=["segments"])
+def _segment_attention(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, offsets,
+                       segments, o_row, scale_log2, HEAD_DIM: tl.constexpr, HEAD: tl.constexpr,
+                       TAIL: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    head = tl.program_id(0)
+    program = tl.program_id(1)
+    # this program's segment: the first whose blocks end past it (segments laid out in order)
+    slot = tl.arange(0, SLOTS)
+    starts = tl.load(offsets + slot, mask=slot < segments, other=0)
+    ends = tl.load(offsets + slot + 1, mask=slot < segments, other=0)
+    blocks = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    blocks_end = tl.cumsum(blocks, 0)
+    segment = tl.sum((blocks_end <= program).to(tl.int32), 0)
+    here = slot == segment  # all false past the last segment: the program has no rows
+    seg_start = tl.sum(tl.where(here, starts, 0), 0)
+    seg_end = tl.sum(tl.where(here, ends, 0), 0)
+    first = seg_start + (program - tl.sum(tl.where(here, blocks_end - blocks, 0), 0)) * BLOCK_M
+    q0 = tl.reshape(q0_desc.load([first, head, 0]), [BLOCK_M, HEAD])
+    q1 = q0
+    if TAIL > 0:
+        q1 = tl.reshape(q1_desc.load([first, head, HEAD]), [BLOCK_M, TAIL])
+    # every row sees its segment's first key, so m is finite after the first block
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, HEAD], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, TAIL if TAIL > 0 else 16], dtype=tl.float32)
+    full_end = seg_start + (seg_end - seg_start) // BLOCK_N * BLOCK_N
+    for start in range(seg_start, full_end, BLOCK_N):
+        m_i, l_i, acc0, acc1 = _keys(q0, q1, m_i, l_i, acc0, acc1, k0_desc, k1_desc, v0_desc,
+                                     v1_desc, start, head, seg_end, scale_log2, HEAD, TAIL,
+                                     BLOCK_N, False)
+    for start in range(full_end, seg_end, BLOCK_N):  # the last partial block: at most one
+        m_i, l_i, acc0, acc1 = _keys(q0, q1, m_i, l_i, acc0, acc1, k0_desc, k1_desc, v0_desc,
+                                     v1_desc, start, head, seg_end, scale_log2, HEAD, TAIL,
+                                     BLOCK_N, True)
+    # a program with no rows stores none (its l is 0: the quotient is never written)
+    norm = 1.0 / l_i
+    rows = first + tl.arange(0, BLOCK_M)
+    live = (rows < seg_end)[:, None]
+    at = o_ptr + rows.to(tl.int64)[:, None] * o_row + head * HEAD_DIM
+    cols0 = tl.arange(0, HEAD)
+    tl.store(at + cols0[None, :], (acc0 * norm[:, None]).to(o_ptr.dtype.element_ty), mask=live)
+    if TAIL > 0:
+        cols1 = HEAD + tl.arange(0, TAIL)
+        tl.store(at + cols1[None, :], (acc1 * norm[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=live & (cols1[None, :] < HEAD_DIM))
+
+
+def split_head(dim: int) -> tuple[int, int]:
+    """``(part, tail)``: the head's first ``part`` columns (the largest power of two up to
+    ``dim``, at least 16) and a tail tile of ``tail`` columns (a power of two, at least 16;
+    0 where ``part`` covers the head)."""
+    part = max(16, 1 << (dim.bit_length() - 1))
+    rest = dim - part
+    return part, (0 if rest <= 0 else max(16, triton.next_power_of_2(rest)))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+           scale: float, block_m: int = 128, block_n: int = 64, warps: int = 4,
+           stages: int = 3, registers: int | None = None) -> torch.Tensor:
+    """Attention of ``(rows, heads, head_dim)`` q, k, v (each row's heads contiguous, rows and
+    heads 16-byte aligned) within the segments of int32 cumulative ``offsets`` (the last equal
+    to ``rows``: every row in some segment). ``registers`` caps the registers per thread
+    (Triton's ``maxnreg``; the probe's, never the wrapper's). Returns a fresh contiguous output."""
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    grid, args, options = _arguments(q, k, v, offsets, scale, out,
+                                     (block_m, block_n, warps, stages), registers)
+    _segment_attention[grid](*args, **options)
+    return out
+
+
+def precompile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+               scale: float, configs: Sequence[tuple[int, int, int, int]]) -> None:
+    """Compile (or load from Triton's cache) the kernel that :func:`attend` would launch for
+    these arguments in each ``(block_m, block_n, warps, stages)`` configuration, side by side
+    in threads, launching nothing. A configuration that fails to build is left to fail again
+    at its launch, where the caller sees why."""
+    # one row of output stands for the whole: it has the same dtype, row stride and alignment
+    out = torch.empty((1, *q.shape[1:]), device=q.device, dtype=q.dtype)
+
+    def build(config: tuple[int, int, int, int]) -> None:
+        with torch.cuda.device(q.device):  # Triton compiles for the thread's current device
+            grid, args, options = _arguments(q, k, v, offsets, scale, out, config, None)
+            _segment_attention.warmup(*args, grid=grid, **options)
+
+    build_side_by_side(build, configs)
+
+
+def slots(segments: int, least: int = MIN_SLOTS) -> int:
+    """The segment slots a program scans: a power of two, at least ``least`` and ``segments``."""
+    return max(least, triton.next_power_of_2(segments))
+
+
+def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+               scale: float, out: torch.Tensor, config: tuple[int, int, int, int],
+               registers: int | None, least: int = MIN_SLOTS
+               ) -> tuple[tuple[int, int], tuple[object, ...], dict[str, object]]:
+    """The grid, arguments and options :func:`attend` launches the kernel with, writing into
+    ``out`` (of ``q``'s dtype and row stride); ``least``: the fewest slots scanned (the
+    probe's, to time other floors)."""
+    block_m, block_n, warps, stages = config
+    rows, heads, dim = q.shape
+    part, tail = split_head(dim)
+    segments = offsets.numel() - 1
+
+    def desc(x: torch.Tensor, block: int, width: int) -> TensorDescriptor:
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [block, 1, width])
+
+    width = tail if tail else part
+    args = (desc(q, block_m, part), desc(q, block_m, width), desc(k, block_n, part),
+            desc(k, block_n, width), desc(v, block_n, part), desc(v, block_n, width), out,
+            offsets, segments, out.stride(0), scale * _LOG2E)
+    options = dict(HEAD_DIM=dim, HEAD=part, TAIL=tail, SLOTS=slots(segments, least),
+                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                   maxnreg=registers)
+    return (heads, triton.cdiv(rows, block_m) + segments), args, options

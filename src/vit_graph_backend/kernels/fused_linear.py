@@ -1,0 +1,403 @@
+"""``epilogue_fusion="auto"``: a linear layer and its GELU as one GEMM where that is faster.
+
+Inductor runs ``act(F.linear(x, W, b))`` as a cuBLAS GEMM and a separate pointwise kernel that
+reads and writes the whole intermediate again; its own Triton GEMM templates, which could take the
+activation into their epilogue, lost to cuBLAS at every MLP shape of CLIP ViT-L/14-336
+(``benchmarks/results/clip_l14_336_fixed_batch_inductor_gemm_autotune_*``), so it never fuses.
+``linear_rewrite.fuse_linear_activations`` rewrites the traced graph before the inner compiler
+sees it: each ``F.linear`` whose only consumer is an activation this module knows (HF's quick GELU
+``y * sigmoid(1.702 y)``, exact GELU, tanh GELU) becomes one call of the custom op
+``vitgraph::linear_act`` defined here.
+
+The op picks, per shape, among a Triton GEMM with bias and activation in its epilogue (tile
+configurations of ``_linear_act_kernels.py``), cuBLAS followed by an in-place activation kernel
+and, for the tanh GELU with a bias, cuBLASLt's GEMM with both in its epilogue, by timing them on
+the call's own tensors the first time the shape runs outside a CUDA graph capture (the runtime's
+warm-up runs before each capture are such runs); a shape first met inside a capture takes
+cuBLAS + activation and is timed at its next run outside one. Each candidate is timed from the
+replays of a small CUDA graph (``gpu_timing.graph_ms``), as the budget's graph
+will run it: timed as single launches, a shape of up to a few tenths of a millisecond of GPU
+time reads mostly as the host's launch time, and the pick was as much the host's as the GPU's
+(``benchmarks/results/linear_act_choice_timing_single_launch_vs_graph_*``). The fused kernel
+wins on the large GPU-bound shapes (CLIP-L fc1 at 48 images: 0.38 against 0.49 ms) and cuBLAS on
+small ones (ViT-B fc1 at 8 images); ``benchmarks/results/linear_act_probe_*`` has the table.
+
+A SiLU-gated MLP's first half, ``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` (Qwen2.5-VL's vision
+blocks), is the op ``vitgraph::linear_silu_mul`` on one weight that packs the gate and up
+projections in alternating chunks of :data:`GATE_CHUNK` rows (:func:`pack_gated`): a 128x256 tile
+of that GEMM holds a gate chunk and its up chunk, so the Triton kernel's epilogue writes only the
+gated product, half as wide, and the GEMM itself runs at the speed of one wide GEMM (two separate
+narrow ones were slower; ``benchmarks/results/linear_act_probe_gated_*``). Its rival per shape is
+cuBLAS on the packed weight followed by one SiLU-mul kernel. The packed adapters call it
+(``adapters/_aligned_mlp.py`` keeps the packed copies); the graph rewrite does not look for it.
+
+Where the fused path cannot run (no CUDA, a GPU older than Hopper's tensor memory accelerator, no
+Triton, an operand the kernel's descriptors cannot address), the op computes the same thing with
+PyTorch's ops, so a rewritten graph is correct on any device.
+
+With cold caches, compiling the fused configurations is most of a shape's first timing. They do
+not depend on the row count, so the rewrite hands each fused layer's weight to
+:meth:`LinearActChoices.prefetch`, which begins their build in a background thread while the
+model's first call goes on; the first timing of a shape with that weight waits for it. On an H100,
+CLIP ViT-L/14-336's cold first pass spent 2.5 s instead of 3.1 to 4.0 timing fused shapes
+(``benchmarks/results/linear_act_kernel_builds_begun_at_the_graph_rewrite_*``): the first call
+of the static graph Dynamo traces first times its shape within a second of the rewrite, so most
+of the build is still waited for.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from ..runtime.timing import graph_ms, time_each
+
+__all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
+           "activation_of", "activation_reference", "fused_epilogue_unavailable", "gated_width",
+           "linear_act", "linear_act_reference", "linear_silu_mul", "linear_silu_mul_reference",
+           "pack_gated", "tma_unavailable"]
+
+log = logging.getLogger(__name__)
+
+#: The activations the op takes (``_linear_act_kernels.ACTIVATIONS`` codes them for the kernels).
+ACTIVATIONS: tuple[str, ...] = ("quick_gelu", "gelu", "gelu_tanh")
+#: The gated form's name where the choices and kernels name an activation.
+GATED = "silu_mul"
+#: Rows of the gate, then of the up projection, that alternate in a packed gated weight: half
+#: the fused kernel's tile width.
+GATE_CHUNK = 128
+#: Fused tile configurations timed per shape (``_linear_act_kernels.CONFIGS`` says the fields).
+#: 128x256 won every large shape of the probe, 128x128 the small ones
+#: (``benchmarks/linear_act_probe.py``).
+FUSED_CONFIGS: tuple[tuple[int, ...], ...] = ((128, 256, 64, 3, 8, 0),
+                                              (128, 256, 64, 4, 8, 0),
+                                              (128, 128, 64, 4, 8, 0))
+#: The gated form's configurations: those whose tile is ``2 * GATE_CHUNK`` wide (one gate chunk
+#: and its up chunk).
+GATED_CONFIGS: tuple[tuple[int, ...], ...] = tuple(c for c in FUSED_CONFIGS
+                                                   if c[1] == 2 * GATE_CHUNK)
+#: The tensor memory accelerator the kernel loads through: Hopper (9.0) and newer.
+MIN_CAPABILITY = (9, 0)
+#: The dtypes the fused kernels take.
+DTYPES = (torch.bfloat16, torch.float16)
+_UNFUSED = "cublas+activation"  # cuBLAS, then one activation (or SiLU-mul) kernel
+#: cuBLASLt's GEMM with bias and tanh GELU in its epilogue (``_compat.addmm_gelu_tanh``): at
+#: SigLIP so400m's fc1 on an H100 it won at 729/4,096/6,396 rows, lost at 2,916/11,664
+_CUBLASLT = "cublaslt epilogue"
+_PYTORCH = "pytorch"  # what runs when neither Triton path does for a shape
+#: Calls per timing graph and replays timed (``gpu_timing.graph_ms``): every candidate of every
+#: shape runs at most ``1 + calls * (reps + 1)`` times, in the first pass of each new model.
+_GRAPH_CALLS, _GRAPH_REPS = 3, 3
+#: Shapes timed at most: past this (an eager fallback meeting a new row count at every call,
+#: say), new shapes take cuBLAS + activation untimed, so no call keeps paying for timing.
+MAX_TIMED_SHAPES = 1024
+
+
+def activation_reference(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """One of :data:`ACTIVATIONS` in PyTorch's ops."""
+    if activation == "quick_gelu":
+        return y * torch.sigmoid(1.702 * y)
+    return F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def linear_act_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str) -> torch.Tensor:
+    """What the rewritten nodes computed, in PyTorch's ops."""
+    return activation_reference(F.linear(x, weight, bias), activation)
+
+
+def gated_width(width: int) -> int:
+    """The packed width of a gated MLP ``width`` wide: a multiple of :data:`GATE_CHUNK`."""
+    return -(-width // GATE_CHUNK) * GATE_CHUNK
+
+
+def pack_gated(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """The gate and up projections' weights (``[W, K]`` each) or biases (``[W]``) packed for
+    :func:`linear_silu_mul`: ``[2 * gated_width(W), ...]``, chunks of :data:`GATE_CHUNK` rows
+    alternating gate, up, gate, up..., zero rows past ``W`` in each. Written into ``out`` when
+    given (whose padding rows must already be zero: only the real rows are written)."""
+    width, rest = gate.shape[0], tuple(gate.shape[1:])
+    padded = gated_width(width)
+    if out is None:
+        out = gate.new_zeros((2 * padded, *rest))
+    chunks = out.view(padded // GATE_CHUNK, 2, GATE_CHUNK, *rest)
+    full, tail = divmod(width, GATE_CHUNK)
+    for half, src in enumerate((gate, up)):
+        chunks[:full, half].copy_(src[:full * GATE_CHUNK].view(full, GATE_CHUNK, *rest))
+        if tail:
+            chunks[full, half, :tail].copy_(src[full * GATE_CHUNK:])
+    return out
+
+
+def linear_silu_mul_reference(x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear_silu_mul` in PyTorch's ops."""
+    y = F.linear(x, weight, bias).unflatten(-1, (-1, 2, GATE_CHUNK))
+    return (F.silu(y[..., 0, :]) * y[..., 1, :]).flatten(-2)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str) -> torch.Tensor:
+    if activation == GATED:
+        return linear_silu_mul_reference(x, weight, bias)
+    return linear_act_reference(x, weight, bias, activation)
+
+
+def activation_of(module: Any) -> str | None:
+    """Which of :data:`ACTIVATIONS` a callable computes (``None``: none of them), judged by its
+    values on a float64 probe against :func:`activation_reference`, so any class that computes
+    one (HF's ``QuickGELUActivation``, ``GELUTanh``, ``nn.GELU``...) counts."""
+    probe = torch.linspace(-8.0, 8.0, 257, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = module(probe)
+    except Exception:  # not an elementwise function of one tensor
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+        return None
+    return next((name for name in ACTIVATIONS
+                 if torch.allclose(got, activation_reference(probe, name), rtol=1e-9,
+                                   atol=1e-12)), None)
+
+
+@torch.library.custom_op("vitgraph::linear_act", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor")
+def _linear_act_op(x, weight, bias, activation):
+    return CHOICES.run(x, weight, bias, activation)
+
+
+@_linear_act_op.register_fake
+def _(x, weight, bias, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str) -> torch.Tensor:
+    """``act(F.linear(x, weight, bias))`` through the op (what the graph rewrite calls; packed
+    adapters call it directly): the faster of the fused kernel and cuBLAS + activation per shape
+    on a Hopper GPU, PyTorch's ops elsewhere."""
+    return torch.ops.vitgraph.linear_act.default(x, weight, bias, activation)
+
+
+def _check_packed(weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.shape[0] % (2 * GATE_CHUNK):
+        raise ValueError(f"linear_silu_mul takes a weight packed by pack_gated: 2-D with rows a "
+                         f"multiple of {2 * GATE_CHUNK}, not of shape {tuple(weight.shape)}")
+
+
+@torch.library.custom_op("vitgraph::linear_silu_mul", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+def _linear_silu_mul_op(x, weight, bias):
+    _check_packed(weight)
+    return CHOICES.run(x, weight, bias, GATED)
+
+
+@_linear_silu_mul_op.register_fake
+def _(x, weight, bias):
+    _check_packed(weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu)`` through the op
+    ``vitgraph::linear_silu_mul``, with ``weight``/``bias`` the two projections packed by
+    :func:`pack_gated` (the result is ``gated_width(W)`` wide; its padding columns are zero): the
+    faster of the gated Triton GEMM and cuBLAS + a SiLU-mul kernel per shape on a Hopper GPU,
+    PyTorch's ops elsewhere."""
+    return torch.ops.vitgraph.linear_silu_mul.default(x, weight, bias)
+
+
+def tma_unavailable(device: torch.device | None) -> str | None:
+    """Why a Triton kernel that loads through Hopper's tensor memory accelerator cannot run on
+    ``device`` (``None``: its GPU has one); the kernel's own import aside."""
+    if device is None or device.type != "cuda":
+        return f"the graph runs on {device}, not a CUDA GPU"
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        return (f"{torch.cuda.get_device_name(device)} has compute capability "
+                f"{capability[0]}.{capability[1]}; the kernel needs {MIN_CAPABILITY[0]}."
+                f"{MIN_CAPABILITY[1]} (Hopper's tensor memory accelerator) or newer")
+    return None
+
+
+def fused_epilogue_unavailable(device: torch.device | None) -> str | None:
+    """Why the fused kernel cannot run on ``device`` (``None``: it can)."""
+    return tma_unavailable(device) or _kernels()[1]
+
+
+@functools.cache
+def _kernels() -> tuple[Any, str | None]:
+    """The Triton kernels module, or why it does not import."""
+    try:
+        from . import _linear_act_kernels
+        return _linear_act_kernels, None
+    except Exception as exc:  # Triton missing or too old for host tensor descriptors
+        return None, f"Triton's kernels do not import ({type(exc).__name__}: {exc})"
+
+
+#: What runs for a shape: ``_UNFUSED``, ``_CUBLASLT``, ``_PYTORCH`` or a fused tile
+#: configuration.
+Choice = str | tuple[int, ...]
+
+
+class LinearActChoices:
+    """Which way each shape runs, timed once per shape (thread-safe; one per process)."""
+
+    def __init__(self) -> None:
+        #: (device index, dtype, rows, K, N, activation, has bias) -> ``_UNFUSED``,
+        #: ``_CUBLASLT``, ``_PYTORCH`` or a fused tile configuration (``CONFIGS``' fields)
+        self.chosen: dict[tuple[Any, ...], Choice] = {}
+        #: (gated, fused configuration or ``_CUBLASLT``) -> why it failed to compile or run
+        #: (not tried again)
+        self.refused: dict[tuple[bool, Choice], str] = {}
+        #: (device index, dtype, K, N, activation, has bias) -> the build :meth:`prefetch` began
+        self._builds: dict[tuple[Any, ...], Future[None]] = {}
+        self._builder: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def prefetch(self, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
+        """Begin compiling, in a background thread, the fused configurations that the first
+        timing of a shape with this weight will time (the kernels do not depend on the row
+        count), so that with cold caches Triton compiles while the call that compiled the graph
+        goes on; the timing waits for what is left. Nothing when the kernels cannot run on the
+        weight, or no thread can start."""
+        kernels = _kernels()[0]
+        if (kernels is None or activation not in ACTIVATIONS  # the weight stands for rows of
+                or not self._fusable(weight, weight, bias)):  # its device, dtype and width
+            return
+        key = (weight.device.index, weight.dtype, *weight.shape[::-1], activation,
+               bias is not None)
+        with self._lock:
+            if key in self._builds:
+                return
+            configs = [c for c in FUSED_CONFIGS if (False, c) not in self.refused]
+            # a few rows stand for all (``_linear_act_kernels.precompile``), allocated here,
+            # where the caller is, rather than in the thread
+            rows = weight.new_empty((128, weight.shape[1]))
+            try:
+                if self._builder is None:
+                    self._builder = ThreadPoolExecutor(1, thread_name_prefix="vitgraph-prefetch")
+                self._builds[key] = self._builder.submit(kernels.precompile, rows, weight, bias,
+                                                         activation, configs)
+            except RuntimeError:  # no thread to start: the timing compiles them
+                pass
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Shapes timed and what won each, and refused configurations with their reasons."""
+        with self._lock:
+            return {"chosen": {_describe(k): _name(v) for k, v in self.chosen.items()},
+                    "refused": {_name(c).removeprefix("fused ") + (" gated" if gated else ""): why
+                                for (gated, c), why in self.refused.items()}}
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            activation: str) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if not self._fusable(rows, weight, bias):
+            return _reference(x, weight, bias, activation)
+        n = weight.shape[0] // 2 if activation == GATED else weight.shape[0]
+        key = (x.device.index, x.dtype, *rows.shape, n, activation, bias is not None)
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            with self._lock:
+                choice = self.chosen.get(key)
+                if (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
+                        and not torch.cuda.is_current_stream_capturing()):
+                    choice = self.chosen[key] = self._time(rows, weight, bias, activation)
+            out = self._launch(_UNFUSED if choice is None else choice, rows, weight, bias,
+                               activation)
+        return out.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def _fusable(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        # the descriptors need 16-byte aligned bases and row strides
+        return (rows.is_cuda and rows.dtype in DTYPES and weight.dtype == rows.dtype
+                and rows.is_contiguous() and weight.is_contiguous() and rows.shape[0] > 0
+                and rows.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
+                and rows.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+                and (bias is None or bias.is_contiguous())
+                and _kernels()[0] is not None
+                and tuple(torch.cuda.get_device_capability(rows.device)) >= MIN_CAPABILITY)
+
+    @staticmethod
+    def _launch(choice: Choice, rows: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+        kernels = _kernels()[0]
+        if choice == _PYTORCH:
+            return _reference(rows, weight, bias, activation)
+        if choice == _UNFUSED:
+            if activation == GATED:
+                return kernels.silu_mul_packed(F.linear(rows, weight, bias), GATE_CHUNK)
+            return kernels.activation_(F.linear(rows, weight, bias), activation)
+        if choice == _CUBLASLT:
+            return _compat.addmm_gelu_tanh(rows, weight, bias)
+        return kernels.linear_act(rows, weight, bias, activation, choice)
+
+    def _time(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: str) -> Choice:
+        """The fastest way for this shape, each candidate timed from CUDA-graph replays on the
+        call's own tensors (``gpu_timing.graph_ms``, whose first run outside the capture compiles
+        the candidate's kernel): what the budget's graph will run, not the host's launch time."""
+        gated = activation == GATED
+        fused = [c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
+                 if (gated, c) not in self.refused]
+        lt = ([_CUBLASLT] if activation == "gelu_tanh" and bias is not None
+              and (False, _CUBLASLT) not in self.refused else [])
+        candidates: list[Choice] = [_UNFUSED, *lt, *fused]
+        kernels = _kernels()[0]
+        build = self._builds.get((rows.device.index, rows.dtype, rows.shape[1], weight.shape[0],
+                                  activation, bias is not None))
+        if build is not None:  # begun by prefetch: wait for it (a failure recurs at the launch)
+            build.exception()
+        if kernels is not None and rows.is_cuda:  # cold caches: the compiles side by side
+            kernels.precompile(rows, weight, bias, activation, fused)
+        times, failures = time_each(
+            candidates, lambda choice: self._launch(choice, rows, weight, bias, activation),
+            calls=_GRAPH_CALLS, reps=_GRAPH_REPS, timer=graph_ms)
+        short = [(choice, reason) for choice, (reason, memory) in failures.items() if memory]
+        short_of_memory = bool(short)
+        if short:  # the moment's memory, not the kernels: refused for no other shape
+            log.warning("vitgraph: linear+%s at %d x %d -> %d: %d of %d kernels not timed, %s",
+                        activation, *rows.shape, weight.shape[0], len(short), len(candidates),
+                        short[0][1])
+        for choice, (reason, memory) in failures.items():
+            if memory:
+                continue
+            if choice == _UNFUSED:
+                log.warning("vitgraph: the %s kernel after cuBLAS failed at %d x %d -> %d "
+                            "(%s)", activation, *rows.shape, weight.shape[0], reason)
+            else:
+                self.refused[(gated, choice)] = reason
+                log.warning("vitgraph: linear+%s: %s refused (%s); not tried again",
+                            activation, _name(choice), reason)
+        if not times:  # out of memory: cuBLAS + activation, as for a shape met in a capture
+            return _UNFUSED if short_of_memory else _PYTORCH
+        best = min(times, key=times.__getitem__)
+        log.debug("vitgraph: linear+%s at %d x %d -> %d: %s (%s)", activation, *rows.shape,
+                  weight.shape[0], _name(best),
+                  ", ".join(f"{_name(k)} {v:.4f} ms" for k, v in times.items()))
+        return best
+
+
+def _name(choice: Choice) -> str:
+    """``"cublas+activation"``, ``"cublaslt epilogue"``, ``"pytorch"`` or ``"fused "`` and the
+    tile's fields."""
+    return choice if isinstance(choice, str) else "fused " + "x".join(map(str, choice))
+
+
+def _describe(key: tuple[Any, ...]) -> str:
+    index, dtype, m, k, n, activation, has_bias = key
+    return (f"cuda:{index} {str(dtype).removeprefix('torch.')} {m}x{k} -> {n} {activation}"
+            f"{' +bias' if has_bias else ''}")
+
+
+#: The process's choices (shapes are the same whichever graph meets them).
+CHOICES = LinearActChoices()

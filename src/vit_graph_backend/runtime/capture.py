@@ -1,0 +1,390 @@
+"""Capturing one budget's CUDA graph within a memory bound, and surviving a capture that fails.
+
+:class:`GraphMemory` is the manager's memory book: which pools its graphs live in, what their
+static inputs hold, the bound ``max_graph_memory`` resolves to, and each budget's estimate.
+:func:`capture_budget_graph` does one budget:
+
+1. **Warm-up, measured.** The encoder runs ``warmup_iters`` times on a side stream (cuBLAS and
+   cuDNN set-up, lazy compiles) after the allocator's cache was emptied; what the allocator had to
+   reserve for it is the budget's estimate: the warm-up's peak, rounded up to the allocator's
+   segments. A warm-up that runs out of memory skips the budget. The peak counter
+   (``torch.cuda.max_memory_allocated``) is not used, because resetting it would change what the
+   application measures.
+2. **The bound.** The graphs held so far, plus the part of the estimate the current pool cannot
+   already supply (smaller graphs reuse the largest one's memory), plus the new static inputs,
+   must fit ``max_graph_memory``; a budget that does not is skipped. After a capture the measured
+   total is checked again and a graph over the bound is dropped; the pool keeps the memory that
+   graph touched (the allocator returns a pool's memory only when the whole pool goes), so the
+   total can end above the bound by at most about one budget's estimate.
+3. **Capture** into the shared pool on the device's capture stream (:func:`capture_stream`),
+   with ``keep_graph=True``: the graph is then instantiated as ``graph_launch.py`` decides (for
+   device launch where the driver allows, which makes a launch cheap for the host). If it fails
+   (out of memory, a host sync in the forward), the pool it was capturing into may be unusable
+   for later captures: PyTorch's allocator was seen to fail an internal assert
+   (``use_count > 0``) on every later capture into it, leaving 0 graphs. So the caller continues
+   in a fresh pool, and the thread's current stream, which ``torch.cuda.graph`` leaves on the
+   capture stream when ending the capture raises, is put back.
+
+Budgets are captured largest first (see ``runtime.py``), so under pressure the small budgets that
+fit are captured and a call for a skipped budget replays the next larger captured graph or runs
+eagerly with the skip's reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..errors import error_line, out_of_memory
+from .launch import capture_stream, device_index, launch_kind, make_launcher
+
+__all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
+           "mib", "storage_bytes"]
+
+
+def mib(n: int | None) -> str:
+    """``n`` bytes as a short MiB string for messages."""
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass
+class GraphMemory:
+    """Memory held by one manager's graphs: pools, static inputs, the bound, estimates."""
+
+    limit_option: int | float | None = None
+    limit: int | None = None
+    pools: list[Any] = field(default_factory=list)
+    estimates: dict[int, int] = field(default_factory=dict)
+
+    def resolve_limit(self, device: torch.device, held: int) -> int | None:
+        """The byte bound, resolved once at the first capture: an int is bytes; a float is a
+        fraction of the device's free memory then, plus what these graphs already hold.
+
+        Free memory is read after the allocator's cached blocks are released (as the warm-up
+        does next): blocks that the caller's earlier calls or the kernel timings before this
+        capture (``adapters/_attention_choice.py``) left cached would otherwise read as used,
+        and the bound would depend on them. Under a 1.5 GiB margin, the Triton segment
+        kernel's timings left enough cached to lower the bound so far that the budget of 768
+        rows no longer fit and the stress suite's memory part served 22 calls from graphs
+        instead of 442 (``benchmarks/results/stress_memory_part_cached_blocks_*``)."""
+        if self.limit is None and self.limit_option is not None:
+            if isinstance(self.limit_option, float):
+                torch.cuda.empty_cache()
+                free, _ = torch.cuda.mem_get_info(device)
+                self.limit = int(self.limit_option * (free + held))
+            else:
+                self.limit = int(self.limit_option)
+        return self.limit
+
+    def pool_bytes(self, device: torch.device) -> int:
+        """Bytes the allocator reserved for every pool these graphs were captured into."""
+        total = 0
+        for pool in self.pools:
+            total += _compat.graph_pool_bytes(pool, device) or 0
+        return total
+
+    def clear(self) -> None:
+        """Forget pools and estimates (the bound stays resolved)."""
+        self.pools.clear()
+        self.estimates.clear()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (budgets may share one
+    row buffer through views); storages already in ``seen`` are not counted again."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+@dataclass
+class CaptureOutcome:
+    """A captured graph and its static output, or the reason the budget was skipped."""
+
+    graph: Any = None
+    output: Any = None
+    skipped: str | None = None
+    failed: bool = False          # the capture itself failed: continue in a fresh pool
+    oom: bool = False             # skipped because memory ran out (pressure, not a bug)
+
+
+def _warmup(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
+            iters: int, device: torch.device) -> tuple[int | None, bool | None]:
+    """The bytes the warm-up made the allocator reserve, and whether it advanced the device's
+    random-number generator (``None``, ``None`` without a warm-up)."""
+    if iters == 0:
+        return None, None
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    generator = torch.cuda.default_generators[device_index(device)]
+    offset = generator.get_offset()
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(iters):
+            forward(static)
+    current.wait_stream(stream)
+    return (max(0, torch.cuda.memory_reserved(device) - before),
+            generator.get_offset() != offset)
+
+
+def capture_budget_graph(
+    budget: int, forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor], *,
+    pool: Any, device: torch.device, warmup_iters: int, memory: GraphMemory,
+    held: int, new_static: int, live_outputs: int = 0, graph_launch: str = "auto",
+) -> CaptureOutcome:
+    """Warm up, check the bound, capture; never raises for a budget that cannot be captured.
+
+    Args:
+        held: bytes the manager's graphs hold now (pools and static inputs).
+        new_static: bytes of this budget's static inputs not yet counted in ``held``.
+        live_outputs: bytes of the static outputs of graphs already captured: pool memory a
+            new graph cannot reuse.
+        graph_launch: the option of that name: how the graph is instantiated and launched
+            (``graph_launch.py``).
+    """
+    # resolved before the warm-up, whose cached memory would read as not free
+    limit = memory.resolve_limit(device, held)
+    try:
+        estimate, uses_rng = _warmup(forward, static, warmup_iters, device)
+    except Exception as exc:  # memory (errors.out_of_memory) skips the budget; the rest raise
+        if not out_of_memory(exc):
+            raise
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        return CaptureOutcome(skipped=f"warm-up: {error_line(exc)}; {mib(free)} free after it",
+                              oom=True)
+    if estimate is not None:
+        memory.estimates[budget] = estimate
+    if limit is not None and estimate is not None:
+        reusable = max(0, (_compat.graph_pool_bytes(pool, device) or 0) - live_outputs)
+        projected = held + new_static + max(0, estimate - reusable)
+        if projected > limit:
+            return CaptureOutcome(skipped=(
+                f"needs about {mib(projected)} with the graphs already held, over "
+                f"max_graph_memory={memory.limit_option!r} ({mib(limit)})"))
+    stream_before = torch.cuda.current_stream(device)
+    # kept: the driver instantiates it for device launch (graph_launch.py)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    try:
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
+                                               capture_error_mode="thread_local"):
+            output = forward(static)
+    except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
+        torch.cuda.set_stream(stream_before)
+        _compat.end_failed_capture(pool, device)
+        del graph
+        torch.cuda.empty_cache()
+        oom = out_of_memory(exc)
+        return CaptureOutcome(failed=True, oom=oom,
+                              skipped=f"capture failed: {error_line(exc)}")
+    try:
+        launcher = make_launcher(graph, device, graph_launch, uses_rng)
+    except Exception as exc:  # PyTorch's own instantiation failed: the graph cannot run
+        del graph
+        return CaptureOutcome(failed=True, skipped=f"instantiation failed: {error_line(exc)}")
+    return CaptureOutcome(graph=launcher, output=output)
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    if output is None:
+        return []
+    return [output] if isinstance(output, torch.Tensor) else list(output)
+
+
+@dataclass
+class BudgetGraph:
+    """One budget's static buffers, its graph (``None`` without CUDA) and its static output."""
+
+    budget: int
+    static: dict[str, torch.Tensor]
+    graph: Any = None
+    output: Any = None
+    verified: bool = False
+    #: static buffers a replay rewrites (the rest are capture-time constants)
+    written: set[str] = field(default_factory=set)
+    #: the ``StampedBuffers.stamp`` the static buffers were last filled from (``replay_io``)
+    stamp: Any = None
+    #: per static buffer, how many leading rows may be non-zero (absent: all of them)
+    dirty: dict[str, int] = field(default_factory=dict)
+    _aliased: frozenset[str] | None = field(default=None, init=False, repr=False)
+
+    def forget_inputs(self) -> None:
+        """The static buffers were written outside a replay: the next one writes them all."""
+        self.stamp = None
+        self.dirty.clear()
+
+    def aliased_keys(self) -> frozenset[str]:
+        """Static buffers that share storage with another one, in this budget (views of one
+        metadata block) or another (batched graphs' budgets view one row buffer): a write to
+        one changes the others, so their non-zero rows are not tracked. Set by
+        :class:`BudgetGraphs` over all its budgets; an entry made alone checks its own."""
+        if self._aliased is None:
+            self._aliased = _aliased({self.budget: self})[self.budget]
+        return self._aliased
+
+
+def _aliased(entries: Mapping[int, BudgetGraph]) -> dict[int, frozenset[str]]:
+    """Per budget, its static buffers whose storage another static buffer of ``entries`` uses."""
+    users: dict[int, int] = {}
+    for entry in entries.values():
+        for tensor in entry.static.values():
+            ptr = tensor.untyped_storage().data_ptr()
+            users[ptr] = users.get(ptr, 0) + 1
+    return {budget: frozenset(key for key, t in entry.static.items()
+                              if users[t.untyped_storage().data_ptr()] > 1)
+            for budget, entry in entries.items()}
+
+
+class BudgetGraphs:
+    """The captured graphs of one manager: static buffers, pools, memory book, skips.
+
+    The manager decides what to serve; this class only builds, holds and frees graphs.
+    """
+
+    def __init__(self, model: Any, warmup_iters: int, max_graph_memory: int | float | None,
+                 max_batch_size: int, max_frames_per_batch: int | None,
+                 device: torch.device, dtype: torch.dtype, graph_launch: str = "auto") -> None:
+        self.model = model
+        self.graph_launch = graph_launch
+        self.warmup_iters = warmup_iters
+        self.slots = (max_batch_size, max_frames_per_batch)
+        self.device, self.dtype = device, dtype
+        self.entries: dict[int, BudgetGraph] = {}
+        self.graph_pool: Any = None
+        self.memory = GraphMemory(max_graph_memory)
+        self.skipped: dict[int, str] = {}
+        #: budgets skipped because memory ran out, over this manager's life
+        self.out_of_memory = 0
+        self.capture_seconds = 0.0
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured now."""
+        return sum(1 for g in self.entries.values() if g.graph is not None)
+
+    def _static_tensors(self) -> Iterable[torch.Tensor]:
+        return (t for g in self.entries.values() for t in g.static.values())
+
+    def pool_bytes(self) -> int:
+        """Bytes reserved for the pools these graphs live in (0 off CUDA)."""
+        if self.device.type != "cuda" or not self.memory.pools:
+            return 0
+        return self.memory.pool_bytes(self.device)
+
+    def report(self) -> dict[str, Any]:
+        """The memory part of the manager's ``memory_report()``."""
+        static = storage_bytes(self._static_tensors())
+        pool = self.pool_bytes()
+        # memory held for graphs: without a captured graph (no CUDA) the static buffers are
+        # still reported, as static_input_bytes, but no graph memory
+        graphed = storage_bytes(t for g in self.entries.values() if g.graph is not None
+                                for t in g.static.values())
+        return {
+            "graphs": self.num_graphs,
+            "captured_budgets": sorted(b for b, g in self.entries.items() if g.graph is not None),
+            # how each captured graph launches (graph_launch.py): "device" or "torch"
+            "graph_launch": {b: launch_kind(g.graph) for b, g in sorted(self.entries.items())
+                             if g.graph is not None},
+            "largest_budget": max(self.entries) if self.entries else None,
+            "pool_bytes": pool,
+            "static_input_bytes": static,
+            "total_bytes": pool + graphed,
+            "max_graph_memory_bytes": self.memory.limit,
+            "estimated_bytes": dict(sorted(self.memory.estimates.items())),
+            "capture_seconds": round(self.capture_seconds, 4),
+            "skipped_budgets": dict(sorted(self.skipped.items())),
+            "out_of_memory_skips": self.out_of_memory,
+        }
+
+    def capture_inputs(self, budget: int) -> dict[str, torch.Tensor]:
+        """The model's static buffers for ``budget``, sized for every graph slot."""
+        return dict(self.model.prepare_encoder_cudagraph_capture_inputs(
+            budget, *self.slots, self.device, self.dtype))
+
+    def entry_without_graph(self, budget: int) -> BudgetGraph:
+        """Static buffers only: the path a device without CUDA runs."""
+        entry = self.entries.get(budget)
+        if entry is None:
+            entry = self.entries[budget] = BudgetGraph(budget, self.capture_inputs(budget))
+            self._mark_aliases()
+        return entry
+
+    def _mark_aliases(self) -> None:
+        """After a budget joins: which static buffers share storage, over all budgets."""
+        for budget, keys in _aliased(self.entries).items():
+            self.entries[budget]._aliased = keys
+
+    def capture(self, budget: int) -> CaptureOutcome:
+        """Capture ``budget`` into the shared pool, measured and bounded (module docstring);
+        a skipped budget is recorded in :attr:`skipped` with its reason."""
+        start = time.perf_counter()
+        try:
+            outcome = self._capture(budget)
+        finally:
+            self.capture_seconds += time.perf_counter() - start
+        if outcome.failed:
+            # the pool may be unusable for later captures: smaller budgets go into a fresh one
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        if outcome.skipped is not None:
+            self.skipped[budget] = outcome.skipped
+            self.out_of_memory += outcome.oom
+        return outcome
+
+    def _capture(self, budget: int) -> CaptureOutcome:
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        if self.graph_pool not in self.memory.pools:
+            self.memory.pools.append(self.graph_pool)
+        held_storages: set[int] = set()
+        held = self.pool_bytes() + storage_bytes(self._static_tensors(), held_storages)
+        try:
+            static = self.capture_inputs(budget)
+        except Exception as exc:  # as the warm-up: memory skips, the rest raise
+            if not out_of_memory(exc):
+                raise
+            torch.cuda.empty_cache()
+            return CaptureOutcome(skipped=f"static inputs: {error_line(exc)}", oom=True)
+        outcome = capture_budget_graph(
+            budget, self.model.encoder_cudagraph_forward, static, pool=self.graph_pool,
+            device=self.device, warmup_iters=self.warmup_iters, memory=self.memory, held=held,
+            new_static=storage_bytes(static.values(), held_storages),
+            live_outputs=storage_bytes(t for g in self.entries.values()
+                                       for t in _output_tensors(g.output)),
+            graph_launch=self.graph_launch)
+        if outcome.skipped is None:
+            self.entries[budget] = BudgetGraph(budget, static, outcome.graph, outcome.output)
+            limit = self.memory.limit
+            total = self.pool_bytes() + storage_bytes(self._static_tensors())
+            if limit is not None and total > limit:
+                # the estimate was short: the bound is a promise, so this graph goes again
+                del self.entries[budget]
+                del outcome, static
+                if not self.entries:
+                    # no other graph lives in this pool: drop the pool too, so its memory goes
+                    self.memory.pools.remove(self.graph_pool)
+                    self.graph_pool = None
+                torch.cuda.empty_cache()
+                return CaptureOutcome(skipped=(
+                    f"captured at {mib(total)} with the graphs already held, over "
+                    f"max_graph_memory={self.memory.limit_option!r} ({mib(limit)})"))
+            self._mark_aliases()
+        return outcome
+
+    def clear(self) -> None:
+        """Drop graphs, buffers, pools and skips (the caller has ordered the GPU first)."""
+        self.entries.clear()
+        self.graph_pool = None
+        self.memory.clear()
+        self.skipped.clear()

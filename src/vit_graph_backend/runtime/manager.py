@@ -1,0 +1,463 @@
+"""`EncoderCudaGraphManager`: budgets, static buffers, one shared graph pool, capture and replay.
+
+One manager serves one encoder (or, for batched ``torch.compile`` graphs, one graph set). For each
+call it asks the encoder for item specs, plans batches (``planner``), and runs each batch:
+
+- a **graph batch** copies the encoder's replay buffers into the budget's static buffers (a short
+  buffer is copied into the head and its tail zeroed, so no stale or NaN padding survives), replays
+  the budget's CUDA graph, clones the real rows once and hands each item a view of its rows;
+- an **eager batch** (an item larger than every budget, a budget whose capture failed, grad
+  required) runs ``encoder_eager_forward`` and is counted in ``stats`` with its reason; a call
+  with hooks or patched code inside the encoder at capture runs eagerly (``weights.py``).
+
+Budgets are captured **largest first into one graph pool**, so smaller graphs reuse the largest
+one's intermediates; each capture is measured and bounded first, and a failed capture does not
+take the smaller budgets with it (``graph_capture.py``). Which budgets are served, why the others
+are not, and the cached plans over them: ``served_budgets.py``. This module replays.
+
+**Threads and streams.** Host state is guarded by this manager's lock. The GPU work of each call
+(copies into the static buffers, replays, output copies, eager batches) is ordered after the
+previous call's on the device through :class:`~vit_graph_backend.runtime.stream_order.StreamOrder`, so
+any number of threads on any streams get the outputs eager PyTorch would give them; outputs are
+made on the caller's current stream. Without CUDA the same plan, pad, run and slice path runs
+without graphs (CPU tests use it).
+
+Encoders reach the manager through :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`;
+one of independent rows may add ``prepare_encoder_cudagraph_replay_segments`` and
+``encoder_eager_segments`` (planner segments instead of items: large items cut, ``chunk=True``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..budgets import BudgetConfig
+from ..errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError, error_line
+from .capture import BudgetGraphs, mib
+from ..options import VitGraphOptions
+from ..planner import Batch, Segment
+from .replay_io import (assemble, head_copy, infer_device_dtype, map_output, max_rel_error,
+                        needs_grad,
+                        split_rows, verify_tolerance, write_inputs)
+from ..protocol import SupportsEncoderCudaGraph
+from .served_budgets import ServedBudgets
+from ..stats import GraphStats
+from .stream_order import order_for
+from .weights import WeightSlots, python_outside_graphs
+
+__all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
+
+log = logging.getLogger(__name__)
+
+class EncoderCudaGraphManager:
+    """Serve an encoder's calls from one CUDA graph per token budget.
+
+    Args:
+        model: the encoder, implementing ``SupportsEncoderCudaGraph``.
+        options: budgets, policy, capture and verification settings.
+        device: where static buffers live; ``None`` for the model's first parameter's device.
+        dtype: dtype of floating capture inputs; ``None`` for the model's parameter dtype.
+        chunk: cut row items larger than the largest budget into chunks (needs the segment API).
+        budget_config: a resolved config to use instead of resolving ``options`` against the
+            model's budget range.
+        exact_rows: for an exact-shape graph (one budget of 1 holding a whole static call):
+            the call's real rows, counted in ``stats`` instead of a budget of 1.
+        pad_without_graphs: on a device without CUDA, pad each batch to its budget and run
+            the captured computation over static buffers, as a graph would (for tests of
+            padding without a GPU); ``None`` for the class default :attr:`pad_without_graphs`
+            (``False``: such a device runs each planned batch at its own size, eagerly, so it
+            costs what eager costs).
+        watch: the module whose weights the graphs read (``weights.py``: checked for new
+            storage before every call that replays a graph, for hooks and patched code at
+            every capture); ``None`` for ``model`` itself where it is a module.
+
+    Example::
+
+        manager = EncoderCudaGraphManager(adapter, VitGraphOptions(max_items_per_graph=4))
+        outputs = manager.run({"pixel_values": pv, "grid_thw": grid})   # one output per item
+    """
+
+    #: the default of ``pad_without_graphs``: tests of padding on CPU set it for managers made
+    #: inside ``serve()`` and ``torch.compile`` (``tests/conftest.py``, fixture ``padded_cpu``)
+    pad_without_graphs = False
+
+    def __init__(
+        self,
+        model: SupportsEncoderCudaGraph,
+        options: VitGraphOptions | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        chunk: bool = False,
+        budget_config: BudgetConfig | None = None,
+        exact_rows: int | None = None,
+        pad_without_graphs: bool | None = None,
+        watch: Any = None,
+    ) -> None:
+        self.model = model
+        self.options = options if options is not None else VitGraphOptions()
+        self.config = budget_config or self.options.resolve(
+            model.get_encoder_cudagraph_budget_range())
+        self.device, self.dtype = infer_device_dtype(model, device, dtype)
+        self._segment_api = hasattr(model, "prepare_encoder_cudagraph_replay_segments")
+        if chunk and not self._segment_api:
+            raise InvalidOptionError(
+                "chunk=True needs an encoder with prepare_encoder_cudagraph_replay_segments "
+                "(row items); packed encoders cannot cut an item"
+            )
+        self.chunk = chunk
+        self.exact_rows = exact_rows
+        #: batches are padded to budgets: where graphs can replay them, or when asked to
+        if pad_without_graphs is None:
+            pad_without_graphs = type(self).pad_without_graphs
+        self.pads = self.device.type == "cuda" or pad_without_graphs
+        self.stats = GraphStats()
+        self.graphs = BudgetGraphs(model, self.options.warmup_iters, self.options.max_graph_memory,
+                                   self.config.max_batch_size, self.config.max_frames_per_batch,
+                                   self.device, self.dtype, self.options.graph_launch)
+        self._graphs = self.graphs.entries
+        #: the budgets served now, why the others are not, and the plans over them
+        self.served = ServedBudgets(self.config, self.options.policy, chunk)
+        self._off_reason: str | None = None
+        self._all_budgets_failed = False   # graphs off only because every budget was disabled
+        self._logged: set[str] = set()
+        self._lock = threading.RLock()
+        #: the module the graphs read weights of, and where its weights live (``weights.py``)
+        self.watched = watch if watch is not None else (
+            model if isinstance(model, torch.nn.Module) else None)
+        self.weights = WeightSlots(self.watched) if self.watched is not None else None
+        #: the encoder's own weight copies (its optional protocol method), refreshed once a
+        #: call after its first launch
+        self._refresh = getattr(model, "refresh_encoder_cudagraph_weights", None)
+        #: orders this call's GPU work after the previous call's, on any stream (one per device)
+        self.order = order_for(self.device)
+        if self.device.type != "cuda":
+            _log_cpu_once()
+        reason = getattr(model, "graph_unsupported_reason", lambda: None)()
+        if reason:
+            self.disable_graphs(reason)
+
+    # ----------------------------------------------------------------------------- introspection
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """True if calls can replay CUDA graphs (CUDA device, graphs not disabled)."""
+        return self.device.type == "cuda" and self._off_reason is None
+
+    @property
+    def token_budgets(self) -> tuple[int, ...]:
+        """Budgets still served by graphs (a budget whose capture failed is dropped)."""
+        return self.served.budgets if self._off_reason is None else ()
+
+    def get_num_graphs_to_capture(self) -> int:
+        """Graphs :meth:`capture` would hold: one per budget, 0 without CUDA or with graphs off."""
+        return len(self.token_budgets) if self.uses_cuda_graphs else 0
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured now."""
+        return self.graphs.num_graphs
+
+    @property
+    def graph_pool(self) -> Any:
+        """The pool the next capture goes into (``None`` until the first capture)."""
+        return self.graphs.graph_pool
+
+    @graph_pool.setter
+    def graph_pool(self, pool: Any) -> None:
+        self.graphs.graph_pool = pool
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing (warm-ups included)."""
+        return self.graphs.capture_seconds
+
+    def memory_report(self) -> dict[str, Any]:
+        """Memory the captured set holds, measured from the CUDA caching allocator.
+
+        ``pool_bytes`` is what the allocator reserved for the graph pools (intermediates and
+        static outputs); ``static_input_bytes`` the static input buffers outside them;
+        ``skipped_budgets`` the budgets not captured, each with its reason (over
+        ``max_graph_memory``, out of memory, a failed capture); ``estimated_bytes`` each
+        measured budget's warm-up estimate; ``disabled_budgets`` every budget not served, with
+        its reason (skips, failed replays, failed verification).
+        """
+        report = self.graphs.report()
+        report["budgets"] = list(self.token_budgets)
+        report["disabled_budgets"] = dict(self.served.disabled)
+        report["graphs_off_reason"] = self._off_reason
+        return report
+
+    # ------------------------------------------------------------------------------- life cycle
+    def disable_graphs(self, reason: str) -> None:
+        """Serve every later call eagerly, logging ``reason`` once."""
+        self._off_reason = reason
+        self._log_once(f"vitgraph: CUDA graphs disabled for this encoder: {reason}")
+
+    def capture(self, graph_pool: Any = None) -> None:
+        """Capture every budget, largest first, into one pool.
+
+        Args:
+            graph_pool: a ``torch.cuda.graph_pool_handle()`` to capture into (kept as given, e.g.
+                one shared with other graphs of the application); ``None`` creates one.
+        """
+        with self._lock:
+            if not self.uses_cuda_graphs:  # off CUDA: logged once per process (_log_cpu_once)
+                return
+            if graph_pool is not None:
+                self.graph_pool = graph_pool
+            for budget in sorted(self.token_budgets, reverse=True):
+                if budget not in self._graphs:
+                    self._capture_budget(budget)
+            report = self.memory_report()
+            log.info("vitgraph: captured %d graphs (budgets %s) in %.2f s, %s; skipped %s",
+                     self.num_graphs, report["captured_budgets"], self.capture_seconds,
+                     mib(report["total_bytes"]), report["skipped_budgets"] or "none")
+
+    def clear(self) -> None:
+        """Drop graphs, static buffers and the pool; a later call captures again."""
+        with self._lock:
+            with self.order:  # no replay of these graphs may still run on any stream
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self._reenable_skipped()
+                self.graphs.clear()
+                self.served.clear_plans()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def _reenable_skipped(self) -> None:
+        # memory may have been freed since: budgets skipped at capture get another try
+        if not self.graphs.skipped:
+            return
+        if self.served.enable(list(self.graphs.skipped)) and self._all_budgets_failed:
+            self._off_reason, self._all_budgets_failed = None, False
+
+    # ------------------------------------------------------------------------------------ calls
+    def run(self, inputs: Any) -> list[Any]:
+        """Run one call; returns one output per item, in the caller's order."""
+        specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
+        with self._lock:
+            if self._graphs and self.weights is not None and self.weights.moved():
+                self._follow_moved_weights()
+            self.stats.record_call()
+            call = _Call(self._off_reason or self._grad_reason(inputs))
+            pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
+            stream = self.order.enter()
+            try:
+                if (call.reason is None and self.options.capture == "all"
+                        and self.uses_cuda_graphs
+                        and any(b not in self._graphs for b in self.token_budgets)):
+                    if not self._graphs:
+                        self._python_outside()
+                    if self._off_reason is None:
+                        self.capture()   # before planning: a skipped budget changes the plan
+                    call.reason = self._off_reason
+                for batch in self.served.plan(specs).batches if call.reason is None else ():
+                    for seg, out in zip(batch.segments, self._run_batch(inputs, batch, call)):
+                        pieces[seg.item].append((seg.start, out))
+                if call.reason is not None:  # one batch of every item, as the model's call
+                    whole = Batch(tuple(Segment(i, 0, s.output_tokens)
+                                        for i, s in enumerate(specs)), None,
+                                  sum(s.frames for s in specs))
+                    pieces = [[(0, out)] for out in self._eager(inputs, whole, call.reason)]
+                return [assemble(p) for p in pieces]
+            finally:
+                self.order.exit(stream)
+
+    def _grad_reason(self, inputs: Any) -> str | None:
+        if torch.is_grad_enabled() and needs_grad(self.model, inputs):
+            return "grad required (graphs serve inference; use torch.no_grad())"
+        return None
+
+    def _run_batch(self, inputs: Any, batch: Batch, call: _Call) -> list[Any]:
+        """The outputs of one planned batch, one per segment."""
+        if batch.budget is None:
+            return self._eager(inputs, batch, self.served.eager_reason(batch))
+        if not self.pads:
+            return self._unpadded(inputs, batch)
+        if batch.budget in self.served.disabled:
+            return self._eager(inputs, batch, self.served.disabled[batch.budget])
+        try:
+            outs = self._replay(inputs, batch, call)
+        except InvalidInputError:  # the caller's input is wrong, not the graph: nothing disabled
+            raise
+        except torch.OutOfMemoryError as exc:  # no room for this call's copies: not the graph's
+            return self._eager(inputs, batch, f"replay: {error_line(exc)}")
+        except UnsupportedGraphError as exc:  # this batch only (e.g. more frames than captured)
+            return self._eager(inputs, batch, f"batch not servable by graph: {exc}")
+        except Exception as exc:  # a graph path must never crash a user's call
+            why = f"replay failed: {error_line(exc)}"
+            # Eagerly first: where eager raises too, the call's input is at fault (the model's
+            # own check), which is the caller's error, and the budget stays served.
+            outs = self._eager(inputs, batch, why)
+            self._disable_budget(batch.budget, why)
+            return outs
+        if outs is None:  # verification failed, budget now disabled
+            return self._eager(inputs, batch, self.served.disabled[batch.budget])
+        return outs
+
+    def _unpadded(self, inputs: Any, batch: Batch) -> list[Any]:
+        """A planned batch run at its own size without a graph (no CUDA device)."""
+        out = self._eager_packed(inputs, batch)
+        if self.exact_rows is None:
+            self.stats.record_unpadded(len(batch.segments), batch.tokens)
+        else:
+            self.stats.record_exact(self.exact_rows, graph=False)
+        return split_rows(out, batch.segments)
+
+    def _replay(self, inputs: Any, batch: Batch, call: _Call) -> list[Any] | None:
+        budget = batch.budget
+        assert budget is not None
+        entry = self._graphs.get(budget)
+        if entry is None and not self._graphs and self._python_outside():
+            return self._eager(inputs, batch, self._off_reason or "")
+        if entry is None:
+            if self.uses_cuda_graphs:
+                self._capture_budget(budget)
+                if budget in self.served.disabled:
+                    return self._eager(inputs, batch, self.served.disabled[budget])
+                entry = self._graphs[budget]
+            else:
+                entry = self.graphs.entry_without_graph(budget)
+        buffers = self._replay_buffers(inputs, batch, budget)
+        write_inputs(entry, buffers)
+        graph = entry.graph is not None
+        if graph:
+            entry.graph.replay()
+            # the encoder's weight copies, once a call, while the GPU runs its first graph: one
+            # that read copies behind their weights (valid memory) replays again
+            if self._refresh is not None and not call.refreshed:
+                call.refreshed = True
+                if self._refresh():
+                    write_inputs(entry, buffers)
+                    entry.graph.replay()
+            out = entry.output
+        else:
+            with torch.no_grad():
+                out = self.model.encoder_cudagraph_forward(entry.static)
+        n = batch.tokens
+        real = head_copy(out, n)
+        if self.options.verify and not entry.verified:
+            expected = map_output(self._eager_packed(inputs, batch), lambda t: t[:n])
+            err, tol = max_rel_error(real, expected), verify_tolerance(self.options, self.dtype)
+            if err > tol:
+                self._disable_budget(
+                    budget, f"verification failed: max relative error {err:.3g} > {tol:.3g}",
+                    warn=True)
+                return None
+            entry.verified = True
+            log.info("vitgraph: budget %d verified against eager (max relative error %.3g)",
+                     budget, err)
+        if self.exact_rows is None:
+            self.stats.record_replay(budget, len(batch.segments), n, graph=graph)
+        else:
+            self.stats.record_exact(self.exact_rows, graph=graph)
+        return split_rows(real, batch.segments)
+
+    def _eager(self, inputs: Any, batch: Batch, reason: str) -> list[Any]:
+        out = split_rows(self._eager_packed(inputs, batch), batch.segments)
+        self.stats.record_eager(len(batch.segments), reason)
+        # once per kind of reason (the text before its first colon), then at DEBUG
+        kind = reason.split(":")[0]
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("vitgraph: running a batch eagerly: %s (logged once per reason; counts "
+                        "in stats)", reason)
+        else:
+            log.debug("vitgraph: eager batch of %d segments: %s", len(batch.segments), reason)
+        return out
+
+    def _eager_packed(self, inputs: Any, batch: Batch) -> Any:
+        if self._segment_api:
+            return self.model.encoder_eager_segments(inputs, batch.segments)  # type: ignore[attr-defined]
+        return self.model.encoder_eager_forward(inputs, list(batch.items))
+
+    def _replay_buffers(self, inputs: Any, batch: Batch, budget: int) -> Mapping[str, torch.Tensor]:
+        if self._segment_api:
+            return self.model.prepare_encoder_cudagraph_replay_segments(  # type: ignore[attr-defined]
+                inputs, batch.segments, budget)
+        return self.model.prepare_encoder_cudagraph_replay_buffers(inputs, list(batch.items), budget)
+
+    def _python_outside(self) -> bool:
+        """Before the first graph (or static buffers) of the encoder: whether it runs Python a
+        graph would skip (hooks, patched code: ``weights.py``), which turns graphs off."""
+        outside = python_outside_graphs(self.watched) if self.watched is not None else None
+        if outside is not None:
+            self.disable_graphs(f"{outside}, Python that graphs skip; served eagerly (remove "
+                                "it, then call refresh())")
+        return outside is not None
+
+    def _capture_budget(self, budget: int) -> None:
+        with torch.cuda.device(self.device):  # the encoder's, whichever is current (graph_ms)
+            outcome = self.graphs.capture(budget)
+        if outcome.skipped is not None:
+            # a capture that failed for another reason than memory also warns: a host sync in
+            # the forward, an op graphs cannot hold
+            self._disable_budget(budget, outcome.skipped, warn=outcome.failed and not outcome.oom)
+
+    def _disable_budget(self, budget: int, reason: str, warn: bool = False) -> None:
+        self._graphs.pop(budget, None)
+        if not self.served.disable(budget, reason):
+            self._all_budgets_failed = True
+            self.disable_graphs("every budget failed: " + reason)
+        message = f"vitgraph: budget {budget} falls back to eager: {reason}"
+        if warn:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self._log_once(message)
+
+    def _follow_moved_weights(self) -> None:
+        # the graphs read the old addresses: capture again where that is still right
+        assert self.watched is not None and self.weights is not None
+        self.weights = WeightSlots(self.watched)
+        elsewhere = sorted(f"{d}, {t}" for d, t in self.weights.places() - {(self.device,
+                                                                              self.dtype)})
+        if not elsewhere:
+            log.warning("vitgraph: the encoder's weights have new storage since its graphs were "
+                        "captured (.to(), assign=True, a replaced parameter); captured again")
+            self.clear()
+        else:
+            self.disable_graphs(
+                f"the encoder's weights moved ({'; '.join(elsewhere)}) after graphs were "
+                f"captured for {self.device}, {self.dtype}; serve it again to have graphs there")
+
+    def refresh(self) -> None:
+        """Serve the encoder as it is now: after a submodule was replaced, a forward hook
+        added or removed, or code patched (``weights.py``: the contract). Its weights and hooks
+        are read again and its graphs are captured again at the next call."""
+        with self._lock:
+            if self.watched is not None:
+                self.weights = WeightSlots(self.watched)
+            if self._off_reason is not None and not self._all_budgets_failed and (
+                    "Python that graphs skip" in self._off_reason):
+                self._off_reason = None
+            self.clear()
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.warning(message)
+
+
+class _Call:
+    """One call's standing: why it runs eagerly (``None``: graphs serve it), and whether the
+    encoder's weight copies were refreshed during it."""
+
+    __slots__ = ("reason", "refreshed")
+
+    def __init__(self, reason: str | None) -> None:
+        self.reason, self.refreshed = reason, False
+
+
+@functools.cache  # once per process
+def _log_cpu_once() -> None:
+    log.info("vitgraph: no CUDA device: each call runs eagerly, batch by batch as planned, at "
+             "its own size (CUDA graphs, and the padding they need, want a CUDA device)")
+
+

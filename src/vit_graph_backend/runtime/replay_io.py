@@ -1,0 +1,189 @@
+"""Moving rows in and out of a budget's static buffers: pad, split, reassemble, compare.
+
+Pure tensor helpers of :mod:`~vit_graph_backend.runtime.manager`, kept apart so the manager reads as
+the life cycle of its graphs. A short replay buffer is copied into the head of its static buffer
+and the tail is zeroed, so no stale or NaN padding survives from an earlier replay.
+
+Copies a replay does not need are not made (:func:`write_inputs`), since on the packed path
+every host operation of a call counts against a few hundred microseconds:
+
+- **Rows already zero.** A budget remembers, per buffer, how many leading rows may hold
+  something other than zero; a shorter write zeroes only the rows between, and a write at
+  least as long as the last zeroes none. Not for buffers that share storage with another (views
+  of one block): a write through one would change what the other holds.
+- **Buffers that are a function of something the encoder names.** An encoder may return
+  :class:`~vit_graph_backend.protocol.StampedBuffers`: the buffers that change every call, plus
+  a *stamp* and a loader for the others (a batch's metadata, which depends only on its items'
+  sizes). When the budget's static buffers were last filled from the same stamp, those buffers
+  already hold their values and the loader is not called.
+
+Anything else that writes a budget's static buffers (the stress suite's NaN poisoning) calls the
+entry's ``forget_inputs()``, so the next replay writes them all again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..planner import Segment
+from ..protocol import StampedBuffers
+
+__all__ = ["assemble", "copy_padded", "head_copy", "infer_device_dtype", "input_tensors",
+           "map_output", "max_rel_error", "needs_grad", "split_rows", "verify_tolerance",
+           "write_inputs"]
+
+_DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def verify_tolerance(options: Any, dtype: torch.dtype) -> float:
+    """The largest relative error ``verify=True`` accepts: the option's, else by ``dtype``."""
+    return options.verify_tolerance or _DEFAULT_TOLERANCE.get(dtype, 1e-3)
+
+
+def map_output(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to a tensor output, or to each tensor of a tuple/list output."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    return type(out)(fn(t) for t in out)
+
+
+def head_copy(out: Any, rows: int) -> Any:
+    """A copy of the first ``rows`` rows of a tensor output, or of each tensor of a tuple/list
+    output (``map_output`` without a function built per call: this runs after every replay)."""
+    if isinstance(out, torch.Tensor):
+        return out[:rows].clone()
+    return type(out)(t[:rows].clone() for t in out)
+
+
+def max_rel_error(actual: Any, expected: Any) -> float:
+    """Largest absolute difference over the tensors of two outputs, relative to each expected
+    tensor's largest magnitude (at least 1); ``inf`` if any difference is NaN."""
+    worst = 0.0
+    for a, e in zip(_tensors(actual), _tensors(expected)):
+        scale = max(float(e.abs().max()) if e.numel() else 0.0, 1.0)
+        diff = (a.float() - e.float()).abs()
+        err = float(diff.max()) if diff.numel() else 0.0
+        if not (err == err):  # NaN
+            return float("inf")
+        worst = max(worst, err / scale)
+    return worst
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+def input_tensors(inputs: Any) -> list[torch.Tensor]:
+    """The tensors among a call's inputs (a mapping's values, a sequence, or one tensor)."""
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    if isinstance(values, torch.Tensor):
+        return [values]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def write_inputs(entry: Any, values: Mapping[str, torch.Tensor]) -> None:
+    """Write one replay's buffers into ``entry``'s static buffers (``graph_capture.BudgetGraph``:
+    ``static``, ``written``, ``stamp``, ``dirty``), skipping what they already hold."""
+    stamp = values.stamp if isinstance(values, StampedBuffers) else None
+    aliased, dirty = entry.aliased_keys(), entry.dirty
+    if stamp is None or entry.stamp is not stamp:
+        entry.stamp = None  # a write that fails half way leaves no stamp behind
+        if stamp is not None:
+            loaded = values.load()  # type: ignore[attr-defined]
+            for key, value in loaded.items():
+                copy_padded(entry.static, key, value, None if key in aliased else dirty)
+            entry.written.update(loaded)
+    for key, value in values.items():
+        copy_padded(entry.static, key, value, None if key in aliased else dirty)
+    if not entry.written.issuperset(values):
+        entry.written.update(values)
+    entry.stamp = stamp
+
+
+def copy_padded(static: dict[str, torch.Tensor], key: str, value: torch.Tensor,
+                dirty: dict[str, int] | None = None) -> None:
+    """Copy ``value`` into the head of ``static[key]`` and zero the rest of its rows.
+
+    A ``value`` in pinned host memory is copied to the GPU without waiting for it: a plain host
+    tensor's copy synchronizes the stream, so the host could not run ahead of a busy GPU. The
+    caller hands such a value over, never writing it again; PyTorch's pinned-memory allocator
+    keeps a freed block until the copies from it are done.
+
+    ``dirty``, when given, holds per key how many leading rows may be non-zero (a key not in it:
+    all of them): only the rows between ``value``'s end and that count are zeroed, and the count
+    is updated.
+    """
+    try:
+        target = static[key]
+    except KeyError:
+        raise KeyError(f"replay buffer {key!r} has no capture buffer (have {sorted(static)})"
+                       ) from None
+    if value.shape == target.shape:
+        target.copy_(value, non_blocking=value.device != target.device and value.is_pinned())
+        if dirty is not None:
+            dirty.pop(key, None)  # every row may be non-zero now
+        return
+    n = value.shape[0]
+    if value.dim() != target.dim() or value.shape[1:] != target.shape[1:] or n > target.shape[0]:
+        raise ValueError(f"replay buffer {key!r} of shape {tuple(value.shape)} does not fit its "
+                         f"capture buffer of shape {tuple(target.shape)}")
+    target[:n].copy_(value)
+    if dirty is None:
+        target[n:].zero_()
+        return
+    end = dirty.get(key, target.shape[0])
+    if end > n:
+        target[n:end].zero_()
+    dirty[key] = n  # only once the tail is zero: a failed write leaves the larger count
+
+
+def split_rows(out: Any, segments: Sequence[Segment]) -> list[Any]:
+    """Per-segment views of a packed output whose rows hold the segments back to back."""
+    if len(segments) == 1 and _rows(out) == segments[0].tokens:
+        return [out]  # one segment filling the output: no view needed
+    result, offset = [], 0
+    for seg in segments:
+        lo, hi = offset, offset + seg.tokens
+        result.append(map_output(out, lambda t, lo=lo, hi=hi: t[lo:hi]))
+        offset = hi
+    return result
+
+
+def _rows(out: Any) -> int:
+    return (out if isinstance(out, torch.Tensor) else out[0]).shape[0]
+
+
+def assemble(pieces: list[tuple[int, Any]]) -> Any:
+    """One item's output from its ``(start, output)`` pieces (chunks of a cut item)."""
+    if len(pieces) == 1:
+        return pieces[0][1]
+    pieces.sort(key=lambda p: p[0])
+    first = pieces[0][1]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([p[1] for p in pieces])
+    return type(first)(torch.cat([p[1][i] for p in pieces]) for i in range(len(first)))
+
+
+def infer_device_dtype(model: Any, device: Any = None, dtype: Any = None) -> tuple[torch.device, torch.dtype]:
+    """``(device, dtype)`` given, or else those of ``model``'s first parameter (CPU/fp32 if none)."""
+    param = None
+    if isinstance(model, torch.nn.Module):
+        param = next(iter(model.parameters()), None)
+    if device is None:
+        device = param.device if param is not None else torch.device("cpu")
+    if dtype is None:
+        dtype = param.dtype if param is not None else torch.float32
+    return torch.device(device), dtype
+
+
+def needs_grad(model: Any, inputs: Any) -> bool:
+    """True if a call of ``model`` on ``inputs`` needs autograd (the model's own
+    ``requires_grad(inputs)`` if it has one, else any input or parameter requiring grad)."""
+    grad_fn = getattr(model, "requires_grad", None)
+    if callable(grad_fn):
+        return bool(grad_fn(inputs))
+    return any(t.requires_grad for t in input_tensors(inputs)) or (
+        isinstance(model, torch.nn.Module) and any(p.requires_grad for p in model.parameters()))

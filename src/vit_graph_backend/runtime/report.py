@@ -1,0 +1,71 @@
+"""One report of what a set of graph managers did: the fields ``report()`` returns.
+
+``vit_graph_backend.report()`` (every compiled graph and served tower in the process), the
+backend's ``vitgraph.report()`` (compiled graphs) and ``PackedGraphEncoder.report()`` (one served
+tower) all build their answer here, so the three agree field by field. The managers are read
+through their public surface (``stats``, ``memory_report()``, ``uses_cuda_graphs``,
+``exact_rows``) only.
+
+Fields are true on every device: without CUDA, ``graphs_captured`` and ``graph_memory_bytes`` are
+0, batches run at their own size and are counted as ``no_graph_batches``, not replays, and
+nothing is padded; an exact-shape graph
+(Dynamo's static compile) is counted in ``exact_shape_graphs``, never as a budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .timing import timings_short_of_memory
+from ..stats import GraphStats
+
+__all__ = ["REPORT_FIELDS", "summarize"]
+
+#: The keys of :func:`summarize`'s answer, documented in the README's ``report()`` section.
+REPORT_FIELDS = ("cuda_graphs", "graphs_captured", "exact_shape_graphs", "device_launch_graphs",
+                 "captured_budgets", "skipped_budgets", "out_of_memory", "graph_memory_bytes",
+                 "static_input_bytes", "capture_seconds", "stats")
+
+
+def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -> dict[str, Any]:
+    """Totals over ``managers`` plus counts kept outside them (calls refused before a manager)."""
+    stats = GraphStats()
+    for extra in extra_stats:
+        stats.merge(extra)
+    graphs = exact = device_launch = memory = static = oom = 0
+    seconds = 0.0
+    budgets: set[int] = set()
+    skipped: dict[str, str] = {}
+    cuda_graphs = False
+    for manager in managers:
+        stats.merge(manager.stats)
+        report = manager.memory_report()
+        cuda_graphs = cuda_graphs or bool(manager.uses_cuda_graphs)
+        memory += report["total_bytes"]
+        static += report["static_input_bytes"]
+        seconds += report["capture_seconds"]
+        oom += report["out_of_memory_skips"]
+        device_launch += sum(kind == "device" for kind in report["graph_launch"].values())
+        if manager.exact_rows is not None:
+            exact += report["graphs"]
+            continue
+        graphs += report["graphs"]
+        budgets.update(report["captured_budgets"])
+        for budget, reason in report["skipped_budgets"].items():
+            skipped.setdefault(str(budget), reason)
+    return {
+        "cuda_graphs": cuda_graphs,
+        "graphs_captured": graphs + exact,
+        "exact_shape_graphs": exact,
+        "device_launch_graphs": device_launch,
+        "captured_budgets": sorted(budgets),
+        "skipped_budgets": skipped,
+        # how often memory ran out: budgets skipped (each logged once, in skipped_budgets),
+        # and kernel timings cut short (process-wide; each choice logged in one line)
+        "out_of_memory": {"skipped_budgets": oom, "kernel_timings": timings_short_of_memory()},
+        "graph_memory_bytes": memory,
+        "static_input_bytes": static,
+        "capture_seconds": round(seconds, 4),
+        "stats": stats.as_dict(),
+    }
