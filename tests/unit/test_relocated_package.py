@@ -1,7 +1,7 @@
 """The package copied and imported under another name serves with its own code: its adapter
 registry and its code watch name the package by ``__name__`` (``adapters/__init__.py``,
 ``code_watch.py``), so a vendored copy, or the baseline tree of
-``benchmarks/host_time_two_trees_probe.py``, is not served by the installed package's adapters
+``benchmarks/ab_trees.py``, is not served by the installed package's adapters
 (whose buffers its runtime would not know: wrong numbers) nor runs eagerly because its code looks
 like a patch. In a subprocess: two copies in one process share the ``vitgraph::`` custom ops."""
 
