@@ -1,5 +1,5 @@
 """Random sequences of good and bad calls, each checked against eager: the rule that a bad
-request costs a compiled or served encoder nothing (``tests/unit/test_bad_requests.py`` on CPU,
+request costs a compiled or served encoder nothing (``tests/unit/compile/test_bad_requests.py`` on CPU,
 ``tests/gpu/test_bad_requests_gpu.py`` on CUDA).
 
 A call is drawn as a *kind*: a good one (a batch of 1 to 4 images of an allowed size, some with

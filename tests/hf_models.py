@@ -1,5 +1,5 @@
 """Tiny random Hugging Face vision-language models and their prompts, for the ``serve_vision_``
-tests on CPU (``tests/unit/test_hf_serve_vision.py``) and GPU (``tests/gpu/test_hf_gpu.py``).
+tests on CPU (``tests/unit/integrations/test_hf_serve_vision.py``) and GPU (``tests/gpu/test_hf_gpu.py``).
 
 Each prompt holds two images and one video of two temporal patches, laid out as the family's
 processor lays them out (Qwen3-VL: one vision segment per temporal patch), with

@@ -1,7 +1,7 @@
 """Tiny random Qwen-VL vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5,
 Qwen3.5-MoE; float32, CPU) with an adapter over each, and the helpers the Qwen adapter tests share:
 HF's own outputs per call and per item, and a reference dispatch that does what the runtime does
-with the protocol methods only (``tests/unit/test_adapters_qwen*.py``)."""
+with the protocol methods only (``tests/unit/adapters/test_qwen*.py``)."""
 
 from __future__ import annotations
 

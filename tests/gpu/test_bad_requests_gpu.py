@@ -1,5 +1,5 @@
 """A bad request costs a compiled or served encoder nothing, on CUDA with graphs (the CPU twin is
-``tests/unit/test_bad_requests.py``, which says how the sequences are drawn).
+``tests/unit/compile/test_bad_requests.py``, which says how the sequences are drawn).
 
 Needs a GPU: every test (module-level ``gpu`` mark). Batched encoders run in float32 so that a
 graph's answer must equal eager's to float32 rounding; the served Qwen2.5-VL tower runs in bf16

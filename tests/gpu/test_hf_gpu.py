@@ -1,6 +1,6 @@
 """``serve_vision_`` on whole Hugging Face VLMs on a GPU, in bf16 (marked ``gpu``).
 
-The same tiny random models as ``tests/unit/test_hf_serve_vision.py`` (``tests/hf_models.py``),
+The same tiny random models as ``tests/unit/integrations/test_hf_serve_vision.py`` (``tests/hf_models.py``),
 on CUDA in bfloat16: greedy tokens of ``generate()`` with two images and a video equal the
 unmodified model's (or part from them only where the unmodified model's own two best scores were
 closer than bf16's tolerance, a tie that rounding may break either way), logits within bf16

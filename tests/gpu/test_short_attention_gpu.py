@@ -94,7 +94,7 @@ def test_a_shape_met_first_inside_a_capture_is_left_to_flash_varlen():
 def test_out_of_memory_at_the_first_run_leaves_the_shape_to_be_compiled_at_the_next():
     """The real kernel, its first run failing as a full GPU would fail it: that call is left to
     flash varlen, and the next compiles and serves the shape (a failure of the kernel itself
-    would be refused for the process: ``tests/unit/test_adapters_attention_choice.py``)."""
+    would be refused for the process: ``tests/unit/kernels/test_attention_choice.py``)."""
     import importlib
 
     kernel = importlib.import_module("vit_graph_backend.kernels._short_attention_triton")

@@ -16,7 +16,7 @@ from qwen_towers import reference_dispatch
 from vit_graph_backend.budgets import BudgetConfig
 from vit_graph_backend.protocol import supports_encoder_cudagraph
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "adapters.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "adapters.md"
 
 
 def _run_document() -> dict:

@@ -147,7 +147,7 @@ def test_backed_size_oblivious_needs_the_eager_inner_compiler():
 def test_readme_documents_every_report_field():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme[readme.index("## What happened: `report()`"):]
     section = section[:section.index("\n## ", 1)]
     stats_fields = vit_graph_backend.GraphStats().as_dict()
