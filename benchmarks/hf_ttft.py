@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
 import time
 
@@ -123,12 +124,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl_3b")
     parser.add_argument("--out", default=None, help="path prefix of the .txt and .json written "
-                        "(default: benchmarks/results/hf_ttft_<family>_<GPU>_torch<version>)")
+                        "(default: $OUT/<family>_hf_ttft_<GPU>_torch<version>, else the "
+                        "working directory)")
     args = parser.parse_args()
     if args.out is None:
-        gpu = torch.cuda.get_device_name(0).replace(" ", "_")
-        args.out = (f"benchmarks/results/hf_ttft_{args.family}_{gpu}_torch"
-                    f"{torch.__version__.split('+')[0]}")
+        gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0]
+        args.out = os.path.join(os.environ.get("OUT", "."), f"{args.family}_hf_ttft_{gpu}_torch"
+                                f"{torch.__version__.split('+')[0]}")
     device = "cuda"
     model = build(args.family, device)
     cases = [(n, False) for n in (1, 2, 3, 4)] + [(0, True)]

@@ -12,7 +12,7 @@ on flash varlen instead of the short-segment kernel, ``flash_windows``), vitgrap
 same without the fused ops, ``adapt(tower, fuse=False)``) and vitgraph-v1
 (session 1's configuration: doubling ladder, unpadded MLP, unfused), so the effect of each change
 is measured in the same process. Reports p50/p99/total (second pass), first pass, graph memory,
-padding ratio. JSON to benchmarks/results/ (and $OUT).
+padding ratio. JSON to $OUT (else the working directory).
 
 Usage: python benchmarks/qwen_stream.py [--modes hf-eager,compile-default,vitgraph] [--calls 60]
 """
@@ -189,9 +189,10 @@ def main():
             "results": all_results}
     import transformers
     meta["transformers"] = transformers.__version__
-    name = (f"qwen_stream_modes_{torch.cuda.get_device_name(0).replace(' ', '_')}_torch"
+    name = (f"qwen_tower_stream_latency_"
+            f"{torch.cuda.get_device_name(0).replace('NVIDIA ', '').split()[0]}_torch"
             f"{torch.__version__.split('+')[0]}.json")
-    for folder in [Path("benchmarks/results"), Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
+    for folder in [Path(os.environ.get("OUT", "."))]:
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text(json.dumps(meta, indent=2))

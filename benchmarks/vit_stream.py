@@ -6,7 +6,7 @@ compiles and captures included), then per-call latency over ``--repeats`` furthe
 same stream (wall clock around each call, CUDA synchronized): p50/p99/mean over all timed calls
 (360 by default, so p99 is not the second-worst of 120), stream total as the median pass, peak
 memory, graphs captured, padding ratio. ``vitgraph-doubling`` is the previous default ladder
-(1, 2, 4, ..., 32 rows), measured beside the current one (4 steps per doubling). Writes JSON to benchmarks/results/ (and $OUT when set).
+(1, 2, 4, ..., 32 rows), measured beside the current one (4 steps per doubling). Writes JSON to $OUT (else the working directory).
 
 Usage: python benchmarks/vit_stream.py [--calls 120] [--model vit_base_patch16_224]
 """
@@ -146,9 +146,9 @@ def main():
             "calls": args.calls, "repeats": args.repeats, "seed": args.seed, "batch_sizes": "uniform 1..32",
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "cuda": torch.version.cuda, "results": results}
-    tag = torch.cuda.get_device_name(0).replace(" ", "_")
-    name = f"vit_stream_modes_and_ladders_{tag}_torch{torch.__version__.split('+')[0]}.json"
-    for folder in [Path("benchmarks/results"), Path(os.environ["OUT"]) if os.environ.get("OUT") else None]:
+    tag = torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0]
+    name = f"vit_b16_stream_latency_{tag}_torch{torch.__version__.split('+')[0]}.json"
+    for folder in [Path(os.environ.get("OUT", "."))]:
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text(json.dumps(meta, indent=2))

@@ -5,11 +5,9 @@ token budgets, pads, and replays one CUDA graph per budget. Packed variable-reso
 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) are served through
 :class:`SupportsEncoderCudaGraph` adapters; :func:`serve_vision_` serves a whole HF model.
 
-Importing this package imports no torch (the torch-facing names, :class:`PackedGraphEncoder`,
-:func:`serve` and :func:`report`, load on first use, so ``vitgraph plan`` stays pure Python),
-initializes no CUDA
-context, registers nothing (the backend is found through the ``torch_dynamo_backends`` entry point)
-and imports no optional dependency.
+Importing this package imports no torch (torch-facing names load on first use, so ``vitgraph
+plan`` stays pure Python), initializes no CUDA, registers nothing (the backend is found through the
+``torch_dynamo_backends`` entry point) and imports no optional dependency.
 """
 
 from typing import Any

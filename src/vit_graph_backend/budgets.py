@@ -1,20 +1,11 @@
 """Token budgets: the ladder, the four configuration paths and ceil sizing of capture slots.
 
-A *budget* is the number of output tokens one CUDA graph is captured for. A call's items are packed
-into batches and each batch replays the graph of the smallest budget that holds it (see
-``planner``). This module is pure Python so its invariants can be property-tested in milliseconds.
-
-The central invariant, held on every configuration path::
-
-    max_items_per_graph <= min(budgets)
-
-``max_items_per_graph`` is the option's name everywhere a user meets it (options, CLI, docs,
-errors); inside :class:`BudgetConfig` and the encoder protocol the same number keeps vLLM's name,
-``max_batch_size``, so that code ported from vLLM's encoder CUDA graph manager reads the same.
-
-Each of the ``max_items_per_graph`` item slots of a captured graph then gets at least one token. Breaking
-it made vLLM size capture slots with ``budget // max_batch_size == 0`` tokens and crash in the patch
-embedding (vLLM PR #38040).
+A *budget* is the number of output tokens one CUDA graph is captured for; each batch replays the
+graph of the smallest budget that holds it (``planner``). Pure Python, so the invariants are
+property-tested in milliseconds. The central invariant, held on every configuration path, is
+``max_items_per_graph <= min(budgets)``: every item slot of a captured graph gets at least one
+token (vLLM crashed on a zero-token slot). Inside :class:`BudgetConfig` that number keeps vLLM's
+name, ``max_batch_size``, so code ported from vLLM reads the same.
 """
 
 from __future__ import annotations
@@ -53,13 +44,10 @@ MAX_LADDER_STEPS = 16
 def budget_ladder(start: int, stop: int, ladder_steps: int = 1) -> tuple[int, ...]:
     """Budgets growing from ``start`` and ending exactly at ``stop``.
 
-    With ``ladder_steps=1`` the ladder doubles: ``budget_ladder(64, 1000) == (64, 128, 256,
-    512, 1000)``; the last step may be less than a doubling, so the largest graph is exactly as
-    large as the model allows and no larger. With ``k`` steps, each doubling ``b .. 2b`` is split
-    at ``b * (1 + m / k)`` (rounded up), so a batch pads by less than ``1 / k`` of its budget's
-    predecessor: ``budget_ladder(1, 32, 2) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)``.
-
-    Every step from ``a`` to the next budget is at most ``ceil(a / k)`` (so at most a doubling).
+    With ``ladder_steps=1`` the ladder doubles, its last step possibly shorter:
+    ``budget_ladder(64, 1000) == (64, 128, 256, 512, 1000)``. With ``k`` steps each doubling
+    ``b .. 2b`` is split at ``b * (1 + m / k)`` (rounded up), so every step from ``a`` is at most
+    ``ceil(a / k)``: ``budget_ladder(1, 32, 2) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)``.
 
     Raises:
         InvalidOptionError: if either end is not a positive integer, ``start > stop``, or
@@ -83,8 +71,7 @@ def budget_ladder(start: int, stop: int, ladder_steps: int = 1) -> tuple[int, ..
     return tuple(sorted(ladder))
 
 
-#: The packed towers' default largest budget in output tokens (a 1792 x 1792 image at patch 14,
-#: merge 2).
+#: The packed towers' default largest budget in output tokens (1792 x 1792 at patch 14, merge 2).
 DEFAULT_PACKED_MAX_BUDGET = 4096
 #: The packed towers' smallest default budget is the token count of a square image of this side.
 MIN_BUDGET_IMAGE_SIDE = 224
@@ -92,8 +79,7 @@ MIN_BUDGET_IMAGE_SIDE = 224
 
 def packed_budget_range(patch: int, merge: int) -> tuple[int, int]:
     """A packed tower's default ``(min_budget, max_budget)`` in output tokens: a square image of
-    :data:`MIN_BUDGET_IMAGE_SIDE` pixels, and :data:`DEFAULT_PACKED_MAX_BUDGET` (or the
-    smallest, where that is larger). The adapters and ``vitgraph plan`` both take it from here.
+    :data:`MIN_BUDGET_IMAGE_SIDE` pixels, and :data:`DEFAULT_PACKED_MAX_BUDGET` (or the smallest).
 
     >>> packed_budget_range(14, 2), packed_budget_range(4, 2)
     ((64, 4096), (784, 4096))
@@ -142,11 +128,7 @@ def normalize_budgets(budgets: Iterable[int], name: str = "budgets") -> tuple[in
 
 def check_items_fit(items: int, smallest_budget: int, name: str = "max_items_per_graph") -> None:
     """The central invariant: ``items <= min(budgets)``, so each item slot of a graph gets a token.
-
-    ``name`` is the setting as the caller knows it: ``max_items_per_graph`` for options, the CLI
-    and docs; ``max_batch_size`` (vLLM's word, kept inside :class:`BudgetConfig`) for a config
-    built by hand.
-    """
+    ``name`` is the setting as the caller knows it (``max_items_per_graph`` or ``max_batch_size``)."""
     if items > smallest_budget:
         raise InvalidOptionError(
             f"{name}={items} is larger than the smallest budget min(budgets)={smallest_budget}: "
@@ -157,10 +139,8 @@ def check_items_fit(items: int, smallest_budget: int, name: str = "max_items_per
 
 @dataclass(frozen=True)
 class BudgetConfig:
-    """A resolved, valid set of budgets and per-graph caps.
-
-    Build it with :meth:`resolve`; the constructor checks the invariants again so a hand-built
-    config cannot break them either.
+    """A resolved, valid set of budgets and per-graph caps; build it with :meth:`resolve` (the
+    constructor checks the invariants too).
 
     Args:
         budgets: sorted, unique, positive token budgets.
@@ -178,8 +158,7 @@ class BudgetConfig:
                 f"budgets={self.budgets!r} is invalid: must be sorted, unique and positive; "
                 "use BudgetConfig.resolve() to normalize user budgets"
             )
-        # Store a tuple even when given a list: a list would make the frozen config unhashable
-        # (it keys caches) and unequal to the same config built with a tuple.
+        # a tuple even when given a list: the frozen config keys caches
         object.__setattr__(self, "budgets", tuple(self.budgets))
         check_positive_int("max_batch_size", self.max_batch_size)
         if self.max_frames_per_batch is not None:
@@ -214,8 +193,7 @@ class BudgetConfig:
         3. only budgets: ``max_batch_size = min(max_budget // min_budget, min(budgets))``.
         4. neither: ladder from ``min_budget`` to ``max_budget``; ``max_batch_size`` as in 3.
 
-        User budgets are de-duplicated and sorted. They may lie outside the model's range: the
-        range only seeds defaults.
+        User budgets are de-duplicated and sorted; the model's range only seeds defaults.
 
         Args:
             budget_range: the model's ``(min_budget, max_budget)``; positive, ``min <= max``.
@@ -250,7 +228,6 @@ class BudgetConfig:
             check_positive_int(items_name, max_batch_size)
         if max_frames_per_batch is not None:
             check_positive_int("max_frames_per_batch", max_frames_per_batch)
-        # ladder_steps is checked by budget_ladder, on the paths that build a ladder
 
         if budgets is not None:
             resolved = normalize_budgets(budgets)
@@ -273,11 +250,8 @@ class BudgetConfig:
 
 @dataclass(frozen=True)
 class CaptureLayout:
-    """How a budget's dummy capture input is split over its item slots.
-
-    ``slots * tokens_per_slot >= budget`` and ``slots * frames_per_slot >= max_frames_per_batch``
-    always hold, so any batch that may select this budget fits the captured buffers.
-    """
+    """How a budget's dummy capture input is split over its item slots: ``slots *
+    tokens_per_slot >= budget`` and ``slots * frames_per_slot >= max_frames_per_batch``."""
 
     budget: int
     slots: int
@@ -295,11 +269,9 @@ def capture_layout(
 ) -> CaptureLayout:
     """Size the dummy capture inputs of one budget with ceil division.
 
-    Why not floor: a graph of budget ``B`` may be chosen for *any* batch whose tokens fit, including
-    one item that fills all of ``B``. With floor division the slots hold ``slots * (B // slots)``
-    tokens, fewer than ``B`` whenever ``slots`` does not divide ``B`` (800 tokens over 64 slots gives
-    12 each, 768 in all), and the replay copy overflows the buffer (vLLM PR #38040). Ceil division
-    gives each slot ``ceil(B / slots)`` tokens, so the slots together hold at least ``B``.
+    Not floor: a graph of budget ``B`` may serve one item that fills all of ``B``, and floor
+    division leaves the slots fewer than ``B`` tokens whenever ``slots`` does not divide ``B``
+    (800 over 64 slots: 768), overflowing the replay copy.
 
     Args:
         budget: the graph's token budget.

@@ -1,15 +1,11 @@
 """The ``vitgraph`` command (also ``python -m vit_graph_backend``).
 
-Subcommands:
-    - ``vitgraph bench``: run a seeded stream through several modes side by side and print a table
-      (``--json``, ``--plot``); defaults finish in under a minute on a 2-core CPU.
-    - ``vitgraph plan``: the budget ladder and the plan of one call's items, pure Python, instant;
-      never imports torch.
-    - ``vitgraph info``: versions, CUDA, whether the ``vitgraph`` backend is registered and
-      importable, optional extras.
+Subcommands: ``bench`` (a seeded stream through several modes side by side: table, ``--json``,
+``--plot``), ``plan`` (the budget ladder and the plan of one call's items; never imports torch)
+and ``info`` (versions, CUDA, whether the ``vitgraph`` backend is registered and importable).
 
-Bad arguments exit with status 2 and an argparse message that names the bad value. Everything
-heavy (torch, the harness, matplotlib) is imported inside the subcommand that needs it.
+Bad arguments exit with status 2 and an argparse message naming the bad value. Everything heavy
+(torch, the harness, matplotlib) is imported inside the subcommand that needs it.
 """
 
 from __future__ import annotations
@@ -33,10 +29,7 @@ __all__ = ["build_parser", "main"]
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
-
-# -- argument types (each raises ArgumentTypeError naming the bad value: argparse exits 2) -----
-
-
+# argument types: each raises ArgumentTypeError naming the bad value (argparse exits 2)
 def _int_from(low: int) -> Any:
     word = "positive integer" if low == 1 else "integer"
 
@@ -98,9 +91,6 @@ def _device(text: str) -> str:
     if not _DEVICE.match(text):
         raise argparse.ArgumentTypeError(f"invalid device: {text!r} (cpu, cuda or cuda:N)")
     return text
-
-
-# -- parser ----------------------------------------------------------------------------------
 
 
 def _add_bench(sub: Any) -> argparse.ArgumentParser:
@@ -215,9 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# -- subcommands -----------------------------------------------------------------------------
-
-
 def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .errors import InvalidOptionError
     from .options import VitGraphOptions
@@ -241,9 +228,7 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             specs.append(EncoderItemSpec(gh * gw, (gh // args.merge) * (gw // args.merge)))
             labels.append(f"{h}x{w} px -> {gh * gw} patches -> {specs[-1].output_tokens} tokens")
     try:
-        # the runtime's own resolution: packed against the adapters' default range for this
-        # patch and merge, --chunk as a batched torch.compile graph (rows, one call per graph);
-        # so plan and runtime cannot disagree
+        # the runtime's own resolution, so plan and runtime cannot disagree
         options = VitGraphOptions(budgets=args.budgets, min_budget=args.min_budget,
                                   max_budget=args.max_budget, ladder_steps=args.ladder_steps,
                                   max_items_per_graph=args.max_items_per_graph)
@@ -363,7 +348,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``vitgraph`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
-    argparse exits with status 2 (``SystemExit``) on a bad argument.
+    Raises:
+        SystemExit: (status 2, from argparse) on a bad argument.
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,9 +1,8 @@
 """The package's exception hierarchy.
 
-Every error the package raises on purpose derives from :class:`VitGraphError`, so callers can catch
-one type. Errors about bad user input also derive from the built-in type a caller would expect
-(``ValueError``, ``TypeError``, ``ImportError``), the way Hypothesis's ``InvalidArgument`` also is a
-``TypeError``: ``except ValueError`` keeps working for code that does not know this package.
+Every error the package raises on purpose derives from :class:`VitGraphError`. Errors about bad
+user input also derive from the built-in type a caller would expect (``ValueError``,
+``TypeError``, ``ImportError``), so ``except ValueError`` keeps working.
 """
 
 from __future__ import annotations
@@ -32,11 +31,7 @@ class InvalidOptionError(VitGraphError, ValueError):
 
 class InvalidInputError(VitGraphError, ValueError):
     """A call input is bad (a tensor's shape or dtype, a ``grid_thw`` row); raised before any
-    budget is touched, so a caller's mistake never disables a graph.
-
-    Kept apart from :class:`InvalidOptionError`: an option is wrong once, when options are built;
-    an input is wrong per call, and the serving path must tell the two apart.
-    """
+    budget is touched, so a caller's mistake never disables a graph."""
 
 
 class UnsupportedModelError(VitGraphError, TypeError):
@@ -52,15 +47,11 @@ class UnsupportedGraphError(VitGraphError):
 
 
 def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` says GPU memory ran out: PyTorch's ``OutOfMemoryError``, a CUDA error of
-    a failed allocation raised as a plain ``RuntimeError`` ("CUDA error: out of memory", from
-    a library's own allocation), or a cuDNN status of one in the frontend's message
-    (``CUDNN_STATUS_ALLOC_FAILED`` before cuDNN 9,
-    ``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`` and its host twin in 9). Such a
-    failure belongs to the moment's memory, not to the shape or the kernel: callers try again
-    later instead of refusing for good. Triton's "out of resources" (shared memory, registers)
-    is not one."""
-    # by class name: this module stays pure Python (tests/unit/test_architecture.py)
+    """Whether ``exc`` says GPU memory ran out (PyTorch's ``OutOfMemoryError``, a plain CUDA
+    "out of memory" error, or a cuDNN ``*ALLOC*FAILED`` status). Such a failure belongs to the
+    moment's memory, not the shape, so callers try again later. Triton's "out of resources" is
+    not one."""
+    # by class name: this module stays pure Python
     text = str(exc)
     return (any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
             or "out of memory" in text.lower() or ("ALLOC" in text and "FAILED" in text))
@@ -71,9 +62,8 @@ _FREE = re.compile(r"of which ([\d.]+ ?[KMGT]?i?B) (?:is )?free")
 
 
 def error_line(exc: BaseException) -> str:
-    """One short line for a failure that is logged and recorded, not raised: an out-of-memory
-    error as the bytes it asked for and the bytes free (PyTorch's message runs to several
-    sentences of advice), anything else as its type and the first line of its message."""
+    """One short line for a logged failure: out of memory as bytes needed and free, anything
+    else as its type and the first line of its message."""
     text = str(exc).strip()
     if out_of_memory(exc):
         parts = [f"{name} {m.group(1)}" for name, m in (("needs", _NEEDED.search(text)),

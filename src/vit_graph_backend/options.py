@@ -1,13 +1,10 @@
 """`VitGraphOptions`: every setting of the backend, validated once, when options are built.
 
 ``torch.compile(model, backend="vitgraph", options={...})`` hands the dict to
-:meth:`VitGraphOptions.from_compile_kwargs`; packed adapters take the same keys as keyword
-arguments. Unknown keys, bad values and impossible combinations raise
-:class:`~vit_graph_backend.errors.InvalidOptionError` (a ``ValueError``) naming the value and what is
-allowed, at compile time, never at replay (vLLM PR #38040 moved its budget checks to config time
-for the same reason).
-
-The dataclass is frozen and holds tuples, so it hashes and can key caches.
+:meth:`VitGraphOptions.from_compile_kwargs`; packed adapters take the same keys. Unknown keys, bad
+values and impossible combinations raise :class:`~vit_graph_backend.errors.InvalidOptionError` (a
+``ValueError``) at compile time, never at replay. The dataclass is frozen and holds tuples, so it
+hashes and can key caches.
 """
 
 from __future__ import annotations
@@ -30,21 +27,14 @@ __all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAUL
 
 INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
 CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
-#: ``epilogue_fusion`` values: a linear layer's GELU in its GEMM's epilogue where timed faster.
 EPILOGUE_FUSIONS: tuple[str, ...] = ("auto", "off")
-#: ``graph_launch`` values: each graph instantiated for device launch where the CUDA driver allows
-#: (a cheap launch for the host), or always PyTorch's ``CUDAGraph.replay()`` (``graph_launch.py``).
+#: ``graph_launch``: device-launch instantiation where the driver allows, or ``CUDAGraph.replay()``.
 GRAPH_LAUNCHES: tuple[str, ...] = ("auto", "torch")
-#: ``patch_embedding`` values: one GEMM over a ViT's patches, or its patch convolution.
 PATCH_EMBEDDINGS: tuple[str, ...] = ("gemm", "conv")
-#: ``packed_attention`` values besides ``None`` (cuDNN's ragged kernel where its library imports,
-#: else flash varlen, each budget's full attention timed against the Triton segment kernel):
-#: dense SDPA timed per one-image budget, flash varlen always, dense SDPA always, cuDNN required.
 PACKED_ATTENTIONS: tuple[str, ...] = ("auto", "varlen", "dense", "cudnn")
 
-#: ``torch.compile(mode=...)`` presets. Every mode replays CUDA graphs; they differ in what runs
-#: inside the graph. ``reduce-overhead`` is accepted because users reach for it for this exact
-#: purpose; here it means the default.
+#: ``torch.compile(mode=...)`` presets; every mode replays CUDA graphs. ``reduce-overhead`` is
+#: accepted because users reach for it for this purpose; here it means the default.
 MODES: dict[str, dict[str, Any]] = {
     "default": {},
     "reduce-overhead": {},
@@ -52,23 +42,18 @@ MODES: dict[str, dict[str, Any]] = {
     "max-autotune-no-cudagraphs": {"inner_compiler": "inductor"},
 }
 
-#: Default largest budget, in rows, for batched ``[B, C, H, W]`` encoders: the ladder
-#: ends at 32 rows (see DEFAULT_BATCHED_LADDER_STEPS), and larger calls are cut into 32-row chunks.
+#: Default largest budget, in rows, for batched ``[B, C, H, W]`` encoders; larger calls are cut
+#: into chunks of this many rows.
 DEFAULT_BATCHED_MAX_BUDGET = 32
 
 #: Default ``ladder_steps`` for packed encoders: each doubling split in two (64, 96, 128, 192,
-#: ..., 4096 tokens: 13 graphs). On the Qwen2.5-VL single-image stream this cuts expected padding
-#: from 30 % (doubling) to 16 % (planner figures); on an H100 the Qwen2.5-VL-3B tower's 13 graphs
-#: captured in 1.2 to 1.6 s (benchmarks/results/qwen_stream_doubling_vs_two_step_ladder_*.json).
+#: ..., 4096 tokens: 13 graphs), about halving expected padding against plain doubling.
 DEFAULT_LADDER_STEPS = 2
-#: Default ``ladder_steps`` for batched encoders: 1, 2, 3, 4, 5, 6, 7, 8, 10, ..., 28, 32 rows
-#: (16 graphs). Rows cost linear compute, so padding is lost time: 5 % expected on uniform batch
-#: sizes 1..32 against 23 % for the doubling ladder (planner figures; 4.9 % measured over the
-#: ViT-B/16 stream, whose 18 graphs captured in 0.27 s on an H100).
+#: Default ``ladder_steps`` for batched encoders (1, 2, 3, ..., 28, 32 rows: 16 graphs). Rows cost
+#: linear compute, so padding is lost time and a finer ladder pays (docs/performance.md).
 DEFAULT_BATCHED_LADDER_STEPS = 4
 
-#: Options only a packed encoder can apply: a batched graph holds the rows of one call, and
-#: packed towers' adapters run kernels of their own.
+#: Options only a packed encoder can apply: a batched graph holds the rows of one call.
 PACKED_ONLY_OPTIONS: tuple[str, ...] = ("max_items_per_graph", "max_frames_per_batch",
                                         "align_mlp", "fuse", "packed_attention")
 
@@ -78,87 +63,50 @@ class VitGraphOptions:
     """Settings of the ``vitgraph`` backend.
 
     Args:
-        budgets: token budgets (rows for batched encoders, output tokens for packed ones); ``None``
-            for a ladder from ``min_budget`` to ``max_budget``.
-        min_budget: smallest ladder budget; ``None`` for the model's own (1 row for batched).
-        max_budget: largest ladder budget; ``None`` for the model's own (32 rows for batched).
-        ladder_steps: how finely the ladder splits each doubling (1: 64, 128, 256, ...; 2: 64, 96,
-            128, 192, ...; up to 16); ``None`` for the encoder kind's default (2 packed, 4
-            batched). More steps: less padding, more graphs to capture and hold.
-        max_items_per_graph: items one graph holds (packed encoders); ``None`` derives it so that
-            it never exceeds the smallest budget.
-        max_frames_per_batch: video frames one graph holds; ``None`` for no frame cap.
-        policy: planner policy, ``"baseline"`` (pad to the smallest fitting budget) or ``"exact"``
-            (never pad: replay only exact budget sizes, run the rest eagerly).
-        inner_compiler: what runs inside the graph: ``"eager"`` (the traced graph as is),
-            ``"inductor"`` (its own CUDA graphs off, so graphs do not nest), ``"tensorrt"``, or
-            ``"auto"`` (the default; :meth:`inner_compiler_for`): Inductor's fused kernels for
-            ``torch.compile`` graphs on a GPU, the traced graph as is on a CPU (no graphs there
-            to feed) and for packed towers (their adapters fuse their own kernels).
-        capture: ``"all"`` captures every budget, largest first into one pool, at the first call
-            of a shape; ``"lazy"`` captures a budget the first time a batch needs it.
-        warmup_iters: eager runs of each budget before its capture. One does every lazy
-            set-up a capture must not meet (cuBLAS workspaces, cuDNN plans, Triton compiles,
-            the kernel choices timed per shape) and measures the budget's memory; each more
-            only lengthens the first pass
-            (``benchmarks/results/first_pass_one_warm_up_run_and_fewer_long_timing_replays_*``).
-        max_graph_sets: graph sets kept for other dynamic dims (e.g. image height/width); the least
-            recently used set is freed beyond this.
-        static_graphs: serve Dynamo's static (first, and batch-1) compiles from one exact-shape
-            graph; ``False`` runs them eagerly.
-        backed_size_oblivious: opt-in: at the first ``vitgraph`` compile, turn on PyTorch's
-            ``backed_size_oblivious`` so that a dynamic graph also serves a batch of 1 instead of
-            Dynamo compiling the frame once more for it. It is process-wide (every later Dynamo
-            compile, the application's own included), hence off by default, and it needs
-            ``inner_compiler="eager"``: turned on by the backend in a running process, it ended
-            an Inductor inner graph in an illegal memory access in the GPU suite on torch 2.11
-            (``benchmarks/results/backed_size_oblivious_inductor_H100_torch2.11.0.txt``).
-        verify: compare the first replay of each budget with an eager run of the same items; a
-            mismatch beyond ``verify_tolerance`` disables that budget's graph with a warning.
-        verify_tolerance: max abs error allowed relative to the eager output's max abs value;
-            ``None`` picks by dtype (fp32 1e-3, fp16 1e-2, bf16 3e-2).
-        max_graph_memory: bound on the memory one encoder's graphs hold (pools and static
-            inputs): an ``int`` in bytes, or a ``float`` in (0, 1], the fraction of the device's
-            free memory when the first graph is captured. Budgets that would cross it, or whose
-            warm-up runs out of memory, are skipped, largest first, each with a logged reason
-            (``memory_report()["skipped_budgets"]``); their calls use the next larger captured
-            budget or run eagerly. ``None``: no bound beyond what the device has.
-        epilogue_fusion: ``"auto"`` (the default) rewrites each linear layer followed by a GELU
-            (exact, tanh or HF's quick GELU) of a ``torch.compile`` graph on a Hopper or newer
-            GPU into one op that runs, per shape, whichever was timed faster the first time the
-            shape ran: a Triton GEMM with bias and activation in its epilogue, or cuBLAS and a
-            separate activation kernel (``fused_linear.py``). ``"off"`` leaves the layers to the
-            inner compiler. Packed towers (``serve``) take it too (``adapters/_qwen_kernels.py``:
-            GELU MLPs, and SiLU-gated ones as one GEMM on a packed gate/up weight).
-        graph_launch: ``"auto"`` (the default) has the CUDA driver instantiate each captured
-            graph for device launch, whose launch cost the host 0.02 to 0.13 ms for the
-            Qwen2.5-VL-3B tower's graphs, where PyTorch's own executable cost up to 0.6 ms once
-            cuBLAS put memsets in the graph (large GEMMs on Hopper; ``graph_launch.py``). Graphs that draw random numbers, or that the driver
-            refuses, replay through ``CUDAGraph.replay()`` with a logged reason. ``"torch"``:
-            always ``CUDAGraph.replay()``. ``report()["graph_launch"]`` says which per budget.
-        batch_invariant: ``True`` makes an item's output bit-identical whether it is served
-            alone or in any batch or packing, and from one process to the next on the same GPU
-            and versions: nothing is chosen by timing (``epilogue_fusion`` off; packed towers
-            run flash varlen attention in every layer and their MLPs through cuBLAS), and ``torch.compile`` graphs run their traced kernels (``inner_compiler``
-            ``"eager"``), whose per-row results were measured not to depend on the batch (the
-            Inductor kernels' were: up to 3 % apart; ``docs/performance.md`` gives the cost).
-        patch_embedding: ``"gemm"`` (the default) rewrites each ``torch.conv2d`` of a graph
-            whose stride equals its kernel, without padding, dilation or groups, into one GEMM
-            over the patches, 8 to 12 times faster than cuDNN's convolution on an H100
-            (``patch_rewrite.py``). ``"conv"`` leaves it to the convolution.
-
-        align_mlp: packed towers: run the MLPs from weight copies zero-padded to a multiple of
-            8 in width (the same numbers; cuBLAS's fast kernels where the width is misaligned,
-            as Qwen2.5-VL's 3420); ``None`` does so on CUDA where the width needs it.
-        fuse: packed towers: run each block's elementwise work (rotary embedding, residual add
-            and norm, gated activation) inside the graphs as Inductor-fused kernels; ``None``
-            does so on CUDA with Triton installed.
-        packed_attention: packed towers' attention in the graphs: ``None`` (cuDNN's ragged
-            kernel where ``nvidia-cudnn-frontend`` imports, else flash varlen, with the Triton
-            segment kernel where timed faster per budget, and window layers on a short-segment
-            kernel where timed faster), ``"varlen"`` (flash varlen in every layer), ``"cudnn"``
-            (as ``None``, an error without the library), ``"dense"`` (dense SDPA where a
-            budget holds one image) or ``"auto"`` (dense or segments, timed per such budget).
+        budgets: token budgets (rows for batched encoders, output tokens for packed ones); default
+            ``None``: a ladder from ``min_budget`` to ``max_budget``.
+        min_budget: smallest ladder budget; default ``None``: the model's own (1 row for batched).
+        max_budget: largest ladder budget; default ``None``: the model's own (32 rows for batched).
+        ladder_steps: budgets per doubling of the ladder (1 to 16; more: less padding, more graphs);
+            default ``None``: 2 for packed, 4 for batched encoders.
+        max_items_per_graph: items one graph holds (packed encoders); default ``None``: derived,
+            never above the smallest budget.
+        max_frames_per_batch: video frames one graph holds; default ``None``: no frame cap.
+        policy: ``"baseline"`` (default: pad to the smallest fitting budget) or ``"exact"`` (replay
+            only exact budget sizes, run the rest eagerly).
+        inner_compiler: what runs inside the graphs: ``"eager"``, ``"inductor"`` (its own CUDA
+            graphs off), ``"tensorrt"`` or ``"auto"`` (default; :meth:`inner_compiler_for`).
+        capture: ``"all"`` (default) captures every budget, largest first, at a shape's first
+            call; ``"lazy"`` captures a budget when a batch first needs it.
+        warmup_iters: eager runs of each budget before its capture, for lazy set-up and the memory
+            estimate (default 1).
+        max_graph_sets: graph sets kept for other dynamic dims (e.g. image size), least recently
+            used freed first (default 4).
+        static_graphs: serve Dynamo's static compiles from one exact-shape graph (default
+            ``True``); ``False`` runs them eagerly.
+        backed_size_oblivious: turn on PyTorch's process-wide ``backed_size_oblivious`` so dynamic
+            graphs serve a batch of 1 (default ``False``; needs ``inner_compiler="eager"``).
+        verify: compare each budget's first replay with eager and disable its graph on a mismatch
+            beyond ``verify_tolerance`` (default ``False``).
+        verify_tolerance: max abs error relative to the eager output's max abs value; default
+            ``None``: by dtype (fp32 1e-3, fp16 1e-2, bf16 3e-2).
+        max_graph_memory: bound on one encoder's graph memory: ``int`` bytes or a ``float`` in
+            (0, 1] of free device memory; budgets over it are skipped. Default ``None``: no bound.
+        epilogue_fusion: ``"auto"`` (default): linear + GELU as one op timed per shape against
+            cuBLAS + activation on Hopper or newer (``fused_linear.py``); ``"off"``: left as is.
+        graph_launch: ``"auto"`` (default): graphs instantiated for device launch (cheaper on the
+            host) where allowed; ``"torch"``: always ``CUDAGraph.replay()``.
+        batch_invariant: outputs bit-identical whatever the batch or packing (nothing chosen by
+            timing, traced kernels); default ``False``, cost in docs/performance.md.
+        patch_embedding: ``"gemm"`` (default): patch convolutions rewritten as one GEMM
+            (``patch_rewrite.py``); ``"conv"``: left as convolutions.
+        align_mlp: packed towers: MLPs from weight copies zero-padded to a multiple of 8 in width;
+            default ``None``: on CUDA where the width needs it.
+        fuse: packed towers: elementwise work as Inductor-fused kernels; default ``None``: on CUDA
+            with Triton installed.
+        packed_attention: packed towers' attention: default ``None`` (cuDNN where it imports, else
+            flash varlen, Triton kernels where timed faster), ``"varlen"``, ``"cudnn"``,
+            ``"dense"`` (dense SDPA for one-image budgets) or ``"auto"`` (dense timed per budget).
 
     Example::
 
@@ -265,14 +213,10 @@ class VitGraphOptions:
     def inner_compiler_for(self, *, cuda: bool, packed: bool = False) -> str:
         """The inner compiler a graph gets: ``inner_compiler`` itself unless it is ``"auto"``.
 
-        ``"auto"`` resolves to ``"inductor"`` for a ``torch.compile`` graph on a CUDA device:
-        inside the CUDA graphs it replaces eager's unfused elementwise kernels (norms, bias,
-        activations, residual adds) by fused ones, which pays where the kernels set the time
-        (large images, batches of 8 and more) and costs nothing where launches did, since the
-        graph already removed those. It resolves to ``"eager"`` on other devices (no graphs,
-        and a compile that CPU users did not ask for), for packed towers (their adapters fuse
-        the kernels that pay and measured faster than Inductor over the whole tower; README,
-        "Packed towers") and with ``backed_size_oblivious=True`` (eager only, see above).
+        ``"auto"`` resolves to ``"inductor"`` for a ``torch.compile`` graph on a CUDA device (fused
+        elementwise kernels inside the graphs), and to ``"eager"`` on other devices, for packed
+        towers (their adapters fuse their own kernels), and with ``backed_size_oblivious`` or
+        ``batch_invariant``.
 
         Args:
             cuda: the graph runs on a CUDA device.
@@ -329,10 +273,8 @@ class VitGraphOptions:
                 batched: bool = False) -> BudgetConfig:
         """The one resolution of these options into budgets and per-graph caps.
 
-        Every consumer goes through here: the runtime for a packed encoder (against its
-        ``get_encoder_cudagraph_budget_range()``), the backend for ``torch.compile`` graphs
-        (``batched=True``), ``vitgraph plan`` and ``vitgraph bench``; so the plan a user previews
-        is the plan the runtime replays.
+        The runtime, the backend, ``vitgraph plan`` and ``vitgraph bench`` all resolve here, so
+        the plan a user previews is the plan the runtime replays.
 
         Args:
             model_range: the model's ``(min_budget, max_budget)``; ``min_budget``/``max_budget``
@@ -375,13 +317,11 @@ class VitGraphOptions:
         )
 
 
-
 _dataclass_init = VitGraphOptions.__init__
 
 
 @functools.wraps(_dataclass_init)
 def _init(self: VitGraphOptions, *args: Any, **kwargs: Any) -> None:
-    # an unknown keyword is an option error like any other, with the valid names
     valid = [f.name for f in fields(VitGraphOptions)]
     for key in kwargs:
         if key not in valid:

@@ -1,18 +1,8 @@
 """Plan preview: what the ``vitgraph`` planner does with a call or a stream, without torch.
 
-``vitgraph plan`` and the routing section of ``vitgraph bench`` both come from here, beside the
-planner, and both resolve their budgets with :meth:`VitGraphOptions.resolve
-<vit_graph_backend.options.VitGraphOptions.resolve>`, as the runtime does; so a preview always
-agrees with :func:`~vit_graph_backend.planner.plan_batches`, which the backend runs at replay.
-Stream totals are counted with :class:`~vit_graph_backend.stats.GraphStats`, the same counters the
-backend reports, so a planned hit rate and a measured one mean the same thing.
-
-Two layouts (see ``protocol.py`` for the packed one):
-    - batched ``[B, C, H, W]``: a call is one *row item* of ``B`` rows, budgets count rows and a
-      call larger than the largest budget is cut into chunks (``chunk=True``), one item per graph;
-    - packed (Qwen-VL): every image or video is an item, budgets count output tokens.
-
-This module must not import torch: ``vitgraph plan`` is instant on any machine.
+``vitgraph plan`` and ``vitgraph bench``'s routing section come from here, counted with
+:class:`~vit_graph_backend.stats.GraphStats` as in the runtime, so a preview agrees with what the
+backend replays and reports. No torch import: ``vitgraph plan`` is instant on any machine.
 """
 
 from __future__ import annotations
@@ -86,8 +76,7 @@ def format_plan(plan: dict[str, Any], *, unit: str = "tokens", indent: str = "")
 
 
 def eager_summary(items: Sequence[int]) -> str:
-    """``"none"``, or the count and the indices, marked as indices: ``"2 items (#0, #3)"``.
-    A bare ``"eager items: 0"`` read as a count of zero when it meant item number 0."""
+    """``"none"``, or the count and the indices, marked as indices: ``"2 items (#0, #3)"``."""
     if not items:
         return "none"
     return f"{len(items)} item{'s' if len(items) > 1 else ''} ({', '.join(f'#{i}' for i in items)})"

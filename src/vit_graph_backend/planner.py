@@ -11,16 +11,12 @@ Policies:
       frame cap) runs eagerly on its own.
     - ``"exact"``: no padding ever. An item (or chunk) whose tokens equal a budget replays alone;
       the others are packed as in baseline, but such a batch replays only when its token sum
-      equals a budget, and runs eagerly otherwise. With ``chunk`` a splittable
-      item is first cut into budget-sized pieces, largest budget first, so a batched call of 12
-      rows over budgets ``(1, 2, 4, 8, 16)`` replays the 8 and the 4 graphs and pads nothing.
+      equals a budget, and runs eagerly otherwise. With ``chunk`` a splittable item is first cut
+      into budget-sized pieces, largest budget first (12 rows over ``(1, 2, 4, 8, 16)``: 8 + 4).
 
-``chunk=True`` is for batched layouts, where an item is a run of independent rows
-(``input_size == output_tokens``, one frame): an item larger than the largest budget is cut into
-full largest-budget chunks plus a remainder instead of running eagerly.
-
-The plan also reports padding and gives the permutation that puts per-item outputs, which come out
-in execution order, back in the caller's order.
+``chunk=True`` is for batched layouts, where an item is a run of independent rows: an item larger
+than the largest budget is cut into largest-budget chunks plus a remainder instead of running
+eagerly. The plan also gives the permutation that restores the caller's item order.
 """
 
 from __future__ import annotations
@@ -151,11 +147,8 @@ class Plan:
 def _split_for_chunking(
     item: int, spec: EncoderItemSpec, config: BudgetConfig, exact: bool
 ) -> list[Segment]:
-    """Cut a row-item into pieces: full largest-budget chunks, then the remainder.
-
-    With ``exact`` the remainder is cut further into the largest budgets that fit it, so every
-    piece but possibly the last equals a budget.
-    """
+    """Cut a row-item into largest-budget chunks and a remainder (with ``exact``, the remainder
+    into the largest budgets that fit)."""
     if spec.input_size != spec.output_tokens or spec.frames != 1:
         raise InvalidOptionError(
             f"chunk=True needs row items (input_size == output_tokens, frames == 1); item {item} "
@@ -175,8 +168,7 @@ def _split_for_chunking(
 
 
 def eager_reason(batch: Batch, config: BudgetConfig) -> str:
-    """Why :func:`plan_batches` gave ``batch`` no budget under ``config`` (a fallback reason,
-    the same for the runtime's measured counts and a planned preview)."""
+    """Why :func:`plan_batches` gave ``batch`` no budget under ``config`` (a fallback reason)."""
     if batch.tokens > config.max_budget:
         return "item exceeds the largest budget"
     if config.max_frames_per_batch is not None and batch.frames > config.max_frames_per_batch:
@@ -222,8 +214,7 @@ def plan_batches(
     max_frames = config.max_frames_per_batch
     budget_set = set(config.budgets)
 
-    # Units to pack: whole items, or pieces of chunked row-items. Sorting smallest first (stable,
-    # so ties keep caller order) is the baseline policy's packing order.
+    # whole items or chunks, smallest first (stable: ties keep caller order)
     units: list[tuple[Segment, int]] = []
     for i, spec in enumerate(specs):
         if chunk and (spec.output_tokens > max_budget or exact):
@@ -266,8 +257,7 @@ def plan_batches(
     close()
     batches.extend(oversize)
 
-    # An item is complete when its last segment has run; chunk pieces of one item may run in any
-    # order, and the runtime puts them together by start offset.
+    # an item is complete when its last segment has run
     remaining = [0] * len(specs)
     for batch in batches:
         for seg in batch.segments:

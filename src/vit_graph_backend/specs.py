@@ -1,16 +1,9 @@
 """`EncoderItemSpec`: the one description of an encoder item that every layer reads.
 
-An *item* is one image or one video given to a vision encoder. The planner, the budget choice and
-the output slicing read only specs, never model-specific inputs, so one spec per item replaces the
-three per-item methods (item count, input sizes, output tokens) that earlier encoder-graph designs
-needed (vLLM PR #41234).
-
-Units:
-    - ``input_size``: rows of input the item occupies (patches for packed encoders, batch rows for
-      batched ``[B, C, H, W]`` encoders).
-    - ``output_tokens``: rows the encoder emits for the item, after any spatial merge. Token budgets
-      are counted in these units.
-    - ``frames``: temporal frames (1 for an image); bounded per batch by ``max_frames_per_batch``.
+An *item* is one image or one video. The planner, the budget choice and the output slicing read
+only specs, never model-specific inputs. Units: ``input_size`` counts input rows (patches, or batch
+rows for batched encoders); ``output_tokens`` counts rows emitted after any spatial merge (the unit
+of budgets); ``frames`` counts temporal frames (1 for an image).
 """
 
 from __future__ import annotations
@@ -23,9 +16,7 @@ __all__ = ["EncoderItemSpec", "check_positive_int"]
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` if it is a positive ``int``; otherwise raise a message naming ``name``.
-
-    ``bool`` is rejected although it subclasses ``int``: ``budgets=[True]`` is always a mistake.
+    """Return ``value`` if it is a positive ``int`` (``bool`` rejected), else raise naming ``name``.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) naming the field, the bad value and what is allowed.

@@ -1,12 +1,8 @@
 """Counters for graph hits, eager fallbacks and padding, updated by the runtime, read by users.
 
-One :class:`GraphStats` per runtime. Reads are snapshots (:meth:`GraphStats.as_dict`); updates
-take a lock so two threads calling one compiled model count correctly.
-
-The counters say what really ran: a batch counts as a *graph replay* only when a captured CUDA
-graph replayed it. Without CUDA each planned batch runs at its own size, without a graph and
-without padding, and is counted in ``no_graph_batches``, so a CPU report shows no replays and
-no padding.
+One :class:`GraphStats` per runtime; updates take a lock so threads sharing a model count
+correctly. The counters say what really ran: a batch is a *graph replay* only when a captured
+graph replayed it; without CUDA batches count in ``no_graph_batches``.
 """
 
 from __future__ import annotations
@@ -30,13 +26,11 @@ class GraphStats:
         calls: calls served (graph, eager or mixed).
         graph_replays: batches replayed from a captured CUDA graph.
         graph_items: item segments served by those replays.
-        no_graph_batches: batches run without a graph (no CUDA device): at their own size, or
-            padded to a budget where the runtime was asked to pad without graphs.
+        no_graph_batches: batches run without a graph (no CUDA device).
         no_graph_items: item segments served by those batches.
         eager_batches: batches run eagerly, unpadded (oversize items, fallbacks).
         eager_items: item segments run eagerly.
-        exact_shape_batches: of the graph and no-graph batches, those of an exact-shape graph
-            (Dynamo's static compiles): no budget, no padding.
+        exact_shape_batches: batches of an exact-shape graph (no budget, no padding).
         real_tokens: real tokens (rows) in graph and no-graph batches.
         padded_tokens: padding tokens in graph and no-graph batches.
         batches_per_budget: graph and no-graph batches counted by token budget.
@@ -59,8 +53,8 @@ class GraphStats:
 
     def record_replay(self, budget: int, items: int, real_tokens: int, *,
                       graph: bool = True) -> None:
-        """Count one batch of ``items`` segments holding ``real_tokens`` of ``budget``: replayed
-        from a CUDA graph, or (``graph=False``) padded and run without one."""
+        """Count one padded batch of ``items`` segments, ``real_tokens`` of ``budget`` (``graph``:
+        replayed from a CUDA graph)."""
         with self._lock:
             self._count_run(items, graph)
             self.real_tokens += real_tokens
@@ -74,8 +68,7 @@ class GraphStats:
             self.real_tokens += real_tokens
 
     def record_exact(self, rows: int, *, graph: bool = True) -> None:
-        """Count one call of an exact-shape graph holding ``rows`` real rows (no budget, no
-        padding); ``graph=False`` without a CUDA graph."""
+        """Count one call of an exact-shape graph holding ``rows`` real rows."""
         with self._lock:
             self._count_run(1, graph)
             self.exact_shape_batches += 1

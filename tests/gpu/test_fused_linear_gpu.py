@@ -1,5 +1,5 @@
 """``epilogue_fusion``'s kernels on CUDA: the Triton GEMM with bias and activation in its epilogue
-(``_linear_act_kernels.py``) against a float32 reference in every tile configuration the op
+(``kernels/_linear_act_triton.py``) against a float32 reference in every tile configuration the op
 times, its compiles (one per configuration for every row count, built side by side, begun by the
 graph rewrite), the separate activation kernels, and the gated (SiLU-mul) form's kernels and its
 op in a captured graph. The op's per-shape choice: ``test_fused_linear_choices_gpu.py``. Hopper
@@ -199,7 +199,8 @@ def test_gated_operands_the_kernel_cannot_take_run_the_reference():
 def test_gated_fused_wins_at_qwen2_5_vl_large_images():
     """Qwen2.5-VL-3B's MLP at one 16,384-patch image: the probe measured the gated kernel
     faster than cuBLAS on the packed weight + the SiLU-mul kernel
-    (``benchmarks/results/linear_act_probe_gated_*``); the timing must pick it."""
+    (``benchmarks/results/qwen2_5_vl_3b_gated_mlp_kernel_time_H100_torch2.11.0.txt``); the timing
+    must pick it."""
     x, w, b = _gated_operands(16384, 1280, 3420, seed=21)
     GATED_OP(x, w, b)
     key = f"cuda:{x.device.index} bfloat16 16384x1280 -> 3456 silu_mul +bias"

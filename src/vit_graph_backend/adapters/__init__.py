@@ -1,20 +1,12 @@
 """Adapters: make third-party packed encoders implement ``SupportsEncoderCudaGraph``.
 
-:func:`adapt` picks the adapter for a model by its class. The registry maps *fully qualified class
-names* to adapter factories given as ``"module:attribute"`` strings, so matching a model never
-imports transformers (or any other third-party package) and the adapter module is imported only
-when a model of its class is adapted. ``import vit_graph_backend.adapters`` imports neither torch
-nor transformers.
-
-Matching is by exact class: a subclass may change ``forward``, so it is served only once
-registered (:func:`register_adapter`), which is also how new adapters plug in.
+:func:`adapt` picks the adapter by the model's exact class (a subclass may change ``forward``, so
+it is served only once registered with :func:`register_adapter`). The registry maps fully
+qualified class names to ``"module:attribute"`` factories, so matching imports neither
+transformers nor the adapter module; ``import vit_graph_backend.adapters`` imports no torch.
 
 Example::
 
-    from transformers import Qwen2_5_VLForConditionalGeneration
-    from vit_graph_backend.adapters import adapt
-
-    vl = Qwen2_5_VLForConditionalGeneration.from_pretrained(...).eval()
     tower = adapt(vl.model.visual, max_budget=2048)   # a SupportsEncoderCudaGraph nn.Module
     merged = tower(pixel_values, grid_thw)            # == vl.model.visual(...).pooler_output
 """
@@ -30,8 +22,7 @@ from ..protocol import supports_encoder_cudagraph
 
 __all__ = ["adapt", "adapter_for", "register_adapter", "supported_classes"]
 
-# by this package's own name: a copy imported under another name (a vendored build, the
-# benchmarks' baseline tree in benchmarks/host_time_two_trees_probe.py) serves with its own code
+# by this package's own name: a copy imported under another name serves with its own code
 _QWEN = f"{__name__}.qwen_families:"
 
 #: fully qualified model class name -> adapter factory (``"module:attribute"`` or a callable).
@@ -56,13 +47,11 @@ def _class_name(cls: type) -> str:
 
 
 def register_adapter(model_class: type | str, factory: str | Callable[..., Any]) -> None:
-    """Serve ``model_class`` with ``factory(model, **kwargs)``.
+    """Serve ``model_class`` with ``factory(model, options)``.
 
     Args:
-        model_class: the class, or its fully qualified name (``"pkg.module.Class"``), which
-            avoids importing the model's package.
-        factory: ``factory(model, options)`` returning a ``SupportsEncoderCudaGraph`` (usually
-            an adapter class; ``options`` is the :class:`VitGraphOptions` it is served with), or
+        model_class: the class, or its fully qualified name (no import of its package).
+        factory: ``factory(model, options)`` returning a ``SupportsEncoderCudaGraph``, or
             ``"module:attribute"`` naming one, imported at the first :func:`adapt`.
 
     Raises:
@@ -91,21 +80,16 @@ def adapter_for(model: object) -> Callable[..., Any] | None:
 
 
 def adapt(model: Any, options: Any = None, **fields: Any) -> Any:
-    """Return ``model`` as a ``SupportsEncoderCudaGraph``.
-
-    A model that already implements the protocol is returned as is. Otherwise the adapter
-    registered for its class wraps it, reusing its weights.
+    """Return ``model`` as a ``SupportsEncoderCudaGraph`` (as is if it already is one; else
+    wrapped by the adapter registered for its class, reusing its weights).
 
     Args:
         model: a packed vision encoder, e.g. ``Qwen2_5_VisionTransformerPretrainedModel``.
-        options: a :class:`~vit_graph_backend.options.VitGraphOptions` (the adapter reads its
-            packed-tower fields: ``min_budget``, ``max_budget``, ``align_mlp``, ``fuse``,
-            ``packed_attention``, ``epilogue_fusion``, ``batch_invariant``); or give its
-            fields as keyword arguments.
+        options: a :class:`~vit_graph_backend.options.VitGraphOptions`; or give its fields as
+            keyword arguments.
 
     Raises:
-        UnsupportedModelError: (a ``TypeError``) if no adapter serves the model's class; the
-            message lists the supported classes.
+        UnsupportedModelError: (a ``TypeError``) if no adapter serves the model's class.
         InvalidOptionError: (a ``ValueError``) for an unknown or bad option.
     """
     from ..options import VitGraphOptions

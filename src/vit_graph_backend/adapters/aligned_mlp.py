@@ -1,35 +1,17 @@
 """Zero-padded copies of a tower's MLP weights, so cuBLAS takes its fast GEMM kernels.
 
-Qwen2.5-VL's vision MLP has ``intermediate_size=3420``, not a multiple of 8: bf16 rows of 3420
-elements are not 16-byte aligned, and cuBLAS falls back to slower kernels for all three GEMMs of
-every block. Padding the intermediate dimension with zeros changes no number (padded gate/up rows
-and biases are zero, and the padded columns of the down projection are zero, so whatever the padded
-activations hold is multiplied by zero) and on an H100 makes the 32 MLPs of the 3B tower 2.6x faster
-at 4096 rows (18.7 -> 6.9 ms; ``benchmarks/diagnose.py mlp``). Padding to a multiple of 8 measured
-the same as a multiple of 64, so the pad is the smallest that aligns.
+An intermediate width that is not a multiple of 8 (Qwen2.5-VL's 3420) leaves bf16 rows unaligned,
+and cuBLAS falls back to slower kernels for every MLP GEMM (docs/performance.md). Zero padding
+changes no number. With ``gated=True`` a SiLU-gated MLP keeps gate and up as one packed copy
+(``fused_linear.pack_gated``), read as one GEMM.
 
-A SiLU-gated MLP whose first half runs through ``fused_linear.linear_silu_mul`` (``gated=True``)
-keeps its gate and up weights as one packed copy instead (``fused_linear.pack_gated``: chunks of
-128 rows alternating, the width padded to a multiple of 128, 3420 -> 3456): one GEMM of twice the
-width, whose fused epilogue writes only ``silu(gate) * up``. The plain path reads the same copy as
-one cuBLAS GEMM and takes the gate and up halves as views.
-
-The padded tensors are copies (the tower's own parameters are left alone, so saving, loading and
-``.to()`` behave as before); :meth:`AlignedMLPs.refresh` brings them in step with the originals
-whenever a parameter was written in place, given new storage or replaced, copying into the same
-padded storage so a captured graph keeps reading valid weights. Copies a graph was captured with
-are ``pinned``: never freed nor moved, so a graph launched before a check reads valid memory; a
-parameter moved to another device or dtype, or of another shape, then raises
-:class:`CopiesPinned`, and the graphs are captured again (``_qwen_kernels.KernelChoices.sync``). A replaced parameter is read from
-its module's parameter table at every call: accelerate's ``set_module_tensor_to_device`` (how
-Hugging Face loads with a ``device_map``) writes that table directly, which no registration hook
-sees, so copies checked against parameters listed earlier would go stale without an error
-(``tests/unit/test_adapters_aligned_mlp.py``). In-projection biases always have padded storage
-(zeros for a projection without one), so a bias added or removed later is followed too.
-Parameters created under ``torch.inference_mode`` (inference tensors) keep no version counter,
-so an in-place write to them could not be seen:
-``refresh`` raises :class:`UntrackedWeights` for them, and the adapter runs the tower's own MLPs
-instead of copies that might go stale (``_qwen_kernels.KernelChoices.sync``).
+The tower's own parameters are left alone (saving, loading, ``.to()`` unchanged).
+:meth:`AlignedMLPs.refresh` follows in-place writes, new storage and replaced parameters (read
+from their module's parameter table each time: accelerate writes that table directly), copying
+into the same storage. Copies a graph was captured with are ``pinned``, so a move or shape change
+raises :class:`CopiesPinned`; inference tensors keep no version counter, so they raise
+:class:`UntrackedWeights`. Either way the adapter runs the tower's own MLPs
+(``kernel_choices.KernelChoices.sync``).
 """
 
 from __future__ import annotations
@@ -69,8 +51,7 @@ class UntrackedWeights(RuntimeError):
 
 
 class CopiesPinned(RuntimeError):
-    """The copies are pinned (a captured graph reads them) and cannot follow the parameters in
-    place: these moved to another device or dtype, or changed shape."""
+    """Pinned copies (a graph reads them) cannot follow parameters that moved or changed shape."""
 
 
 _UNTRACKED = ("the tower's MLP parameters are inference tensors (made under torch.inference_mode), "
@@ -111,9 +92,8 @@ def intermediate_size(mlp: nn.Module) -> int | None:
 
 @dataclass
 class MLPWeights:
-    """One block's padded weights: ``ins`` as ``(weight, bias)`` pairs (a bias of zeros for a
-    projection without one), then the out projection's weight (its bias needs no padding: the
-    graphs read the module's own)."""
+    """One block's padded weights: ``ins`` as ``(weight, bias)`` pairs (zeros for a missing bias)
+    and the out projection's weight (its bias needs no padding)."""
 
     ins: list[tuple[torch.Tensor, torch.Tensor]]
     out_weight: torch.Tensor
@@ -128,8 +108,7 @@ class AlignedMLPs:
 
     Args:
         mlps: each block's MLP module (all of one shape).
-        gated: keep a gate/up MLP's two in projections as one packed copy (see the module's
-            docstring); ignored for fc1/fc2 MLPs.
+        gated: keep a gate/up MLP's in projections as one packed copy; ignored for fc1/fc2.
     """
 
     def __init__(self, mlps: Sequence[nn.Module], gated: bool = False) -> None:
@@ -140,24 +119,23 @@ class AlignedMLPs:
         self.ins, self.out = shapes.pop()  # type: ignore[misc]
         width = getattr(self.mlps[0], self.out).in_features
         self.width = width
-        #: the gate and up projections packed into one weight (``fused_linear.pack_gated``)
         self.gated = gated and len(self.ins) == 2
         self.padded_width = (gated_width(width) if self.gated
                              else ceil_div(width, ALIGNMENT) * ALIGNMENT)
         self.weights: list[MLPWeights] = []
-        #: the parameters' (addresses, versions) at the last copy (``weights.fingerprint``)
+        #: the parameters' (addresses, versions) at the last copy
         self._fingerprint: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         #: (parameter tables, names) of every parameter the copies are made from
         self._slots = self._read_slots()
-        #: the fingerprint's parameters found to be inference tensors (refused without a scan)
+        #: the parameters last found to be inference tensors (refused again without a scan)
         self._untracked: list[torch.Tensor | None] | None = None
         #: a captured graph reads the copies: they are never freed nor moved, only written
         self.pinned = False
 
     @staticmethod
     def needed(mlps: Sequence[nn.Module], gated: bool = False) -> bool:
-        """True if the MLPs have a known shape whose intermediate width is misaligned, or
-        ``gated`` and they are gate/up MLPs (the packed copy is wanted whatever the width)."""
+        """True for MLPs of a known shape with a misaligned width, or gate/up MLPs when
+        ``gated``."""
         widths = {intermediate_size(m) for m in mlps}
         if len(widths) != 1 or None in widths:
             return False
@@ -169,9 +147,7 @@ class AlignedMLPs:
         return sum(t.numel() * t.element_size() for w in self.weights for t in w.tensors())
 
     def _read_slots(self) -> tuple[tuple[dict[str, Any], ...], tuple[str, ...]]:
-        """Where each parameter the copies are made from lives: its module's parameter table and
-        name (not the out projection's bias, which is read where it is: one tensor fewer per
-        block to check before every call)."""
+        """(parameter table, name) of each copied parameter (not the out bias, read in place)."""
         tables, names = [], []
         for mlp in self.mlps:
             for name in self.ins:
@@ -184,9 +160,12 @@ class AlignedMLPs:
 
     def refresh(self) -> bool:
         """Bring the padded copies in step with the MLPs' parameters; True if anything was
-        copied. Cheap when nothing changed: one pass over the parameter tables, addresses and
-        version counters (the modules are walked again only after a parameter was registered
-        somewhere)."""
+        copied. Unchanged parameters cost one pass over addresses and version counters.
+
+        Raises:
+            UntrackedWeights: the parameters are inference tensors.
+            CopiesPinned: pinned copies cannot follow a move or a shape change.
+        """
         params = list(map(_lookup, *self._slots))  # C-level, like fingerprint
         if self._untracked is not None and all(map(operator.is_, params, self._untracked)):
             raise UntrackedWeights(_UNTRACKED)  # the same tensors as last time: no scan per call
@@ -218,7 +197,6 @@ class AlignedMLPs:
             if not self.pinned:
                 raise
             raise CopiesPinned(f"an MLP parameter cannot be copied in place: {exc}") from None
-        # only the heads above are ever written: the padding stays zero
         self._fingerprint = now
         return True
 
@@ -264,10 +242,8 @@ class AlignedMLPs:
                 silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                 epilogue: str | None = None) -> torch.Tensor:
         """Block ``layer``'s MLP on ``x`` with the padded weights (same math as the module).
-        ``silu_mul(gate, up)``, if given, replaces ``act(gate) * up`` when ``act`` is SiLU;
-        ``epilogue`` (``_qwen_kernels`` checked it names ``act``), if given, runs the first half
-        through ``fused_linear``'s ops: ``fused_linear.GATED`` as ``linear_silu_mul``, a GELU's
-        name as ``linear_act``."""
+        ``silu_mul`` replaces ``act(gate) * up`` for SiLU; ``epilogue`` runs the first half
+        through ``fused_linear`` (``GATED``: ``linear_silu_mul``; a GELU: ``linear_act``)."""
         mlp, w = self.mlps[layer], self.weights[layer]
         act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.act
         if self.gated:

@@ -1,16 +1,10 @@
 """The call inputs of packed towers (``pixel_values`` + ``grid_thw``), checked in one place.
 
-:func:`check_packed_inputs` is the only reader of a call's raw inputs: the item specs (which the
-runtime asks for first, on every call), the eager forward and the replay buffers all go through
-it, so what one path accepts the others accept too. A bad input raises
-:class:`~vit_graph_backend.errors.InvalidInputError` naming the input, its value and what is
-allowed, from the specs call, before any plan is made or any budget is touched. Without this, a
-pixel tensor with too many rows was only noticed inside a replay, where any error disables the
-budget's graph for every later call.
-
-``grid_thw`` may be a tensor or, as callers often build it by hand, a list of ``[t, h, w]`` rows
-(or a NumPy array); :func:`grid_tensor` turns the latter into the ``int64`` tensor the HF towers
-take.
+:func:`check_packed_inputs` is the only reader of a call's raw inputs: the item specs, the eager
+forward and the replay buffers all go through it, so every path accepts the same inputs. A bad
+input raises :class:`~vit_graph_backend.errors.InvalidInputError` from the specs call, before any
+plan is made: an error inside a replay would disable the budget's graph for every later call.
+:func:`grid_tensor` turns a list of ``[t, h, w]`` rows (or a NumPy array) into ``int64``.
 """
 
 from __future__ import annotations
@@ -36,9 +30,11 @@ def _integer_dtype(dtype: torch.dtype) -> bool:
 
 
 def grid_tensor(grid_thw: Any) -> torch.Tensor:
-    """``grid_thw`` as a 2-D integer tensor of shape ``(items, 3)``; a list or tuple of
-    ``[t, h, w]`` rows, or a NumPy array, becomes an ``int64`` tensor. Values are not checked here (see
-    :func:`check_packed_inputs`).
+    """``grid_thw`` as a 2-D integer tensor ``(items, 3)``; a list of ``[t, h, w]`` rows or a
+    NumPy array becomes ``int64``. Values are checked by :func:`check_packed_inputs`.
+
+    Args:
+        grid_thw: a tensor, NumPy array, or list/tuple of ``[t, h, w]`` rows.
 
     Raises:
         InvalidInputError: for another type, a ragged or non-integer list, a float or bool
@@ -77,11 +73,9 @@ def grid_tensor(grid_thw: Any) -> torch.Tensor:
 
 
 class PackedCall(dict):
-    """The input mapping of one packed call (``pixel_values``, ``grid_thw``), made anew by the
-    serving layer for every call. It carries the call's checked grids, so the runtime's requests
-    for specs and then buffers read ``grid_thw`` once: on CUDA each read is a device-to-host sync
-    that stalls the host until the GPU is idle. Living only as long as the call, the record can
-    never be stale for a later call, with or without ``torch.inference_mode``."""
+    """The input mapping of one packed call, made anew per call. It carries the call's checked
+    grids, so specs and buffers read ``grid_thw`` once (each read of a CUDA grid is a host sync);
+    living only as long as the call, the record is never stale."""
 
     __slots__ = ("checked", "rows")
 
@@ -89,8 +83,7 @@ class PackedCall(dict):
                  rows: list[Grid] | None = None) -> None:
         super().__init__(pixel_values=pixel_values, grid_thw=grid_thw)
         self.checked: tuple[Any, Any, list[Grid]] | None = None
-        #: ``grid_thw``'s rows as Python ints when the caller had them (a list grid), so the
-        #: check need not read the tensor back
+        #: ``grid_thw``'s rows as Python ints when the caller gave a list (no read-back)
         self.rows = rows
 
 

@@ -1,13 +1,10 @@
-"""Which kernels a Qwen-VL adapter's graphs run: zero-padded MLP weights and Inductor-fused ops.
+"""Which kernels a Qwen-VL adapter's graphs run: zero-padded MLP weights and fused ops.
 
-One of the three parts of the adapter (``qwen_vl.py``): this one decides kernels, ``_qwen_packing``
-lays out inputs and metadata, the adapter class runs the blocks. The choices are made outside the
-graph, before every capture, replay and eager batch, so a captured graph always reads weights that
-are up to date (see ``_aligned_mlp``) and never holds Python state that Dynamo would guard on.
-
-The choices are made for the MLP modules the tower holds when it is served; a submodule
-replaced later is announced with ``served.refresh()``, which makes them again (``weights.py``:
-the contract).
+One of the adapter's three parts (``qwen`` runs the blocks, ``packing`` lays out inputs). The
+choices are made outside the graph, before every capture, replay and eager batch, so a captured
+graph always reads up-to-date weights (``aligned_mlp``) and holds no Python state Dynamo would
+guard on. They are made for the MLP modules the tower holds when served; a replaced submodule is
+announced with ``served.refresh()`` (``runtime.weights``).
 """
 
 from __future__ import annotations
@@ -37,28 +34,19 @@ class KernelChoices:
             everywhere; ``False`` never.
         fuse: ``None`` fuses the graph path's elementwise ops where Triton is available;
             ``True`` everywhere (Inductor's C++ code on CPU); ``False`` never.
-        epilogue_fusion: ``"auto"``: with fusion on, an ``fc2(gelu(fc1 x))`` MLP (Qwen2-VL's
-            quick GELU, Qwen3-VL's tanh GELU) runs its ``fc1`` and GELU as ``fused_linear``'s
-            op: one GEMM with the GELU in its epilogue where that was timed faster on the shape
-            (Hopper and newer), cuBLAS and one activation kernel otherwise; a SiLU-gated MLP
-            (Qwen2.5-VL) runs ``silu(gate x) * up x`` through its gated op the same way, from a
-            packed gate/up copy (``_aligned_mlp``; so not with ``align_mlp=False`` nor with
-            inference-tensor weights, where the tower's own MLP runs); ``"off"``: never, and
-            gated MLPs keep separate padded gate and up copies as before.
-
+        epilogue_fusion: ``"auto"``: with fusion on, an ``fc2(gelu(fc1 x))`` MLP runs fc1 and
+            its GELU, and a SiLU-gated MLP ``silu(gate x) * up x`` from a packed gate/up copy,
+            through ``fused_linear``'s ops (a GEMM epilogue where timed faster, else cuBLAS and
+            one kernel); ``"off"``: never.
     """
 
     def __init__(self, tower: nn.Module, align_mlp: bool | None, fuse: bool | None,
                  epilogue_fusion: str = "auto") -> None:
         self.align_mlp, self.fuse = align_mlp, fuse
         self._tower, self.epilogue_fusion = tower, epilogue_fusion
-        #: what the MLP's first half runs through ``fused_linear``'s ops: the GELU of an fc1/fc2
-        #: MLP (``fused_linear.ACTIVATIONS``), ``fused_linear.GATED`` for a SiLU-gated one (from
-        #: the packed copies, so only where those are in use), or ``None`` (other MLPs, MLPs of
-        #: more than one kind, or ``epilogue_fusion="off"``)
+        #: the first half's ``fused_linear`` op: a GELU name, ``GATED``, or ``None``
         self.epilogue: str | None = None
-        #: the zero-padded (for the gated op: packed) weight copies, or ``None`` when every MLP
-        #: width is aligned already and no packed copy is wanted
+        #: the padded (or packed) weight copies; ``None`` when none is needed
         self.aligned: AlignedMLPs | None = None
         self.use_aligned = False
         #: why the padded copies are off although asked for (inference-tensor weights), or None
@@ -74,10 +62,8 @@ class KernelChoices:
 
     def sync(self, device: torch.device, capture: bool = False, replay: bool = False) -> bool:
         """Decide whether the padded MLP weights are used on ``device`` and bring them up to
-        date (a copy only after the tower's MLP parameters were written); True if one was
-        copied. ``capture``: a CUDA graph is captured with the choices (the copies it reads are
-        then pinned: ``_aligned_mlp``); ``replay``: a graph replays them (the runtime checked
-        that no weight moved, so the copies follow in place)."""
+        date; True if one was copied. ``capture``: a graph is captured with them (they are then
+        pinned); ``replay``: a graph replays them (the copies follow in place)."""
         if self.aligned is None:
             return False
         if replay:
@@ -113,8 +99,7 @@ class KernelChoices:
 
     def ops_for(self, device: torch.device, graph: bool) -> Ops:
         """The compiled fused ops for the graph path where ``fuse`` allows, else plain ops."""
-        # inside an inner compiler's trace, the compiler fuses the plain ops itself (and state
-        # read here would become guards)
+        # inside an inner compiler's trace the compiler fuses plain ops (state read here: guards)
         if not graph or self.fuse is False or torch.compiler.is_compiling():
             return ops(False)
         if self.fuse is None:
@@ -139,8 +124,7 @@ class KernelChoices:
 
 
 def _epilogue_of(mlp: nn.Module) -> str | None:
-    """The GELU of an ``fc2(act(fc1 x))`` MLP as ``fused_linear`` names it, ``GATED`` for a
-    ``down(silu(gate x) * up x)`` one, else ``None``."""
+    """The GELU name of an fc1/fc2 MLP, ``GATED`` for a SiLU-gated one, else ``None``."""
     linears = mlp_linears(mlp)
     act = getattr(mlp, "act_fn", None) or getattr(mlp, "act", None)
     if linears is None:

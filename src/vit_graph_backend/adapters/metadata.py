@@ -1,30 +1,19 @@
 """Host-side metadata of the Qwen-VL vision towers: one function for eager, capture and replay.
 
-Everything the towers derive from ``grid_thw`` with Python loops or ``.tolist()`` is computed here,
-on the host, from Python ints: rotary position ids, per-frame attention segment lengths, the
-Qwen2.5-VL window order, window segment lengths and the reverse (unwindowing) index, and any
-per-row extras a family adds (Qwen3-VL's interpolated learned position embedding). The eager
-forward, the capture inputs and the replay buffers all call :func:`pack_metadata`, so the three
-cannot drift apart (``docs/adapters.md`` lists the padding traps this avoids).
+Everything the towers derive from ``grid_thw`` (rotary position ids, per-frame segment lengths,
+Qwen2.5-VL's window order and reverse index, family extras such as Qwen3-VL's interpolated
+position embedding) is computed here from Python ints. Eager, capture and replay all call
+:func:`pack_metadata`, so they cannot drift apart (``docs/adapters.md``).
 
-Buffer design (why lengths, not offsets):
+- Segments are stored as **lengths**, turned into offsets in the graph by one ``cumsum``
+  (``packing.QwenPacker.segments``). A short replay buffer zero-padded by the runtime is then a
+  run of zero-length segments, and no per-budget state is needed.
+- Padding rows ``[real_rows, buffer_rows)`` form their own segments, computed in the graph from
+  the static shape: real tokens never attend to padding, and attention writes every row.
+- Rows are laid out in the order the blocks consume them (Qwen2.5-VL: window order); only the
+  final un-permute (``reverse_index``) runs in the graph.
 
-- Attention segments are stored as **lengths** (``frame_seqlens``, ``window_seqlens``), not
-  cumulative offsets. The captured function turns them into offsets with one ``cumsum`` and
-  appends the padding segment itself (see ``QwenPacker.segments`` in ``_qwen_packing``). A replay buffer shorter than
-  the capture buffer is then correct as the runtime pads it: the zeroed tail is a run of
-  zero-length segments, which is exactly "repeat the last offset". Offsets frozen at capture
-  cannot happen, and the adapter needs no per-budget state to size a replay buffer.
-- The padding rows ``[real_rows, buffer_rows)`` always form their own segment(s), computed in
-  the graph from the static shape, so real tokens never attend to padding and every padding row
-  is written by attention (no unwritten rows that could carry stale NaNs from a shared pool).
-- Rows are laid out in the order the blocks consume them. For Qwen2.5-VL that is the window
-  order: ``row_index`` gathers the input patches already permuted (the patch embedding is
-  per-row, so permuting its input equals HF's permuting of its output), position ids are
-  emitted permuted, and only the final un-permute (``reverse_index``) runs in the graph.
-
-Per-item pieces are cached by ``(t, h, w)``: serving traffic repeats image sizes, and a cached item
-costs a few tensor concatenations per batch.
+Per-item pieces are cached by ``(t, h, w)``: serving traffic repeats image sizes.
 """
 
 from __future__ import annotations
@@ -101,10 +90,9 @@ class PackedMetadata:
 
     Attributes:
         values: buffers keyed as in the capture inputs (CPU tensors, no ``pixel_values``).
-        row_index: rows of the *source* pixel tensor, in graph order (gather the pixels with it).
+        row_index: rows of the source pixel tensor, in graph order.
         rows: real input rows. ``tokens``: real output tokens.
-        frame_offsets / window_offsets: host cumulative offsets of the real segments, for the
-            per-segment eager attention (no padding segments).
+        frame_offsets / window_offsets: cumulative offsets of the real segments (eager).
         max_frame_rows / max_window_rows: exact longest real segments.
     """
 
@@ -119,8 +107,7 @@ class PackedMetadata:
 
 
 def _block_major_positions(t: int, h: int, w: int, m: int) -> torch.Tensor:
-    """(h, w) rotary positions of each row in HF's order: per frame, ``m x m`` blocks row-major,
-    rows inside a block row-major; repeated for each frame (``get_vision_position_ids``)."""
+    """(h, w) rotary positions per row in HF's ``m x m`` block-major order, per frame."""
     hpos = torch.arange(h).unsqueeze(1).expand(h, w)
     wpos = torch.arange(w).unsqueeze(0).expand(h, w)
     shape = (h // m, m, w // m, m)
@@ -130,13 +117,8 @@ def _block_major_positions(t: int, h: int, w: int, m: int) -> torch.Tensor:
 
 
 def _window_order(t: int, gh: int, gw: int, ws: int) -> tuple[torch.Tensor, list[int]]:
-    """Qwen2.5-VL's window order of one item's tokens and its windows' token counts.
-
-    Per frame, the ``gh x gw`` token grid is cut into ``ws x ws`` windows, row-major, the last
-    row/column of windows possibly partial; tokens inside a window are row-major. Matches
-    ``transformers.vision_utils.get_vision_window_index`` (its padding-only windows have zero
-    length and are dropped, as its ``unique_consecutive`` does).
-    """
+    """Qwen2.5-VL's window order of one item's tokens and its windows' token counts, as
+    ``transformers.vision_utils.get_vision_window_index`` (empty windows dropped)."""
     nwh, nww = ceil_div(gh, ws), ceil_div(gw, ws)
     index = torch.arange(t * gh * gw).reshape(t, gh, gw)
     padded = torch.full((t, nwh * ws, nww * ws), -1, dtype=torch.long)
@@ -193,11 +175,9 @@ def segment_slots(layout: QwenLayout, capacity: int, max_frames: int) -> Segment
     """Segment buffer lengths that hold any batch of ``<= capacity`` tokens and ``<= max_frames``
     frames.
 
-    Frames: ``min(capacity, max_frames)`` (each frame has at least one token). Windows: a frame of
-    ``gh x gw`` tokens has ``ceil(gh/ws) * ceil(gw/ws) <= (gh*gw + ws - 1) / ws`` windows (use
-    ``gh + gw <= gh*gw + 1``), so a batch has at most ``(tokens + frames*(ws-1)) // ws`` windows,
-    and never more than its tokens. Tight bounds matter: flash varlen attention launches
-    ``ceil(max_seqlen / 128) * segments * heads`` thread blocks, empty segments included.
+    Frames: ``min(capacity, max_frames)``. Windows: a batch has at most
+    ``(tokens + frames*(ws-1)) // ws`` windows, never more than its tokens. Tight bounds matter:
+    flash varlen launches thread blocks for every segment, empty ones included.
     """
     frames = min(capacity, max_frames)
     windows = 0
@@ -226,15 +206,12 @@ def pack_metadata(
     Args:
         items: the batch's items, in batch order (from :class:`MetadataCache`).
         layout: the tower's geometry.
-        row_starts: first row of each item in the source pixel tensor (``row_index`` points
-            there).
-        slots: pad the segment buffers to these lengths (capture); ``None`` leaves them at the
-            batch's real length (eager, replay: the runtime zero-fills a short buffer's tail,
-            which adds zero-length segments).
+        row_starts: first row of each item in the source pixel tensor.
+        slots: pad the segment buffers to these lengths (capture); ``None`` keeps the real
+            lengths (eager, replay).
 
     Returns:
-        The batch's :class:`PackedMetadata`. Buffers are CPU tensors; the graph adds the padding
-        segments from its static shapes.
+        The batch's :class:`PackedMetadata`, as CPU tensors.
     """
     row_parts, pos_parts, rev_parts, frames, windows = [], [], [], [], []
     extras: dict[str, list[torch.Tensor]] = {}

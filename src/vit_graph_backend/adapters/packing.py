@@ -1,9 +1,10 @@
 """How a Qwen-VL adapter lays out a batch: checked inputs, packed metadata, static buffers and
-attention segments.
+attention segments, with no knowledge of the blocks that read them.
 
-One of the three parts of the adapter (``qwen_vl.py``): this one turns a call's
-``pixel_values``/``grid_thw`` and a planner batch into the tensors a graph reads, with no
-knowledge of the blocks that read them. Static buffers and how padding works: ``_qwen_metadata``.
+One of the adapter's three parts (``qwen``, ``kernel_choices``). Replay metadata depends only on
+the call's grids, the batch's items and the budget, so it is staged once per batch (``staging``)
+and kept, on the GPU where there is room: a repeated batch loads it with one device-to-device
+copy. How padding works: ``metadata``.
 """
 
 from __future__ import annotations
@@ -41,55 +42,46 @@ log = logging.getLogger(__name__)
 
 #: Batches whose staged replay inputs a packer keeps (:class:`QwenPacker.replay_values`).
 STAGED_BATCHES = 128
-#: GPU bytes the kept batches' device records may hold together (:attr:`_Staged.record`; the
-#: least recent are dropped first). A record is its batch's metadata padded to the budget:
-#: 0.5 MiB at Qwen2.5-VL's largest default budget, 16,384 rows.
+#: GPU bytes the kept batches' device records may hold together (least recent dropped first).
 STAGED_DEVICE_BYTES = 64 << 20
-#: The static buffer of window-order towers that gathers the graph's input rows (see
-#: :meth:`QwenPacker.replay_values`); other towers have none.
+#: The static buffer of window-order towers that gathers the graph's input rows.
 ROW_INDEX = "row_index"
 
-#: Specs kept by grid (:meth:`QwenPacker.item_specs`): serving streams repeat image sizes, and a
-#: spec's checks cost about a microsecond a call on the host; the table is emptied when full.
+#: Specs kept by grid (serving streams repeat image sizes); the table is emptied when full.
 KEPT_SPECS = 4096
 
 
 @dataclass(frozen=True, eq=False)
 class _Staged:
-    """One batch's replay inputs on the host, never written after they are made, so later calls
-    with the same grids reuse them while earlier copies from them may still be in flight. The
-    object is also the batch's stamp (``protocol.StampedBuffers``): the runtime skips the
-    metadata copies when a budget's static buffers were last filled from it.
+    """One batch's replay inputs, never written after they are made (earlier copies from them
+    may still be in flight). Also the batch's stamp (``protocol.StampedBuffers``): the runtime
+    skips the metadata copies when the static buffers were last filled from it.
 
     Attributes:
         stage: the metadata, padded to the budget's captured shapes.
-        parts: the source pixel rows of the batch's items, in batch order, as ``(start, count)``
-            ranges (adjacent items merged: one range when they lie back to back).
+        parts: the items' source pixel rows as ``(start, count)`` ranges, adjacent ones merged.
     """
 
     stage: HostStage
     parts: tuple[tuple[int, int], ...]
     #: the captured shapes they were padded to (a budget captured again gets new ones)
     shapes: Mapping[str, torch.Size]
-    #: whether the stage's block has the layout of the budget's static block (loaded whole)
+    #: the stage's block has the static block's layout (loaded whole)
     whole: bool
     device: torch.device
-    #: the stage's block on ``device`` (a GPU), kept while the batch is: a load is then one
-    #: device-to-device copy, with no host memory allocated or written per call. ``None`` off
-    #: the GPU, or if there was no room for it (each load then copies a pinned block).
+    #: the stage's block on the GPU, kept with the batch; ``None`` off the GPU or without room
     record: torch.Tensor | None = None
     #: the raw handle of the stream the record was made on
     stream: int | None = None
 
     def load(self) -> dict[str, torch.Tensor]:
-        """The metadata for the runtime to copy into the budget's static buffers: the whole
-        block under ``BLOCK`` when its layout matches theirs, else the buffers one by one."""
+        """The metadata to copy into the static buffers: the block under ``BLOCK`` when the
+        layouts match, else the buffers one by one."""
         record = self.record
         if record is None:
             return self.stage.pinned(self.device, self.whole)
         if current_raw_stream(record.device.index) != self.stream:
-            # read on another stream than the one it was allocated on: the allocator must not
-            # hand its memory out again, once the record is dropped, before this copy ran
+            # another stream: keep the allocator from reusing the memory before this copy ran
             record.record_stream(torch.cuda.current_stream(record.device))
         return {BLOCK: record} if self.whole else self.stage.views(record)
 
@@ -111,7 +103,7 @@ class QwenPacker:
         self.captured_slots: dict[int, SegmentSlots] = {}
         #: the metadata buffers' shapes of each captured budget (replay pads to them on the host)
         self.captured_shapes: dict[int, dict[str, torch.Size]] = {}
-        #: the layout of each captured budget's metadata blocks (``_staging.block_key``)
+        #: the layout of each captured budget's metadata block
         self.captured_layouts: dict[int, Layout] = {}
         #: staged replay inputs by (call's grids, batch's items, budget), least recent first
         self._staged: OrderedDict[tuple, _Staged] = OrderedDict()
@@ -122,8 +114,7 @@ class QwenPacker:
         self._specs: dict[Grid, EncoderItemSpec] = {}
 
     def check(self, inputs: Mapping[str, object]) -> PackedInputs:
-        """The one input check of specs, eager and replay (see ``_packed_inputs``); a
-        :class:`PackedCall` keeps its checked grids, so one call reads ``grid_thw`` once."""
+        """The one input check of specs, eager and replay (a :class:`PackedCall` keeps it)."""
         if isinstance(inputs, PackedCall) and inputs.checked is not None:
             grid, pixels, grids = inputs.checked
             if inputs.get("grid_thw") is grid and inputs.get("pixel_values") is pixels:
@@ -176,33 +167,18 @@ class QwenPacker:
         self.captured_slots[budget] = slots
         self.captured_shapes[budget] = {key: value.shape for key, value in meta.values.items()}
         self._drop_staged(budget)  # padded to the old shapes: never loaded again
-        # the metadata buffers are views of one block, also a static buffer: a replay whose
-        # stage has the same layout fills them all with one copy
+        # the metadata buffers are views of one block: a replay of that layout fills it in one copy
         values = upload(meta.values, device, blocks=True)
-        # what a replay's stage of these shapes has when its block matches (a HostStage's
-        # layout, without building a second block to read it from)
         self.captured_layouts[budget] = layout_of(meta.values, self.captured_shapes[budget])[0]
         values["pixel_values"] = torch.zeros(meta.rows, self.patch_dim, device=device, dtype=dtype)
         return values
 
     def replay_values(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int],
                       budget: int) -> Mapping[str, torch.Tensor]:
-        """The items' pixel rows, back to back in batch order and unpadded, and their metadata,
-        padded to the captured shapes (``_staging``: one block, kept on the GPU once staged, so
-        its copy needs no host sync and no device-side zeroing).
-
-        The metadata depends only on the call's grids, the batch's items and the budget: it is
-        made once and kept, as one block in host memory and a copy of it on the GPU (the last
-        :data:`STAGED_BATCHES` batches, their GPU copies within :data:`STAGED_DEVICE_BYTES`),
-        and returned as ``protocol.StampedBuffers`` stamped with that record: a call whose batch
-        the budget's graph ran last copies nothing but its pixel rows, and one whose grids were
-        seen before builds no metadata and loads it with one device-to-device copy
-        (``_staging.HostStage``).
-
-        Window-order towers (Qwen2.5-VL) take the rows in caller order too: the graph gathers
-        them into window order from the static :data:`ROW_INDEX` (local to the static rows; its
-        padding rows point at themselves, the zeroed tail), so the gather index is staged
-        metadata like the rest, not a per-call upload and gather outside the graph.
+        """The items' pixel rows, back to back and unpadded, and their metadata padded to the
+        captured shapes, as ``protocol.StampedBuffers``. The metadata is staged once per batch
+        (the last :data:`STAGED_BATCHES`, GPU copies within :data:`STAGED_DEVICE_BYTES`).
+        Window-order towers gather their rows in the graph from :data:`ROW_INDEX`.
 
         Raises:
             UnsupportedGraphError: the items hold more tokens, frames or windows than
@@ -235,7 +211,7 @@ class QwenPacker:
         meta, parts = self._local(grids, item_indices, budget)
         values = meta.values
         if self.layout.window:
-            # the padding rows gather themselves: rows past the real ones are the zeroed tail
+            # the padding rows gather themselves (the zeroed tail)
             index = torch.arange(shapes[ROW_INDEX][0], dtype=meta.row_index.dtype)
             index[:meta.rows] = meta.row_index
             values = {**values, ROW_INDEX: index}
@@ -253,8 +229,7 @@ class QwenPacker:
                        current_raw_stream(record.device.index))
 
     def _keep(self, key: tuple, staged: _Staged) -> None:
-        """Keep ``staged`` under ``key``, dropping the least recent batches beyond
-        :data:`STAGED_BATCHES` or :data:`STAGED_DEVICE_BYTES` of records."""
+        """Keep ``staged``, dropping the least recent batches beyond the limits."""
         with self._staged_lock:
             old = self._staged.pop(key, None)
             if old is not None:
@@ -266,16 +241,14 @@ class QwenPacker:
                 self.staged_bytes -= _record_bytes(self._staged.popitem(last=False)[1])
 
     def _drop_staged(self, budget: int) -> None:
-        """Drop the batches staged for ``budget`` (a capture gives it new shapes), freeing
-        their GPU records at once rather than when newer batches push them out."""
+        """Drop the batches staged for ``budget`` (captured again: new shapes)."""
         with self._staged_lock:
             for key in [key for key in self._staged if key[2] == budget]:
                 self.staged_bytes -= _record_bytes(self._staged.pop(key))
 
     def _local(self, grids: Sequence[Grid], item_indices: Sequence[int], budget: int
                ) -> tuple[PackedMetadata, tuple[tuple[int, int], ...]]:
-        """The batch's metadata with rows counted from 0 (the static rows), checked against
-        ``budget``, and its items' source rows (see :attr:`_Staged.parts`)."""
+        """The batch's metadata (rows from 0), checked against ``budget``, and its source rows."""
         batch = [grids[i] for i in item_indices]
         meta = self.pack(batch, range(len(batch)))
         self._check_fits(meta, item_indices, budget)
@@ -329,13 +302,11 @@ class QwenPacker:
 
     def segments(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None
                  ) -> tuple[Segments, Segments | None]:
-        """Offsets for full and window attention. The padding rows after the real ones form
-        one segment (full attention) or window-sized chunks (window attention, so that the
-        window ``max_seqlen`` stays one window), computed from the static row count."""
+        """Offsets for full and window attention. The padding rows form one segment (full) or
+        window-sized chunks (window: ``max_seqlen`` stays one window)."""
         rows = values["pixel_values"].shape[0]
         lengths = values["frame_seqlens"].cumsum(0, dtype=torch.int32)
-        # the padding segment ends at the static row count; built with a tensor op, not
-        # F.pad(value=rows), which would specialize a symbolic row count (one trace per budget)
+        # a tensor op, not F.pad(value=rows), which would specialize a symbolic row count
         end = torch.full((1,), rows, dtype=lengths.dtype, device=lengths.device)
         full_offsets = torch.cat([F.pad(lengths, (1, 0)), end])
         if meta is not None:
@@ -348,14 +319,11 @@ class QwenPacker:
         if meta is not None:
             return full, Segments(wins, max(meta.max_window_rows, 1), meta.window_offsets)
         chunk = self.layout.window_rows
-        # ceil(rows / chunk) + 1 chunk ends (the surplus ones clamp to rows: zero-length
-        # segments). The +1 keeps the count >= 2 for every budget: with a symbolic row count,
-        # Dynamo guards elementwise ops on whether such a size is 1, and a count that is 1 for
-        # the smallest budget only would cost a second trace.
+        # ceil(rows / chunk) + 1 chunk ends, surplus ones clamped to rows; the +1 keeps the count
+        # >= 2 for every budget, or Dynamo's size-1 guard would cost a second trace
         steps = torch.arange(1, ceil_div(rows, chunk) + 2, device=wins.device, dtype=torch.int32)
         pad_offsets = torch.clamp(wins[-1] + chunk * steps, max=rows)
-        # max_seqlen: one window's rows (an upper bound even when the buffer is shorter; a
-        # Python min() with the row count would make Dynamo specialize on the comparison)
+        # max_seqlen: one window's rows (a min() with rows would make Dynamo specialize)
         return full, Segments(torch.cat([wins, pad_offsets]), chunk)
 
 
@@ -373,8 +341,7 @@ def _row_starts(grids: Sequence[Grid]) -> list[int]:
 
 
 def _parts(grids: Sequence[Grid], item_indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """The source pixel rows of ``item_indices`` in that order, as ``(start, count)`` ranges
-    (items back to back in the source merged into one range)."""
+    """The source pixel rows of ``item_indices`` as ``(start, count)`` ranges, adjacent merged."""
     starts, parts = _row_starts(grids), []
     for i in item_indices:
         start, count = starts[i], grids[i][0] * grids[i][1] * grids[i][2]
@@ -386,9 +353,7 @@ def _parts(grids: Sequence[Grid], item_indices: Sequence[int]) -> tuple[tuple[in
 
 
 def _pixels(parts: Sequence[tuple[int, int]], source: torch.Tensor) -> torch.Tensor:
-    """The rows ``parts`` of ``source``, back to back (a view when they are one range, the
-    source itself when that range is all of it: a call of one image, where a view op costs the
-    host several microseconds)."""
+    """The rows ``parts`` of ``source``, back to back (a view for one range, ``source`` for all)."""
     if len(parts) == 1:
         start, count = parts[0]
         return source if start == 0 and count == source.shape[0] else source.narrow(0, *parts[0])

@@ -1,33 +1,16 @@
 """The shared body of the adapters that serve HF Qwen-VL vision towers from budgeted CUDA graphs.
 
-The adapter classes, one per tower, are in ``qwen_families.py``. The body has three parts, each
-its own module: ``_qwen_packing`` lays inputs and metadata out into graph buffers,
-``_qwen_kernels`` decides which kernels run (padded MLP weights, fused ops), and this module's
-class runs the blocks and speaks the protocol. Each adapter is a ``torch.nn.Module`` wrapping one
-tower (``adapter.tower``) and reusing its own
-submodules and weights (patch embedding, blocks' norms/qkv/proj/MLP, rotary ``inv_freq``,
-mergers), so ``.to()``, ``.eval()`` and loaded weights act on both. One exception, for speed:
-when the MLP width is not a multiple of 8 (Qwen2.5-VL's 3420), the adapter runs the MLPs from
-zero-padded copies of their weights on CUDA (``align_mlp``; see ``_aligned_mlp``), re-copied
-before any call after the tower's MLP parameters change. Each
-implements :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`, plus
-``forward(pixel_values, grid_thw)`` and ``graph_unsupported_reason()``.
+The family classes are in ``qwen_families``; ``packing`` lays inputs out into graph buffers,
+``kernel_choices`` decides the kernels, and this module's class runs the blocks and implements
+:class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph` (plus ``forward(pixel_values,
+grid_thw)`` and ``graph_unsupported_reason()``). An adapter wraps one tower (``adapter.tower``)
+and reuses its submodules and weights, so ``.to()``, ``.eval()`` and loaded weights act on both;
+the one exception is the zero-padded MLP weight copies (``aligned_mlp``).
 
-What the towers return in transformers 5.x, and what the adapters return:
-
-- ``Qwen2VisionTransformerPretrainedModel`` and ``Qwen2_5_VisionTransformerPretrainedModel`` return
-  ``BaseModelOutputWithPooling``: ``last_hidden_state`` holds the unmerged patch rows (for
-  Qwen2.5-VL still in window order) and ``pooler_output`` the merged per-token features in the
-  caller's order, which the language model consumes (``get_image_features`` splits it). The
-  adapters return ``pooler_output``: a ``(tokens, out_hidden)`` tensor.
-- ``Qwen3VLVisionModel`` (and Qwen3-VL-MoE's) returns ``BaseModelOutputWithDeepstackFeatures``;
-  the adapter returns the tuple ``(pooler_output, *deepstack_features)``, every tensor
-  ``(tokens, out_hidden)``. Qwen3.5's towers have no deepstack mergers: ``pooler_output`` only.
-
-Inputs are a mapping with ``"pixel_values"`` (``(patches, C * temporal_patch * patch**2)``, as the
-HF processor emits) and ``"grid_thw"`` (``(items, 3)``, or a list of ``[t, h, w]`` rows), checked
-by ``_packed_inputs`` before anything else runs. Static buffers and how padding works: see
-``_qwen_metadata``. Attention: ``_packed_attention``.
+Outputs: Qwen2-VL and Qwen2.5-VL adapters return HF's ``pooler_output`` (merged tokens in the
+caller's order, ``(tokens, out_hidden)``); Qwen3-VL's return ``(pooler_output,
+*deepstack_features)``; Qwen3.5's have no deepstack mergers. Inputs (``pixel_values``,
+``grid_thw``) are checked by ``inputs``; attention runs in ``kernels.packed_attention``.
 """
 
 from __future__ import annotations
@@ -84,21 +67,15 @@ def _add_norm(fns: Ops, norm: nn.Module | None, hidden: torch.Tensor, update: to
 
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # HF's Qwen2RMSNorm as one fused kernel: F.rms_norm keeps float32 statistics for bf16/fp16
-    # input, as HF does, and applies the weight before its one rounding to the input dtype
-    # (HF rounds the normalized value, then multiplies by the weight in the input dtype: at most
-    # one unit in the last place apart). HF's version costs five kernels and two float32 copies.
+    # HF's RMSNorm in one kernel; F.rms_norm rounds once after the weight (HF: before), <= 1 ulp
     if _is_rms_norm(norm):
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     return norm(x)
 
 
 def _patch_embed(embed: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """HF's patch embedding (a Conv3d whose stride equals its kernel, over rows that each hold
-    one whole kernel window) as the GEMM it is: ``pixels @ weight.flatten(1).T``. The same
-    products and sums as the convolution in one cuBLAS call; on an H100 it took 0.5 ms off the
-    3B tower's 1024-token graph (``benchmarks/qwen_floor.py``). Other patch embeddings run as
-    they are."""
+    """HF's patch embedding (a Conv3d with stride == kernel over whole-window rows) as the GEMM
+    it is, in one cuBLAS call; other patch embeddings run as they are."""
     proj = getattr(embed, "proj", None)
     if (isinstance(proj, nn.Conv3d) and tuple(proj.kernel_size) == tuple(proj.stride)
             and tuple(proj.padding) == (0, 0, 0) and tuple(proj.dilation) == (1, 1, 1)
@@ -115,16 +92,12 @@ class _QwenVisionAdapter(nn.Module):
     Args:
         model: the HF vision tower.
         options: the :class:`~vit_graph_backend.options.VitGraphOptions` it is served with;
-            the adapter reads ``min_budget`` and ``max_budget`` (its budget range; default: a
-            224 px square image, and 4096 tokens), ``align_mlp`` (padded MLP weight copies,
-            ``aligned_mlp_bytes`` reports their size), ``fuse`` (Inductor-fused elementwise
-            kernels in the graphs; eager calls always run the ops unfused),
-            ``packed_attention`` (which attention kernels the graphs run: ``attention_state``
-            reports the choices), ``epilogue_fusion`` (an ``fc2(gelu(fc1 x))`` MLP's fc1 and
-            GELU, or a SiLU-gated MLP's first half from a packed gate/up copy, as one op that
-            takes per shape the faster of a GEMM with the activation in its epilogue and cuBLAS
-            + one kernel: ``fused_linear``) and ``batch_invariant`` (flash varlen in every layer,
-            no fused MLP op: no choice made by timing).
+            the adapter reads ``min_budget``/``max_budget`` (default: a 224 px square image to
+            4096 tokens), ``align_mlp``, ``fuse`` (graphs only), ``packed_attention``,
+            ``epilogue_fusion`` and ``batch_invariant`` (no choice made by timing).
+
+    Raises:
+        InvalidOptionError: for a model of another class, or ``min_budget > max_budget``.
     """
 
     #: fully qualified name of the wrapped class (checked at construction).
@@ -146,20 +119,16 @@ class _QwenVisionAdapter(nn.Module):
         patch_dim = int(cfg.in_channels) * int(cfg.temporal_patch_size) * self.patch_size ** 2
         self.patch_dim = patch_dim
         self.layout = QwenLayout(self.merge, self._window_tokens())
-        #: inputs -> graph buffers and attention segments (``_qwen_packing``)
         self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
-        #: which kernels the blocks run (``_qwen_kernels``)
         options = options if options is not None else VitGraphOptions()
         invariant = options.batch_invariant  # nothing chosen by timing
         self.kernels = KernelChoices(model, options.align_mlp, options.fuse,
                                      "off" if invariant else options.epilogue_fusion)
-        #: Python inside the tower the adapter's code would not run (hooks, patched code), as
-        #: found at the last hook registration of the process (``weights.py``)
+        #: (hook registrations seen, why the tower's own forward must run) (``runtime.weights``)
         self._outside: tuple[int, str | None] = (-1, None)
         self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
-        #: the full-attention kernel per captured budget (``_attention_choice``)
         self.attention = AttentionChoice("varlen" if invariant else options.packed_attention)
-        #: where the static buffers were last made (``None``: no graph reads the MLP copies yet)
+        #: where the static buffers were last made (``None``: no graph reads the MLP copies)
         self._device: torch.device | None = None
         low, high = packed_budget_range(self.patch_size, self.merge)
         low = low if options.min_budget is None else options.min_budget
@@ -198,8 +167,7 @@ class _QwenVisionAdapter(nn.Module):
         """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``.
 
         Raises:
-            InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
-                before the runtime plans the call (see ``_packed_inputs``).
+            InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``.
         """
         return self.packer.item_specs(inputs)
 
@@ -228,16 +196,12 @@ class _QwenVisionAdapter(nn.Module):
     def prepare_encoder_cudagraph_replay_buffers(
         self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int], budget: int,
     ) -> dict[str, torch.Tensor]:
-        """The items' rows and metadata, back to back, unpadded: the runtime copies each buffer
-        into the head of its static buffer and zeroes the tail (zero-length segments, zero
-        pixels); the graph gives the padding rows their own segments."""
+        """The items' rows and metadata, back to back, unpadded (the runtime zeroes the tail)."""
         return self.packer.replay_values(inputs, item_indices, budget)
 
     def refresh_encoder_cudagraph_weights(self) -> bool:
-        """Bring the padded MLP copies the graphs read up to date with the tower's MLP
-        parameters written in place; True if one was copied. The runtime calls it once for
-        every call it serves from graphs, after the call's first launch: a replay then read the
-        old copies (valid memory), and it replays again."""
+        """Bring the padded MLP copies up to date with in-place writes; True if one was copied
+        (the runtime then replays again). Called after a call's first launch."""
         return self._device is not None and self.kernels.sync(self._device, replay=True)
 
     def refresh(self) -> None:
@@ -248,23 +212,20 @@ class _QwenVisionAdapter(nn.Module):
         self._outside = (-1, None)
 
     def encoder_cudagraph_forward(self, values: Mapping[str, torch.Tensor]) -> Any:
-        """The captured computation over the static buffers (pure tensor code: every Python int
-        comes from a static shape, ``max_seqlen`` is the buffer's row count)."""
+        """The captured computation over the static buffers (pure tensor code)."""
         return self._run(values, None)
 
     def encoder_eager_forward(self, inputs: Mapping[str, torch.Tensor],
                               item_indices: Sequence[int]) -> Any:
-        """``item_indices`` packed back to back without padding, exact segment lengths; through
-        the tower's own forward while a module inside it has forward hooks or a forward replaced
-        on the instance, or a class of it runs a patched forward (``weights.py``), which the
-        adapter's code, calling the blocks' parts, would not run."""
+        """``item_indices`` packed back to back with exact segment lengths; through the tower's
+        own forward while hooks or patched forwards inside it would be skipped by the adapter."""
         made = _compat.hook_handles_made()
         if self._outside[0] != made:
             self._outside = (made, python_outside_graphs(self.tower))
         if self._outside[1] is not None:
             pixels, grids = self.packer.rows(inputs, item_indices)
             grid = torch.tensor(grids, dtype=torch.int64, device=pixels.device)
-            # the class's forward: served in place (``hf.py``), the instance's is the graphs'
+            # the class's forward: served in place (integrations.hf), the instance's is ours
             return self._from_tower(type(self.tower).forward(self.tower, pixels, grid_thw=grid))
         values, meta = self.packer.eager_values(inputs, item_indices)
         self.kernels.sync(values["pixel_values"].device)
@@ -272,8 +233,7 @@ class _QwenVisionAdapter(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor,
                 grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Any:
-        """The tower's packed output for all items (see the module docstring for which);
-        ``grid_thw`` may also be a list of ``[t, h, w]`` rows."""
+        """The tower's packed output for all items; ``grid_thw`` may be a list of rows."""
         inputs = {"pixel_values": pixel_values, "grid_thw": grid_tensor(grid_thw)}
         return self.encoder_eager_forward(inputs, range(len(self.packer.check(inputs).grids)))
 
@@ -312,27 +272,20 @@ class _QwenVisionAdapter(nn.Module):
 
     @property
     def staged_metadata_bytes(self) -> int:
-        """GPU bytes held by the recent batches' metadata records (``_qwen_packing``: at most
-        ``STAGED_DEVICE_BYTES``, 64 MiB)."""
+        """GPU bytes held by the recent batches' metadata records (``packing``, <= 64 MiB)."""
         return self.packer.staged_bytes
 
     @property
     def attention_state(self) -> dict[str, Any]:
-        """The ``attention`` setting, the kernel of the graphs' full attention over segments
-        (``"cudnn"`` or ``"flash varlen"``, with why cuDNN is off and the shapes it refused),
-        the full-attention kernel chosen for each captured budget (by its static row count),
-        with the timings ``"auto"`` measured, under ``"full"`` whether the Triton segment
-        kernel serves each budget's full attention (``"triton"``) with its timings against
-        cuDNN or flash varlen, and under ``"windows"`` the window layers' kernel
-        per budget (``"short"`` or ``"varlen"``) with its timings. Under
-        ``inner_compiler="inductor"`` the compute is traced once for every budget and always
-        runs flash varlen, whatever is recorded here."""
+        """The ``packed_attention`` setting and the kernels chosen per captured budget: full
+        attention (``"segments"``, ``"by_rows"``, ``"full"``) and window layers
+        (``"windows"``), with the timings ``"auto"`` measured. Under
+        ``inner_compiler="inductor"`` graphs always run flash varlen, whatever is recorded."""
         return self.attention.state
 
     @property
     def fusion_state(self) -> dict[str, Any]:
-        """Whether graphs use fused kernels: ``fuse`` as given, the reason fusion is off per
-        device type seen (``None``: on), and compile failures (functions then run unfused)."""
+        """``fuse`` as given, why fusion is off per device type, and compile failures."""
         return self.kernels.state
 
     # ------------------------------------------------------------------ the blocks
@@ -348,10 +301,7 @@ class _QwenVisionAdapter(nn.Module):
         # q and k rotated together: half the launches of rotating them one by one
         q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
         v = qkv[:, 2]
-        # in graphs, full attention tries the Triton segment kernel where it was timed faster
-        # for this budget, else cuDNN, and window layers the short-segment kernel where it was
-        # (``_attention_choice``); cuDNN is slower than flash varlen on windows
-        # (``_cudnn_attention``)
+        # the kernel chosen for this budget (kernels.attention_choice)
         kernel = (self.attention.graph_kernel(rows) if full
                   else self.attention.window_kernel(rows))
         out = packed_attention(q, k, v, segments, attn.scaling, self._varlen, kernel)
@@ -370,8 +320,7 @@ class _QwenVisionAdapter(nn.Module):
             full = dataclasses.replace(full, dense=True)
         features: list[torch.Tensor] = []
         blocks = list(self.tower.blocks)
-        # each residual add is fused with the norm that reads its result (the next block's norm1
-        # after an MLP), so hidden and its normed copy come out of one kernel
+        # each residual add is fused with the norm that reads its result
         normed = _norm(blocks[0].norm1, hidden) if blocks else hidden
         for layer, block in enumerate(blocks):
             is_full = window is None or self._is_full_attention(layer)

@@ -1,10 +1,7 @@
-"""The Qwen-VL family adapters: one class per HF vision tower, over ``qwen_vl._QwenVisionAdapter``.
+"""The Qwen-VL family adapters: one class per HF vision tower, over ``qwen._QwenVisionAdapter``.
 
-Each names the tower class it wraps and overrides only what its tower does differently: Qwen2-VL
-(full attention per frame), Qwen2.5-VL (window attention, rows in window order), Qwen3-VL and
-Qwen3-VL-MoE (an interpolated learned position embedding and deepstack mergers), Qwen3.5 and
-Qwen3.5-MoE (Qwen3-VL's tower without deepstack mergers). Towers whose code is the same (the MoE
-variants' towers differ from the dense ones only in class names) share one adapter body.
+Each names the tower class it wraps and overrides only what its tower does differently. The MoE
+variants' towers differ from the dense ones only in class name and share their adapter body.
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ class Qwen2_5_VLVisionAdapter(_QwenVisionAdapter):
               features: list[torch.Tensor]) -> Any:
         merged = self.tower.merger(hidden)
         tokens = merged.shape[0]
-        # Real tokens go back to the caller's order; padding (the zero tail of a short replay
-        # buffer) maps to itself.
+        # real tokens back to the caller's order; padding maps to itself
         real = (values["frame_seqlens"].sum() // self.layout.unit).to(torch.int64)
         position = torch.arange(tokens, device=merged.device)
         index = torch.where(position < real, values["reverse_index"], position)

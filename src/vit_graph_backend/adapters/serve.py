@@ -1,27 +1,16 @@
 """Serving packed encoders: :class:`PackedGraphEncoder` and :func:`serve`.
 
-A packed encoder (``pixel_values [total_patches, D]`` + ``grid_thw [items, 3]``) implements
-:class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`, usually through an adapter from
-:func:`vit_graph_backend.adapters.adapt`. :class:`PackedGraphEncoder` wraps it: its ``forward``
-routes items through an :class:`~vit_graph_backend.runtime.manager.EncoderCudaGraphManager` and returns
-the packed output in the caller's item order, exactly as the wrapped tower would.
+:class:`PackedGraphEncoder` wraps a ``SupportsEncoderCudaGraph`` (usually from
+:func:`~vit_graph_backend.adapters.adapt`) and routes each call's items through an
+:class:`~vit_graph_backend.runtime.manager.EncoderCudaGraphManager`, returning the packed output in
+the caller's item order, as the wrapped tower would.
 
-The routing frame is Python over host metadata (grids, plans, offsets) and must not be traced:
-``forward`` is excluded from Dynamo with ``torch.compiler.disable``, so
-``torch.compile(served, backend="vitgraph")`` works and compiles nothing around it. The
-budget-shaped compute, ``encoder_cudagraph_forward``, is what the inner compiler sees: with
-``inner_compiler="eager"`` (what ``"auto"``, the default, picks for packed towers: the adapters
-fuse their own kernels) it runs as written inside the graph; with ``"inductor"`` it is traced
-and compiled once, with the static buffers' row dimensions symbolic, before the first capture, and
-every budget's graph captures that one compiled function. Compiling per budget shape instead
-would cost one Inductor compile per budget (31 s each for the Qwen2.5-VL-3B tower on an H100) and,
-past Dynamo's recompile limit (8 per function), leave the remaining budgets running uncompiled.
-TensorRT engines are built for static shapes, so ``"tensorrt"`` compiles once per budget shape.
-
-Options for packed encoders are given here (``serve(model, max_items_per_graph=4, ...)``), not
-through ``torch.compile(options=...)``: Dynamo never calls a backend for a frame it skips, so
-those options could not reach the router. The adapter reads its own fields from the same
-options (``align_mlp``, ``fuse``, ``packed_attention``).
+The routing is Python over host metadata and is excluded from Dynamo
+(``torch.compiler.disable``). Only ``encoder_cudagraph_forward`` meets the inner compiler: with
+``"inductor"`` it is compiled once with symbolic row dimensions and every budget's graph captures
+that one function (one compile per budget would be slow and would hit Dynamo's recompile limit);
+TensorRT builds static shapes, so ``"tensorrt"`` compiles per budget. Options are given to
+:func:`serve`, not ``torch.compile(options=...)``: Dynamo never calls a backend for a skipped frame.
 """
 
 from __future__ import annotations
@@ -104,11 +93,11 @@ class PackedGraphEncoder(nn.Module):
                 f"give options or option keywords, not both (got {sorted(option_kwargs)})")
         self.encoder = encoder
         self.options = options
-        # the compiled wrapper is no nn.Module: take device and dtype from the encoder itself
+        # the compiled wrapper is no nn.Module: device and dtype from the encoder
         device, dtype = infer_device_dtype(encoder)
         inner = options.inner_compiler_for(cuda=device.type == "cuda", packed=True)
         compute = encoder if inner == "eager" else _CompiledCompute(encoder, options)
-        # the tower's weights are the ones the graphs read (``weights.py``); an adapter wraps it
+        # the tower's weights are the ones the graphs read (runtime.weights)
         self.manager = EncoderCudaGraphManager(compute, options, device=device, dtype=dtype,
                                                watch=getattr(encoder, "tower", encoder))
         #: grid tensors of recent list grids, by their rows (see _grid_of)
@@ -119,16 +108,14 @@ class PackedGraphEncoder(nn.Module):
 
     def refresh(self) -> None:
         """Serve the tower as it is now, after a submodule was replaced, a hook added or code
-        patched: what the graphs read is read again, and they are captured again at the next
-        call (``weights.py`` says what needs it)."""
+        patched: graphs are captured again at the next call (``runtime.weights``)."""
         refresh = getattr(self.encoder, "refresh", None)
         if callable(refresh):
             refresh()
         self.manager.refresh()
 
     def report(self) -> dict[str, Any]:
-        """What this tower did: graphs, graph memory, capture time and call counters, with the
-        fields of :func:`vit_graph_backend.report` (the README's ``report()`` section)."""
+        """Graphs, graph memory, capture time and call counters (as ``vitgraph.report()``)."""
         return summarize([self.manager])
 
     @torch.compiler.disable
@@ -136,7 +123,9 @@ class PackedGraphEncoder(nn.Module):
                 grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Any:
         """Encode packed items; returns the packed output (a tensor or a tuple of tensors).
 
-        ``grid_thw`` may be a tensor or a list of ``[t, h, w]`` rows.
+        Args:
+            pixel_values: the ``(patches, patch_dim)`` rows the HF processor emits.
+            grid_thw: a tensor or a list of ``[t, h, w]`` rows.
 
         Raises:
             InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
@@ -144,17 +133,13 @@ class PackedGraphEncoder(nn.Module):
         """
         rows = None
         if not isinstance(grid_thw, torch.Tensor):
-            # once here, not in every specs/replay call of the encoder that re-reads the grid
             grid_thw, rows = self._grid_of(grid_thw)
-        # the grid is read once a call (PackedCall), and not at all when it came as a list
         outputs = self.manager.run(PackedCall(pixel_values, grid_thw, rows))
         return _concat(outputs)
 
     def _grid_of(self, rows: Any) -> tuple[torch.Tensor, list[tuple[int, int, int]] | None]:
-        """``grid_tensor(rows)``, and the rows as Python ints when they are a list of ``[t, h,
-        w]`` rows of ints (``None`` otherwise). Rows seen in one of the last
-        :data:`KEPT_GRIDS` calls give that call's tensor again: serving streams repeat sizes,
-        and a tensor costs 10 to 30 us of host time to build (the encoders only read it)."""
+        """``grid_tensor(rows)`` and the rows as ints (``None`` unless all ints); recent rows
+        reuse their tensor (:data:`KEPT_GRIDS`), as serving streams repeat sizes."""
         try:
             key = tuple(map(tuple, rows))
         except TypeError:  # not rows of sequences: grid_tensor names the problem
@@ -182,10 +167,8 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
     """Serve a packed encoder from CUDA graphs, adapting it first if it needs an adapter.
 
     Args:
-        model: a packed tower (adapted by class, see ``adapters.adapt``) or a
-            ``SupportsEncoderCudaGraph``.
-        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments (the
-            packed towers' own among them: ``align_mlp``, ``fuse``, ``packed_attention``).
+        model: a packed tower (adapted by class) or a ``SupportsEncoderCudaGraph``.
+        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments.
 
     Raises:
         UnsupportedModelError: (a ``TypeError``) if no adapter serves ``model``'s class.
@@ -209,12 +192,9 @@ def _concat(outputs: list[Any]) -> Any:
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)``, or a view when the parts already lie back to back in one storage
-    (one batch's items in the caller's order: views of the rows the runtime cloned out of the
-    graph's output), so such a call copies its output once, not twice."""
+    """``torch.cat(parts)``, or a view when the parts lie back to back in one storage."""
     first = parts[0]
-    # not for outputs that carry autograd history (the eager fallback under grad): cat's
-    # backward is the plain one
+    # not for outputs with autograd history: cat's backward is the plain one
     if first.is_contiguous() and first.dim() >= 1 and not first.requires_grad:
         row = first[0].numel() * first.element_size() if first.shape[0] else 0
         end, rows = first.data_ptr(), 0

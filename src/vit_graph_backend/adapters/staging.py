@@ -1,30 +1,17 @@
-"""Host metadata on its way to the GPU, without a host sync: one byte block per batch.
+"""Host metadata on its way to the GPU without a host sync: one byte block per batch.
 
-A packed call's metadata (rotary positions, segment lengths, window indices) is built on the host
-from Python ints. Copied to the GPU as plain (pageable) tensors, every copy synchronizes the
-stream: the host waits for all earlier GPU work before each one, so it can never run ahead of a
-busy GPU, and a call pays one wait per buffer. Staged in pinned memory, the copies are
-asynchronous.
+Copies from pageable host memory synchronize the stream, so the host could never run ahead of a
+busy GPU; from pinned memory they are asynchronous. A batch's buffers live in one block of bytes,
+each a typed view at a 16-byte aligned offset (:data:`Layout`), so a batch moves in one copy.
 
-All buffers of a batch live in **one block of bytes**, each a typed view at a 16-byte aligned
-offset (:data:`Layout`), so that a whole batch moves with one copy whatever its dtypes:
+- :class:`HostStage` pads each buffer to its static shape once, in plain memory later calls reuse;
+  :meth:`~HostStage.on_device` makes the GPU record a batch keeps (``packing``),
+  :meth:`~HostStage.pinned` a per-call pinned copy.
+- :func:`upload` makes one asynchronous copy; with ``blocks=True`` the values are views of the
+  device block, also returned under :data:`BLOCK`, which a replay of the same layout fills at once.
 
-- :class:`HostStage` pads each buffer to its static buffer's full shape once, the tail zeroed on
-  the host, in plain memory that later calls with the same grids reuse.
-  :meth:`HostStage.on_device` puts a copy of the block on the GPU (made once per batch, through a
-  pinned block: the adapters keep it as the batch's record, ``_qwen_packing.py``), and
-  :meth:`HostStage.pinned` gives a call a pinned copy of its own (where no GPU record is kept).
-- :func:`upload` makes one asynchronous copy (eager batches; capture inputs). With
-  ``blocks=True`` the values stay views of the device block, which is also returned as a buffer of
-  its own under :data:`BLOCK`: the static metadata buffers of a captured budget. A stage padded to
-  the same shapes has the same :attr:`HostStage.layout`, and a replay then fills every metadata
-  buffer of the budget with one copy of its block (a device-to-device copy from the batch's
-  record, no host memory and no allocation on the hot path).
-
-A stage is never written after it is made, so calls on any thread share it safely. The caller
-never writes a pinned block again; PyTorch's pinned-memory allocator keeps a freed block until the
-copies from it have run, so dropping the host tensors right after the copy is safe. If pinned
-memory cannot be had, the plain host tensors are used (the copies then synchronize, as before).
+A stage is never written after it is made, so threads share it. PyTorch's pinned allocator keeps a
+freed block until its copies ran. Without pinned memory the plain tensors are used.
 """
 
 from __future__ import annotations
@@ -84,17 +71,13 @@ def views_of(block: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     return result
 
 
-#: Elements of one host copy that PyTorch runs on the calling thread: above it a CPU copy is
-#: split over the intra-op threads (``at::internal::GRAIN_SIZE``), and waking them cost an H100
-#: machine's host about 0.7 ms per staged batch, many times the copy itself
-#: (``benchmarks/results/packed_call_host_time_device_metadata_records_*``).
+#: Elements of one host copy that PyTorch runs on the calling thread: above it
+#: (``at::internal::GRAIN_SIZE``) the copy wakes the intra-op threads, which costs far more.
 _ONE_THREAD = 32768
 
 
 def _block(values: Mapping[str, torch.Tensor], layout: Layout, nbytes: int) -> torch.Tensor:
-    """A block of ``layout`` in plain host memory holding ``values``, each zero-padded to its
-    shape. (Typed copies, as many elements as before the block was counted in bytes: under
-    cProfile this took about 0.1 ms per staged batch, no thread wake-ups showing.)"""
+    """A block of ``layout`` in plain host memory holding ``values``, each zero-padded."""
     block = torch.empty(nbytes, dtype=torch.uint8)
     for key, view in views_of(block, layout).items():
         rows = values[key].shape[0]  # metadata buffers have a row dimension
@@ -104,8 +87,7 @@ def _block(values: Mapping[str, torch.Tensor], layout: Layout, nbytes: int) -> t
 
 
 def _pinned_copy(block: torch.Tensor) -> torch.Tensor:
-    """``block`` (bytes, a multiple of 16 long) copied into pinned memory (a plain copy if none
-    can be had), as 8-byte words in pieces that each run on the calling thread."""
+    """``block`` copied into pinned memory (a plain copy if none), in single-thread pieces."""
     try:
         copy = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
     except RuntimeError as exc:  # no pinned memory: the copies then synchronize
@@ -119,18 +101,15 @@ def _pinned_copy(block: torch.Tensor) -> torch.Tensor:
 
 
 class HostStage:
-    """Values zero-padded to their shapes once, in one block of plain host memory, for reuse by
-    many calls: :meth:`on_device` makes a GPU copy to keep, :meth:`pinned` a pinned copy per
-    call (so staging a batch never allocates pinned memory that stays held: a fresh pinned
-    allocation costs about a millisecond; the allocator recycles the per-call blocks once their
-    copies ran).
+    """Values zero-padded to their shapes once, in one block of plain host memory, for reuse:
+    :meth:`on_device` makes a GPU copy to keep, :meth:`pinned` a pinned copy per call (the
+    allocator recycles those; no pinned memory stays held).
 
     Raises:
         UnsupportedGraphError: a value longer than its shape, or of other trailing dims.
     """
 
     def __init__(self, values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]) -> None:
-        #: each buffer's key, dtype, shape and byte offset (compare with the static block's)
         self.layout, self.nbytes = layout_of(values, shapes)
         self._block = _block(values, self.layout, self.nbytes)
 
@@ -139,15 +118,12 @@ class HostStage:
         return views_of(self._block if block is None else block, self.layout)
 
     def on_device(self, device: torch.device) -> torch.Tensor:
-        """A copy of the block on ``device``, copied without a host sync (through pinned
-        memory) on the current stream."""
+        """A copy of the block on ``device`` (through pinned memory: no host sync)."""
         return _pinned_copy(self._block).to(device, non_blocking=True)
 
     def pinned(self, device: torch.device, whole: bool = False) -> dict[str, torch.Tensor]:
-        """The values in pinned memory when ``device`` is a GPU, else the staged ones (never
-        written: the runtime only copies from them). ``whole``: the block itself, under
-        :data:`BLOCK`, in place of the views: one copy, into static buffers that are views of a
-        block of the same :attr:`layout` (``upload(..., blocks=True)``)."""
+        """The values in pinned memory on a GPU, else the staged ones (only read). ``whole``: the
+        block under :data:`BLOCK` instead of views (for static buffers of the same layout)."""
         block = _pinned_copy(self._block) if device.type == "cuda" else self._block
         return {BLOCK: block} if whole else self.views(block)
 
@@ -156,8 +132,11 @@ def upload(values: Mapping[str, torch.Tensor], device: torch.device, blocks: boo
            ) -> dict[str, torch.Tensor]:
     """``values`` (host tensors) on ``device``: one asynchronous copy on CUDA.
 
-    ``blocks``: the values are views of one new block, also returned under :data:`BLOCK` (static
-    buffers that a replay fills with one copy)."""
+    Args:
+        values: host tensors by key.
+        device: the target device.
+        blocks: make the values views of one new block, also returned under :data:`BLOCK`.
+    """
     device = torch.device(device)
     if device.type != "cuda" and not blocks:
         return {key: value.to(device) for key, value in values.items()}

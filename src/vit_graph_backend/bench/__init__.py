@@ -1,14 +1,8 @@
-"""The ``vitgraph bench`` harness: models, seeded workloads, modes, timing and reports.
+"""The ``vitgraph bench`` harness: models (:mod:`.models`), seeded workloads (:mod:`.workloads`),
+modes (:mod:`.modes`), timing (:mod:`.timing`), the protocol (:mod:`.runner`), reports
+(:mod:`.report`) and the environment (:mod:`.environment`, shared with ``vitgraph info``).
 
-Layout:
-    - :mod:`.models`: registry of vision encoders built from configs with random weights;
-    - :mod:`.workloads`: named, seeded request streams;
-    - :mod:`.modes`: eager, ``torch.compile`` peers and the vitgraph modes;
-    - :mod:`.timing`: per-call timing (CUDA events / ``perf_counter``), percentiles, progress bars;
-    - :mod:`.runner`: the benchmark protocol; :mod:`.report`: JSON schema, table and plot;
-    - :mod:`.environment`: versions and device, shared with ``vitgraph info``.
-
-Importing this package imports no torch and no optional dependency; each is imported where used.
+Importing this package imports no torch and no optional dependency.
 
 Example::
 

@@ -9,28 +9,28 @@ __all__ = ["attention_note"]
 
 
 def attention_note(fn: Any) -> str | None:
-    """What runs a served packed tower's full attention in its graphs (cuDNN or flash varlen,
-    and why not cuDNN; in how many captured budgets the Triton segment kernel was timed faster
-    and runs instead, or why never) and, for a tower with window layers, in how many captured
-    budgets the short-segment kernel runs them (or why never), from
-    ``served.encoder.attention_state``; ``None`` for other modes."""
+    """The attention kernels of a served packed tower's graphs, from
+    ``served.encoder.attention_state``: full attention (cuDNN or flash varlen, and in how many
+    budgets the Triton segment kernel), window layers (in how many budgets the short-segment
+    kernel), with why not; ``None`` for other modes.
+
+    Args:
+        fn: the mode's callable (a ``PackedGraphEncoder`` for packed vitgraph modes).
+    """
     state = getattr(getattr(fn, "encoder", None), "attention_state", None)
     if not isinstance(state, dict) or "segments" not in state:
         return None
     off = f" ({state['cudnn_off']})" if state.get("cudnn_off") else ""
     note = f"full attention in the graphs: {state['segments']}{off}"
-    # budgets captured: where the Triton segment kernel was timed faster
     note += _budgets_note(state.get("full"), "triton", "triton_off",
                           ", the Triton segment kernel in")
-    # a tower with window layers, budgets captured
     note += _budgets_note(state.get("windows"), "short", "short_off",
                           "; window layers: short-segment kernel in")
     return note
 
 
 def _budgets_note(section: dict[str, Any] | None, kernel: str, off: str, label: str) -> str:
-    """``label N of M budgets (why never)``: in how many of a section's captured budgets
-    ``kernel`` was chosen; ``""`` where no budget was captured."""
+    """``label N of M budgets (why never)``; ``""`` where no budget was captured."""
     chosen = (section or {}).get("by_rows") or {}
     if not chosen:
         return ""

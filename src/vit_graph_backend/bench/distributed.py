@@ -1,11 +1,9 @@
 """``vitgraph bench --data-parallel``: the stream's vitgraph modes over a ``torchrun`` world.
 
-Launched as ``torchrun --nproc-per-node N -m vit_graph_backend bench --data-parallel ...``, every
-rank runs the same seeded stream. Each vitgraph mode runs twice, side by side: as itself on every
-rank alone (one GPU's figures) and as ``<mode>+dp`` through
-:func:`~vit_graph_backend.integrations.parallel.data_parallel` (the world's), so one run shows 1 against N
-GPUs. Rank 0 prints and writes the result; each ``+dp`` mode adds every rank's busy seconds (its own
-shares, the collectives' waits excluded), whose spread is the assignment's imbalance.
+Every rank runs the same seeded stream. Each vitgraph mode runs as itself on every rank alone and
+as ``<mode>+dp`` through :func:`~vit_graph_backend.integrations.parallel.data_parallel`, so one
+run shows 1 against N GPUs. Rank 0 reports; a ``+dp`` mode adds every rank's busy seconds, whose
+spread is the assignment's imbalance.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ LAUNCH_HINT = ("data_parallel=True needs a torchrun launch (RANK and WORLD_SIZE 
 
 
 def _group_up() -> bool:
-    """A default process group exists; imports no torch (if torch.distributed was never
-    imported, no group can be up)."""
+    """A default process group exists (imports no torch)."""
     import sys
 
     dist = sys.modules.get("torch.distributed")
@@ -85,10 +82,8 @@ def start_together() -> None:
     """Wait until every rank is here (no-op outside a process group).
 
     Called before each timed call of a ``+dp`` mode: a data-parallel call ends with collectives,
-    so a rank that is still busy with untimed work of its own (the equivalence check copies a
-    call's output to the host) would otherwise count as the next call's time on every other
-    rank. Measured on 2x H200: the three calls right after the checked ones took 1.3x to 2.2x
-    the others (``benchmarks/results/bench_data_parallel_two_h200_*``).
+    so one rank's untimed work (the equivalence check's copy to the host) would otherwise count
+    in the next call's time on every other rank.
     """
     import torch.distributed as dist
 

@@ -1,8 +1,7 @@
 """What a result was measured on: versions, device, and whether the ``vitgraph`` backend is found.
 
-Shared by ``vitgraph info`` and the ``environment`` block of ``vitgraph bench --json``. Versions
-of optional packages are read from their installed metadata (``importlib.metadata``), so listing
-them imports none of them.
+Shared by ``vitgraph info`` and the ``environment`` block of ``vitgraph bench --json``. Optional
+packages' versions come from their installed metadata, so listing them imports none of them.
 """
 
 from __future__ import annotations

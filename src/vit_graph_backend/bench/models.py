@@ -1,20 +1,16 @@
 """The model registry of ``vitgraph bench``: vision encoders built from a config with random weights.
 
-Nothing is downloaded: every entry builds its model from a config (timm with ``pretrained=False``,
-transformers with ``Model._from_config``), seeded, so runs are reproducible offline. Entries whose
-library or class is missing are listed as unavailable with the reason.
+Nothing is downloaded: every entry builds its model from a config, seeded, so runs are
+reproducible offline; an entry whose library or class is missing is listed as unavailable with
+the reason. Heavy imports happen inside the builders.
 
-Layouts:
-    - ``batched``: ``forward(pixel_values [B, C, H, W])``; timm ViTs, HF CLIP/SigLIP/DINOv2 vision
-      models (wrapped to return ``last_hidden_state``). ``torch.compile`` gets the model itself.
-    - ``packed``: HF Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision towers, ``forward(pixel_values
-      [sum(t*h*w), C*temporal_patch*patch*patch], grid_thw [n, 3])`` with ``h``, ``w`` in patches.
-      Eager and the ``torch.compile`` peers run the HF tower; the vitgraph modes serve it through
-      ``vit_graph_backend.serve(tower, ...)`` (adapter + router; see :mod:`.modes`).
+- ``batched``: ``forward(pixel_values [B, C, H, W])`` (timm ViTs; HF CLIP/SigLIP/DINOv2, wrapped
+  to return ``last_hidden_state``).
+- ``packed``: HF Qwen-VL vision towers, ``forward(pixel_values, grid_thw)``; the vitgraph modes
+  serve them through ``serve(tower, ...)`` (:mod:`.modes`).
 
-``*-tiny`` entries (and ``vit-micro``) are a few blocks wide enough to run in milliseconds on a CPU:
-they exist for CI and for the CPU default. Full-size entries carry the shapes of real checkpoints.
-Heavy imports (timm, transformers, torch) happen inside the builders.
+``*-tiny`` entries and ``vit-micro`` run in milliseconds on a CPU (CI, the CPU default);
+full-size entries carry the shapes of real checkpoints.
 """
 
 from __future__ import annotations
@@ -102,15 +98,12 @@ def availability(entry: ModelEntry) -> str | None:
 
 @functools.cache
 def torchvision_problem() -> str | None:
-    """Why the installed torchvision cannot be imported beside this torch, or ``None`` (none
-    installed, or it imports).
+    """Why the installed torchvision cannot be imported beside this torch, or ``None``.
 
-    PyPI's torchvision is built against the CUDA build of torch; beside a CPU build it fails at
-    import with "operator torchvision::nms does not exist". timm needs it; transformers only
-    uses it where it is importable, but takes an installed one for importable and then fails
-    to import its models. So a broken one is set aside for this process (``sys.modules``
-    entry ``None``: ``import torchvision`` raises ImportError), and the bench's transformers
-    models run; this is the ``vitgraph bench`` process's own choice, never the library's.
+    A torchvision built for another torch fails at import, and transformers, taking it for
+    importable, then fails to import its models. A broken one is set aside for this process
+    (``sys.modules["torchvision"] = None``) so the transformers models still run; only the
+    ``vitgraph bench`` process does this, never the library.
     """
     import sys
 
@@ -131,9 +124,6 @@ def torchvision_problem() -> str | None:
     return None
 
 
-# -- builders ----------------------------------------------------------------------------------
-
-
 def _timm(name: str, **overrides: Any) -> Callable[[bool], Any]:
     def build(dynamic_size: bool) -> Any:
         import timm
@@ -145,8 +135,7 @@ def _timm(name: str, **overrides: Any) -> Callable[[bool], Any]:
 
 @functools.cache
 def _last_hidden_state_class() -> type:
-    """An ``nn.Module`` returning an HF vision model's ``last_hidden_state`` (a tensor), built on
-    first use so that importing this module does not import torch."""
+    """An ``nn.Module`` returning an HF model's ``last_hidden_state`` (built lazily: no torch)."""
     import torch
 
     class LastHiddenState(torch.nn.Module):
@@ -289,8 +278,7 @@ def _entries() -> list[ModelEntry]:
                          num_position_embeddings=2304),
                    _space(448, tuple(range(224, 897, 32)), True, (4, 8, 16)), 16, 2, 2,
                    requires=(f"{_Q3}:Qwen3VLVisionModel",)),
-        # the 8B model's tower (its config's defaults); sizes up to ~1300 px, where single
-        # images are GPU-bound (issue 13's p99 target)
+        # the 8B model's tower; sizes up to ~1300 px, where single images are GPU-bound
         ModelEntry("qwen3-vl-8b", "HF Qwen3-VL vision", "packed", "Qwen3-VL-8B vision tower shape",
                    _qwen(_Q3, "Qwen3VLVisionModel", "Qwen3VLVisionConfig", depth=27,
                          hidden_size=1152, intermediate_size=4304, num_heads=16,
@@ -304,9 +292,6 @@ def _entries() -> list[ModelEntry]:
 MODELS: dict[str, ModelEntry] = {entry.name: entry for entry in _entries()}
 
 
-# -- built models ------------------------------------------------------------------------------
-
-
 def _grid(entry: ModelEntry, height: int, width: int, frames: int) -> tuple[int, int, int]:
     t = ceil_div(frames, entry.temporal_patch) if frames > 1 else 1
     return t, height // entry.patch, width // entry.patch
@@ -315,8 +300,8 @@ def _grid(entry: ModelEntry, height: int, width: int, frames: int) -> tuple[int,
 def call_specs(entry: ModelEntry, call: Call) -> list[EncoderItemSpec]:
     """The items of ``call`` as the vitgraph planner sees them on ``entry``.
 
-    Batched: one row item of ``B`` rows (budgets count rows). Packed: one item per image or video,
-    ``t*h*w`` patches in, ``t*(h/merge)*(w/merge)`` tokens out, ``t`` frames (temporal patches).
+    Batched: one row item of ``B`` rows. Packed: one item per image or video (``t*h*w`` patches
+    in, ``t*(h/merge)*(w/merge)`` tokens out, ``t`` frames).
     """
     if not entry.packed:
         rows = len(call.items)
@@ -366,8 +351,11 @@ def build_model(entry: ModelEntry, *, device: Any, dtype: Any, dynamic_size: boo
     """Build ``entry`` with seeded random weights, in eval mode, on ``device`` in ``dtype``.
 
     Args:
-        dynamic_size: the stream has several image sizes (timm then needs ``dynamic_img_size``,
-            CLIP/SigLIP ``interpolate_pos_encoding``).
+        entry: the registry entry.
+        device: the device to build on.
+        dtype: the parameters' dtype.
+        dynamic_size: the stream has several image sizes.
+        seed: the weights' seed.
 
     Raises:
         RuntimeError: if the entry is unavailable here (the message gives the reason).

@@ -1,37 +1,17 @@
 """The modes ``vitgraph bench`` compares, each a way to run the same model on the same stream.
 
-============================  ====================================================================
-``eager``                     the model as is (``torch.no_grad``)
-``compile-default``           ``torch.compile(model)``
-``reduce-overhead``           ``torch.compile(model, mode="reduce-overhead")`` (Inductor's CUDA
-                              graph trees)
-``vitgraph``                  the defaults: batched: ``torch.compile(model, backend=vitgraph,
-                              options={...})`` (``inner_compiler="auto"``: Inductor inside the
-                              graphs on a GPU); packed: ``serve(tower, **options)``
-``vitgraph-eager``            the same with ``inner_compiler="eager"`` (the traced graph's own
-                              kernels inside the graphs, the default before ``"auto"``)
-``vitgraph-inductor``         the same with ``inner_compiler="inductor"`` (not in the default list:
-                              on a GPU, batched ``vitgraph`` is this; for packed towers, the whole
-                              tower through Inductor instead of the adapter's fused kernels)
-``vitgraph-epilogue-off``     ``vitgraph`` with ``epilogue_fusion="off"``: linear + GELU left to the
-                              inner compiler (cuBLAS and a separate kernel), to compare with the
-                              fused default (not in the default list)
-``vitgraph-batch-invariant``  ``vitgraph`` with ``batch_invariant=True``: an item's output the same
-                              bits alone and in any batch (not in the default list)
-``vitgraph-torch-launch``     ``vitgraph`` with ``graph_launch="torch"``: every graph replayed
-                              through ``CUDAGraph.replay()``, to compare with the default's
-                              device-launch executables (not in the default list)
-``vitgraph-patch-conv``       ``vitgraph`` with ``patch_embedding="conv"``: the patch convolution
-                              left to cuDNN, to compare with the default's GEMM over the patches
-                              (batched models; not in the default list)
-============================  ====================================================================
+- ``eager``: the model as is; ``compile-default``: ``torch.compile(model)``;
+  ``reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``.
+- ``vitgraph``: the defaults (batched: ``torch.compile(model, backend=vitgraph, options=...)``;
+  packed: ``serve(tower, **options)``); ``vitgraph-eager``: ``inner_compiler="eager"``.
+- Not in the default list, each ``vitgraph`` with one option (:data:`VITGRAPH_MODES`):
+  ``vitgraph-inductor``, ``vitgraph-epilogue-off``, ``vitgraph-batch-invariant``,
+  ``vitgraph-torch-launch``, ``vitgraph-patch-conv`` (batched models).
 
-Packed towers go through :func:`vit_graph_backend.adapters.serve.serve` (adapter + router) rather than
-``torch.compile(adapter, backend="vitgraph", options=...)``: the router frame is skipped by Dynamo,
-so options given to ``torch.compile`` could not reach it (see ``packed.py``). The backend object is
-imported and passed directly, so a broken entry point cannot hide behind a name lookup. Any failure
-(the backend missing, a compile or capture error, a crash at replay) is raised to the runner,
-which reports the mode as failed and goes on with the next one.
+Packed towers go through :func:`vit_graph_backend.adapters.serve.serve`: Dynamo skips the router
+frame, so ``torch.compile`` options could not reach it. The backend object is passed directly, so
+a broken entry point cannot hide behind a name lookup. Any failure propagates to the runner,
+which reports the mode as failed.
 """
 
 from __future__ import annotations
@@ -127,8 +107,7 @@ def backend_report(mode: PreparedMode) -> dict[str, Any] | None:
 
 
 def reset(mode: PreparedMode | None = None) -> None:
-    """Free compiled frames and captured graphs between modes (``torch.compiler.reset()``, which
-    also resets the vitgraph backend, plus the mode's own cleanup)."""
+    """Free compiled frames and captured graphs between modes (and run the mode's cleanup)."""
     import gc
 
     import torch

@@ -1,5 +1,5 @@
-"""The stress suite's ``ordering`` part: what :class:`~vit_graph_backend.runtime.stream_order.StreamOrder`
-costs per call on the host, measured beside the same calls without it in one run."""
+"""The stress suite's ``ordering`` part: the host cost per call of
+:class:`~vit_graph_backend.runtime.stream_order.StreamOrder`, beside the same calls without it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ __all__ = ["part_ordering"]
 
 
 def part_ordering(cfg: Any, result: Any) -> Any:
-    """What the stream ordering costs per call on the host: the enter/exit pair alone (one
-    stream; two alternating streams, less the cost of switching streams), and a launch-bound
-    compiled ViT at batch 1 called back to back with and without it (same run, interleaved)."""
+    """Fill ``result.details`` with the ordering's host cost per call: the enter/exit pair on one
+    stream and on two alternating streams (less the switching), and a launch-bound compiled ViT
+    at batch 1 with and without it, interleaved in one run.
+
+    Args:
+        cfg: the stress config (its ``device``).
+        result: the part's ``PartResult``.
+    """
     import torch
 
     from ..compile.backend import vitgraph

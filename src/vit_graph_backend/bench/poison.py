@@ -1,18 +1,16 @@
 """Poisoning graph memory with NaN, for the stress suite (``vitgraph stress``).
 
-A graph that reads memory nothing wrote in this call (a stale tail of a static buffer, a pool
-intermediate another graph left behind) gives right answers as long as that memory happens to
-hold harmless numbers. Writing NaN there between calls makes such a read show in the output.
+A graph that reads memory nothing wrote in this call (a stale static-buffer tail, a pool
+intermediate another graph left) is right only while that memory holds harmless numbers; NaN
+written there between calls makes such a read show.
 
-- :func:`poison_static_buffers` fills every static buffer a replay rewrites with NaN (integer
-  buffers with ``-1``, bytes with 255); buffers a replay never writes are capture-time constants
-  and stay.
+- :func:`poison_static_buffers` fills every static buffer a replay rewrites (floats with NaN,
+  integers with ``-1``, bytes with 255); capture-time constants stay.
 - :class:`PoolPoisoner` captures one extra graph into the manager's pool that allocates every
-  free block of the pool (sizes read from the public ``torch.cuda.memory_snapshot()``) and fills
-  it with all-ones bytes, which is NaN in float32, float16 and bfloat16; replaying it writes NaN
-  over the intermediates the real graphs share.
+  free block (sizes from ``torch.cuda.memory_snapshot()``) and fills it with all-ones bytes (NaN
+  in float32, float16 and bfloat16).
 
-Both run under the manager's :class:`~vit_graph_backend.runtime.stream_order.StreamOrder`, like a call.
+Both run under the manager's stream ordering, like a call.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ def _fill_nan(t: Any) -> None:
 
     if t.is_floating_point():
         t.fill_(float("nan"))
-    elif t.dtype == torch.uint8:  # a block of bytes under typed views (adapters/_staging.py)
+    elif t.dtype == torch.uint8:  # a block of bytes under typed views (adapters.staging)
         t.fill_(255)
     elif t.dtype != torch.bool:
         t.fill_(-1)
@@ -64,9 +62,8 @@ class PoolPoisoner:
         if not sizes:
             return
         graph = torch.cuda.CUDAGraph()
-        # the capture stream of the manager's graphs: the pool's free blocks go only to
-        # allocations on the stream that freed them. thread_local: the other threads keep
-        # running their own work meanwhile
+        # the graphs' capture stream: free pool blocks go only to the stream that freed them;
+        # thread_local: other threads keep running meanwhile
         with manager.order, torch.cuda.graph(graph, pool=pool,
                                              stream=capture_stream(manager.device),
                                              capture_error_mode="thread_local"):

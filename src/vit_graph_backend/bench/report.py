@@ -2,14 +2,8 @@
 
 The JSON document is the one source: the table and the plot are rendered from it, so what is
 printed and what is saved cannot disagree. :data:`RESULT_SCHEMA` spells out every key and type of
-schema version :data:`SCHEMA_VERSION`; any change to the keys or types bumps the version (a test
-pins the version; v2 added ``config.ladder_steps``; v3 renamed ``items_per_graph`` and
-``max_frames_per_graph`` to the option names ``max_items_per_graph`` and ``max_frames_per_batch``,
-and the stats' ``replays_per_budget`` to ``batches_per_budget``, beside ``no_graph_batches``,
-``no_graph_items`` and ``exact_shape_batches``; v4 added ``roofline`` (stream FLOPs, matmul
-peak), each mode's ``achieved_tflops``, ``fraction_of_peak`` and ``rank_busy_s``, and
-``config.data_parallel`` and ``config.world_size``). :func:`validate` checks a document against
-it.
+schema version :data:`SCHEMA_VERSION`; any change to keys or types bumps the version (a test pins
+it). :func:`validate` checks a document against it.
 """
 
 from __future__ import annotations
@@ -167,8 +161,6 @@ def write_json(doc: Mapping[str, Any], path: str | Path) -> Path:
     return path
 
 
-# -- text ------------------------------------------------------------------------------------
-
 _COLUMNS = ("mode", "status", "p50 ms", "p99 ms", "mean ms", "stream s", "first pass s",
             "peak mem", "graphs", "hit rate", "padding", "max err", "speed-up")
 
@@ -325,12 +317,8 @@ def format_text(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- plot ------------------------------------------------------------------------------------
-
-
 def _readable_log_axis(ax: Any, values: list[float]) -> None:
-    """A log y axis with labelled ticks. Over less than a decade a log axis has at most one
-    labelled (power of ten) tick, often none, so the ticks are then spread linearly."""
+    """A log y axis with labelled ticks (spread linearly over less than a decade)."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
 
     ax.set_yscale("log")

@@ -1,13 +1,9 @@
-"""How close each ``vitgraph bench`` mode comes to the device's limit: model FLOPs over the
-stream, the matmul peak measured in the same run, and the fraction a mode achieves.
+"""How close each ``vitgraph bench`` mode comes to the device's limit.
 
-- **FLOPs** come from PyTorch's own counter, :class:`torch.utils.flop_counter.FlopCounterMode`,
-  over one eager pass of the stream: the aten ops the model dispatches (matmuls, convolutions,
-  SDPA), not a formula per model. They are the model's useful FLOPs: padding rows a graph also
-  computes are not counted, so padding shows as a lower fraction.
-- **Peak**: the best of several timed ``n x n x n`` matmuls in the run's dtype on the run's device,
-  measured beside the modes (the machines are shared and clocks drift; a datasheet figure would
-  hide that). CPU runs report no peak: a fraction of an unmeasured CPU peak means nothing here.
+- **FLOPs**: PyTorch's :class:`~torch.utils.flop_counter.FlopCounterMode` over one eager pass of
+  the stream (the model's useful FLOPs: padding a graph computes shows as a lower fraction).
+- **Peak**: the best of several ``n x n x n`` matmuls in the run's dtype, measured in the same run
+  (shared machines and drifting clocks make a datasheet figure misleading); none on CPU.
 - **Fraction** of a mode: stream FLOPs / the mode's stream seconds / peak.
 """
 

@@ -1,25 +1,15 @@
 """``vitgraph bench``: one model, one seeded stream, several modes side by side in one process.
 
-Protocol, per mode:
+Per mode: ``torch.compiler.reset()`` (and the peak-memory counter on CUDA); a **first pass** over
+the stream, its wall time (compiles, captures) reported; a **timed pass**, each call timed
+(p50/p99/mean, stream total; *speed-up* is eager's stream total over the mode's); the first
+``check_calls`` outputs compared with eager (max abs error); vitgraph modes add their report,
+counting both passes. A mode that raises is reported as failed and the run goes on. The routing
+preview comes from the planner alone (:mod:`vit_graph_backend.plan_preview`), so it shows on any
+machine.
 
-1. ``torch.compiler.reset()``; on CUDA, reset the peak-memory counter.
-2. **First pass**: the whole stream once, untimed per call; its wall time (compiles, captures,
-   recompiles included) is reported as *first pass*.
-3. **Timed pass**: the same stream again, each call timed (CUDA events on CUDA, ``perf_counter`` on
-   CPU, synchronized around each call). p50/p99/mean and *stream total* (sum of the calls) come
-   from this pass; *speed-up* is eager's stream total over the mode's.
-4. **Equivalence**: the timed pass's outputs for the first ``check_calls`` calls against the eager
-   model's, as the max abs error.
-5. vitgraph modes add ``vitgraph.report()`` (graphs, memory, hits, eager fallbacks, padding); its
-   counts cover both passes.
-
-A mode that raises is reported as failed with its error and the run goes on. The routing preview
-(:mod:`vit_graph_backend.plan_preview`) is computed from the planner alone, so it shows on any machine, even while the
-backend is missing.
-
-Defaults depend on the device: on CPU a tiny model, 24 calls, modes ``eager,vitgraph``, fp32 (well
-under a minute on 2 cores); on CUDA ``vit-b16``, 120 calls (60 for packed models), all five modes,
-bf16.
+Defaults depend on the device: on CPU a tiny model, 24 calls, ``eager,vitgraph``, fp32; on CUDA
+``vit-b16``, 120 calls (60 for packed models), the default modes, bf16.
 """
 
 from __future__ import annotations
@@ -55,15 +45,13 @@ CPU_NOTE = (
 BYTECODE_NOTE = (
     "Python writes no bytecode cache here (PYTHONDONTWRITEBYTECODE or -B): every process compiles "
     "the modules it imports from source, and Dynamo's and Inductor's modules, imported at the "
-    "first compile, land in the first pass (CLIP ViT-L/14-336 on an H100, warm Inductor cache: "
-    "13.0 to 14.6 s without a bytecode cache, 9.5 s with one; the README's first-pass table)."
+    "first compile, land in the first pass (docs/performance.md, first pass)."
 )
 JOB_ID_NOTE = (
     "torch.compiler.config.job_id is unset (TORCH_COMPILE_JOB_ID): Dynamo keeps no profile of "
     "which dimensions turned dynamic, so every new process traces a compiled model twice (first "
     "call static, then with a dynamic batch); with a job id a process after the first traces it "
-    "once (CLIP ViT-L/14-336 on an H100, warm caches: first pass 13.8 s with two traces, 10.6 s "
-    "with one; the README's first-pass section)."
+    "once (docs/performance.md, first pass)."
 )
 
 
@@ -130,8 +118,7 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
         model = "vit-b16" if cuda else "vit-micro"
         missing = availability(MODELS[model])
         if missing is not None:
-            # timm needs torchvision, which pins one torch, so the extras leave it out (README,
-            # "Set-up"); the same ViT shape from transformers keeps the default job running
+            # timm needs torchvision, which the extras leave out: the same ViT from transformers
             model = "clip-b16" if cuda else "clip-tiny"
             notes.append(f"default model {'vit-b16' if cuda else 'vit-micro'} unavailable "
                          f"({missing}): ran {model} instead")
@@ -172,10 +159,9 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
 
 
 def stream_budget_range(calls: list[list[int]], max_items_per_graph: int) -> tuple[int, int]:
-    """The budget range a packed stream needs, standing in for a model range: from the largest
-    power of two not above the smallest item (at least ``max_items_per_graph``, so every slot
-    gets a token) to the largest sum of ``max_items_per_graph`` items of one call, so that every
-    item fits a graph."""
+    """The budget range a packed stream needs: from the largest power of two not above the
+    smallest item (at least ``max_items_per_graph``) to the largest sum of
+    ``max_items_per_graph`` items of one call."""
     tokens = [t for call in calls for t in call]
     if not tokens:
         raise ValueError("the stream has no items")
@@ -186,8 +172,7 @@ def stream_budget_range(calls: list[list[int]], max_items_per_graph: int) -> tup
 
 def _resolve_budgets(config: BenchConfig, entry: ModelEntry, modality: str,
                      specs: list[list[Any]]) -> BudgetConfig:
-    """The bench's options, resolved as the runtime resolves them (``VitGraphOptions.resolve``);
-    only the range comes from the stream, since the bench's models stand in for real ones."""
+    """The bench's options, resolved as the runtime does; only the range comes from the stream."""
     if not entry.packed:
         rows = max(s.output_tokens for call in specs for s in call)
         options = VitGraphOptions(budgets=config.budgets, max_budget=config.max_budget or rows,
@@ -198,8 +183,7 @@ def _resolve_budgets(config: BenchConfig, entry: ModelEntry, modality: str,
     items = config.max_items_per_graph or (2 if modality == "image+video" else 1)
     frames = config.max_frames_per_batch
     if frames is None and modality != "image":
-        # Capture sizes frame-dependent buffers (e.g. Qwen2.5-VL windows) for a frame cap;
-        # without one it assumes a frame per item and video batches fall back to eager.
+        # without a frame cap, capture assumes a frame per item and videos run eagerly
         frames = max(sum(sorted(s.frames for s in call)[-items:]) for call in specs)
     options = VitGraphOptions(budgets=config.budgets, max_budget=config.max_budget,
                               ladder_steps=config.ladder_steps, max_items_per_graph=items,
@@ -304,8 +288,7 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
 
 def _roofline(fn: Any, inputs: list[tuple[Any, ...]], device: str, dtype: Any,
               notes: list[str]) -> dict[str, Any] | None:
-    """Stream FLOPs and the matmul peak, measured here (``roofline.py``); ``None`` with a note
-    if the FLOP counter cannot run the model."""
+    """Stream FLOPs and the matmul peak (``roofline``); ``None`` with a note if uncountable."""
     try:
         flops = count_stream_flops(fn, inputs)
     except Exception as exc:  # the counter is a report, never the end of the run

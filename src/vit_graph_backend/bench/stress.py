@@ -1,22 +1,16 @@
 """The stress suite (``vitgraph stress``): many threads, many streams, poisoned memory, little
 memory, every output checked against eager.
 
-Parts (each a row of the closing table, all in one process):
+Parts, each a row of the closing table: ``batched`` (``torch.compile(vit, backend=vitgraph)``,
+batch sizes past the largest budget), ``packed`` (``serve()`` on a Qwen2.5-VL-shaped tower:
+images of many sizes, videos, items past the largest budget), ``clear`` (graphs dropped and
+captured again into the same pool between calls), and on CUDA ``memory`` (capture beside a filler
+tensor taking most free memory) and ``ordering`` (the stream ordering's host cost,
+:mod:`.ordering_cost`).
 
-- ``batched``: ``torch.compile(vit, backend=vitgraph)`` called with batch sizes from 1 to past the
-  largest budget (chunked);
-- ``packed``: ``serve()`` on a Qwen2.5-VL-shaped tower, calls of 1-4 images of many sizes, videos,
-  and items larger than the largest budget (eager);
-- ``clear``: the packed encoder's graphs dropped with ``clear()`` and captured again into the same
-  pool handle, between calls;
-- on CUDA, ``memory``: capture with a filler tensor taking most of the free memory, then the same
-  checked calls (which budgets were captured and skipped is in the row), and ``ordering``: host
-  cost per call of the stream ordering, and replay p50 with and without it on one stream.
-
-Threads: ``threads`` workers, odd ones on a ``torch.cuda.Stream()`` of their own. Every
-``poison_every`` calls a worker writes NaN over the static buffers and the pool's free memory
-(:mod:`.poison`). An output is wrong if it has NaN or differs from the eager output of the same
-input by more than ``tolerance`` relative to the eager output's largest magnitude.
+``threads`` workers, odd ones on their own stream; every ``poison_every`` calls a worker writes NaN
+over static buffers and free pool memory (:mod:`.poison`). An output is wrong if it has NaN or
+differs from eager by more than ``tolerance`` of eager's largest magnitude.
 """
 
 from __future__ import annotations
@@ -134,9 +128,6 @@ def _hammer(result: PartResult, cfg: StressConfig, call: Callable[[int], Any], r
     result.seconds = time.perf_counter() - start
 
 
-# -- models and inputs ----------------------------------------------------------------------------
-
-
 def _batched(cfg: StressConfig) -> tuple[Any, list[tuple[Any]], Any]:
     import torch
 
@@ -207,9 +198,6 @@ def _references(fn: Callable[..., Any], inputs: list[tuple[Any, ...]]) -> list[A
 
     with torch.inference_mode():
         return [primary_output(fn(*x)).clone() for x in inputs]
-
-
-# -- parts ------------------------------------------------------------------------------------
 
 
 def _poisoner(managers: Callable[[], list[Any]], cuda: bool) -> Callable[[], None]:
@@ -294,8 +282,7 @@ def _part_packed(cfg: StressConfig, tower: Any, inputs: list[Any], refs: list[An
 
 
 def _part_memory(cfg: StressConfig, tower: Any, inputs: list[Any], refs: list[Any]) -> PartResult:
-    """1.5 GiB left free by a filler tensor, budgets up to 8192 tokens, and graphs bounded to
-    60 % of what is free, so calls keep room for their outputs and eager fallbacks."""
+    """Packed calls with 1.5 GiB left free, budgets up to 8192 tokens, graphs within 60 % of it."""
     import torch
 
     import gc

@@ -1,10 +1,8 @@
 """Per-call timing, latency summaries and progress bars for ``vitgraph bench``.
 
-On CUDA a call is timed with a pair of CUDA events after a ``synchronize()``, and the end event is
-waited on, so the time covers the host's launches and the device's work of that call, nothing
-queued before it. On CPU, ``time.perf_counter``. Summaries use linear-interpolation percentiles
-(NumPy's default), written out here so this module needs nothing but the standard library until a
-CUDA device is timed.
+On CUDA a call is timed with CUDA events after a ``synchronize()``, waiting on the end event, so
+the time covers that call's launches and device work only; on CPU, ``time.perf_counter``.
+Percentiles interpolate linearly (NumPy's default), written out to need only the standard library.
 """
 
 from __future__ import annotations
@@ -100,10 +98,8 @@ def progress(iterable: Iterable[T], *, desc: str, total: int | None = None,
              enabled: bool = True) -> Iterator[T]:
     """``tqdm`` over ``iterable`` when tqdm is installed and ``enabled``; plain iteration otherwise.
 
-    The bar goes to stderr and leaves no line behind, so the report on stdout stays clean. While
-    the bar is up, the root logger's console output goes through ``tqdm.write``: a warning logged
-    during a call (the runtime's "CUDA graphs need a CUDA device", at the first compile) then gets
-    a line of its own instead of landing in the middle of the bar.
+    The bar goes to stderr and leaves no line behind; while it is up, logging goes through
+    ``tqdm.write`` so a warning gets its own line.
     """
     if enabled:
         try:

@@ -1,29 +1,13 @@
 """Named, seeded request streams for ``vitgraph bench``.
 
-A stream is a list of :class:`Call`; a call is the items (images or videos) one forward receives.
-Sizes are in pixels and frames, independent of any model: the model registry turns a call into
-tensors and into :class:`~vit_graph_backend.specs.EncoderItemSpec` values. The same name, modality,
-seed and size space always give the same stream (``random.Random`` seeded with a string is
-deterministic across runs and machines).
+A stream is a list of :class:`Call`, each the items (images or videos) one forward receives, in
+pixels and frames; the model registry turns them into tensors and specs. The same name, modality,
+seed and size space always give the same stream (``random.Random`` seeded with a string).
+:data:`WORKLOADS` describes each workload (``max_batch`` caps a call's items).
 
-Workloads (``max_batch`` caps the items of a call):
-    - ``fixed-batch``: every call has ``max_batch`` images of the base size (the static case that
-      ``torch.compile`` handles well: one shape);
-    - ``uniform-batch``: 1..``max_batch`` images of the base size, uniformly (the variable batch
-      stream the README's first table measures);
-    - ``mixed-sizes``: the image size changes from call to call (packed models: one image per call,
-      height and width drawn independently; batched models: 1..4 images of one size);
-    - ``multi-image``: 1..4 images per call, each its own size on packed models;
-    - ``mixed-batch``: every call has ``max_batch`` images, each its own size on packed models
-      (batched models: one size drawn per call), the data-parallel benchmark's calls of 8, 16, 32;
-    - ``video``: one video per call (modality ``video`` unless given ``image+video``);
-    - ``gpu-bound``: work large enough that kernels, not launches, set the time: batched models get
-      ``min(8, max_batch)..max_batch`` images of the base size per call, packed models one image
-      of sides drawn from the largest third of their sizes.
-
-Modality turns a workload's images into items: ``image`` keeps them, ``video`` makes each a video
-(lower resolution, a frame count from the model's list), ``image+video`` adds one video to every
-call. Batched ``[B, C, H, W]`` models take images of one size per call only.
+Modality: ``image`` keeps a workload's images, ``video`` makes each a video (lower resolution,
+a frame count from the model's list), ``image+video`` adds one video to every call. Batched
+``[B, C, H, W]`` models take images of one size per call only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The ``torch.compile`` backend: ``torch.compile(model, backend="vitgraph")`` (``backend``),
-batched encoders served from padded graphs (``batched``, over the graph's layout: ``layout``),
-and the graph rewrites applied before the inner compiler (``patch_rewrite``,
-``linear_rewrite``)."""
+"""The ``torch.compile`` backend (``backend``), batched encoders served from padded graphs
+(``batched``, ``layout``) and the graph rewrites before the inner compiler."""
 
 from .backend import VitGraphBackend, register, vitgraph
 

@@ -1,27 +1,10 @@
 """The ``vitgraph`` torch.compile backend.
 
-``torch.compile(model, backend="vitgraph")`` finds :data:`vitgraph` through the
-``torch_dynamo_backends`` entry point (see ``pyproject.toml``); PyTorch registers it itself when it
-loads the entry point, so this module never calls ``register_backend`` on import (a second
-registration of the name would trip the registry's duplicate-name assertion). For an environment
-where the package is on ``sys.path`` but not installed, :func:`register` registers it once,
-guarded. Passing the object directly, ``torch.compile(model, backend=vitgraph)``, always works.
-
-Dynamo calls the backend as ``backend(gm, example_inputs, **kwargs)``; ``options=`` arrives only
-when non-empty and ``mode=`` only when not the default. Both are validated into a
-:class:`~vit_graph_backend.options.VitGraphOptions` here, at compile time.
-
-``torch.compiler.reset()`` calls :meth:`VitGraphBackend.reset`, which frees every captured graph.
-
-**A call that raises while Dynamo traces it** (a model's own input check: a wrong image size, a
-wrong channel count) makes Dynamo mark that frame's code skipped for the rest of the process
-(``_compat.uncompiled_callers`` says how that is seen). Its later calls would then run the
-frame as plain Python and compile its submodules as separate graphs, every one captured anew,
-and the graphs already captured for the whole frame would never serve again. So the backend
-remembers the code of every frame it compiled; a compile requested while one of them runs
-uncompiled above it is such a fragment: the remembered frame is re-armed, so that Dynamo serves
-its next call from its cache (the same graphs as before the bad call), and the fragment runs
-eagerly, never captured, re-arming the frame again whenever it is called.
+PyTorch registers :data:`vitgraph` from the ``torch_dynamo_backends`` entry point, so nothing is
+registered on import (a duplicate name would trip the registry); :func:`register` serves source
+trees. A call that raises while Dynamo traces it gets its frame marked skipped for the process,
+so the backend remembers compiled frames: a compile requested under one running uncompiled is a
+fragment, which runs eagerly and re-arms the frame so its cached graphs serve it again.
 """
 
 from __future__ import annotations
@@ -65,7 +48,7 @@ class VitGraphBackend:
         self._codes: set[types.CodeType] = set()
         self._lock = threading.Lock()
         self.compiles = 0
-        #: linear + activation pairs rewritten into one op (``fused_linear.py``) since reset
+        #: linear + activation pairs rewritten into one op since reset
         self.fused_linear_activations = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -112,11 +95,10 @@ class VitGraphBackend:
     @staticmethod
     def _fuse_epilogues(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                         opts: VitGraphOptions, inner: str) -> int:
-        """``epilogue_fusion="auto"``: rewrite the graph's linear + GELU pairs where the fused
-        op can serve; returns how many (the reason it does not is logged at info level)."""
+        """``epilogue_fusion="auto"``: rewrite linear + GELU pairs where the fused op can serve;
+        returns how many."""
         if opts.epilogue_fusion == "off" or opts.batch_invariant:  # no choice made by timing
             return 0
-        # each fused layer's kernels begin compiling at once, in the background
         fuse = functools.partial(fuse_linear_activations, rewritten=FUSED_CHOICES.prefetch)
         return _rewrite(gm, example_inputs, inner, fuse,
                         fused_epilogue_unavailable(next((x.device for x in example_inputs
@@ -126,9 +108,8 @@ class VitGraphBackend:
                         "separate activation at its first run")
 
     def _alone(self, encoder: BatchedGraphEncoder) -> bool:
-        """Whether a static graph called again deserves its deferred inner compile
-        (``batched.py``): not when a live dynamic graph reads the same parameters, i.e. serves
-        the same model's other sizes."""
+        """Whether a static graph called again deserves its deferred inner compile: not when a
+        live dynamic graph reads the same parameters (serves the same model's other sizes)."""
         with self._lock:
             others = [e for e in self._encoders if e is not encoder]
         return not any(not e.static_shape and e.param_ids & encoder.param_ids for e in others)
@@ -152,8 +133,7 @@ class VitGraphBackend:
 
     def report(self, served: Sequence[Any] = ()) -> dict[str, Any]:
         """What the live compiled graphs did: ``compiles``, ``fused_linear_activations`` and the
-        fields of :func:`vit_graph_backend.report` (the README's ``report()`` section), totalled
-        with the ``served`` towers' managers when given."""
+        fields of :func:`vit_graph_backend.report`, totalled with the ``served`` towers."""
         with self._lock:
             encoders = list(self._encoders)
             compiles, fused = self.compiles, self.fused_linear_activations
@@ -165,10 +145,8 @@ class VitGraphBackend:
 
 def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner: str,
              rewrite: Any, why: str | None, setting: str, left: str, done: str) -> int:
-    """``rewrite(gm, example_inputs)`` into the package's ops, whose kernels ``why`` says the
-    device lacks (else ``None``), unless the graph cannot take them: they have no backward, and
-    TensorRT compiles only PyTorch's own ops. Logs ``setting`` and what it ``left`` (with why)
-    or how many it rewrote (``done``); returns that count."""
+    """Apply ``rewrite`` unless ``why`` (the device lacks the kernels), TensorRT or gradients
+    rule it out; logs the outcome and returns how many nodes were rewritten."""
     if why is None and inner == "tensorrt":
         why = "inner_compiler='tensorrt' compiles only PyTorch's own ops"
     if why is None and torch.is_grad_enabled() and any(
@@ -183,8 +161,7 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner: str
 
 
 class _Fragment:
-    """A part of a frame that Dynamo compiled separately because it skipped the whole frame
-    after a call raised inside it (module docstring): runs eagerly and re-arms the frame."""
+    """A fragment of a frame Dynamo skipped (module docstring): runs eagerly, re-arms the frame."""
 
     def __init__(self, gm: torch.fx.GraphModule, frames: list[types.CodeType]) -> None:
         self.gm, self.frames = gm, frames
@@ -208,9 +185,8 @@ vitgraph = VitGraphBackend()
 
 
 def register() -> bool:
-    """Register ``"vitgraph"`` with Dynamo unless it is already known (installed entry point or an
-    earlier call). Returns True if this call registered it. Only needed when the package is used
-    from a source tree without being installed."""
+    """Register ``"vitgraph"`` with Dynamo unless it is already known; True if this call did.
+    Only needed when the package runs from a source tree without being installed."""
     if "vitgraph" in torch.compiler.list_backends(exclude_tags=()):
         return False
     _compat.register_dynamo_backend("vitgraph", vitgraph)
@@ -220,12 +196,9 @@ def register() -> bool:
 def report() -> dict[str, Any]:
     """What every compiled graph and served tower of this process did, in one dictionary.
 
-    ``compiles`` (Dynamo compiles through the ``vitgraph`` backend), ``fused_linear_activations``
-    (linear + GELU pairs those compiles rewrote into one op: ``epilogue_fusion``),
-    ``served_towers`` (live ``serve()`` results) and, totalled over both, the fields of
-    ``PackedGraphEncoder.report()``: graphs, graph memory, capture time and the call counters.
-    Fields are true on every device (the README's ``report()`` section); read one tower alone
-    with ``served.report()``.
+    ``compiles``, ``fused_linear_activations`` (``epilogue_fusion`` rewrites), ``served_towers``
+    and, totalled over both, the fields of ``PackedGraphEncoder.report()`` (graphs, graph memory,
+    capture time, call counters); the README's ``report()`` section describes them.
     """
     towers = live_served()
     summary = vitgraph.report(towers)

@@ -1,40 +1,12 @@
 """Batched encoders under ``torch.compile``: one Dynamo graph, padded along its item axis.
 
-A batched encoder (``[B, C, H, W]`` in: timm, torchvision, HF ViT/CLIP/SigLIP/DINOv2) needs no model
-code. Dynamo hands the backend an FX graph; after its first recompile the batch dimension is a
-symbol (``s77``). ``batched_layout.py`` reads the graph's fake metadata once, at compile time:
-
-- **batch inputs**: tensor inputs whose dim 0 is the batch symbol; the symbol's int input becomes
-  the budget at replay;
-- **graph-set key**: every other symbol (height, width with ``dynamic=True``); each distinct key
-  gets its own :class:`~vit_graph_backend.runtime.manager.EncoderCudaGraphManager`, least recently used
-  sets freed beyond ``max_graph_sets``;
-- **module state** (parameters, buffers, other fixed inputs): referenced by the graphs, not
-  copied. Their addresses are checked at every call; one that moved (a replaced parameter, an
-  auxiliary input that changes per call) is switched to a copied static buffer and the set is
-  captured again, so a graph never reads stale memory.
-
-Budgets count **rows** of the batch axis (default ladder 1, 2, ..., 8, 10, 12, ..., 28, 32). A call is one item of
-``B`` rows; more rows than the largest budget are cut into chunks through the same graphs.
-
-Graphs that cannot be served are refused at compile time with one logged reason and run eagerly:
-training-mode ops (dropout, batch norm statistics), in-place writes to inputs, outputs that do not
-carry the batch axis at dim 0 (they may mix rows, which padding would change).
-
-Dynamo's first compile of a frame is static (no symbol), and so is its separate compile for a
-batch of 1 (unless the ``backed_size_oblivious`` option made the dynamic graph serve it).
-Those graphs run as one exact-shape graph: all non-parameter inputs copied, nothing padded
-(``static_graphs=False`` runs them eagerly instead); stats count their real rows. So does a
-batch-of-1 graph whose outputs lost the batch symbol (``batched_layout.py``), and it runs eagerly
-for any other shape.
-
-A static graph runs the traced graph's own kernels at its first call and gets the inner compiler
-(Inductor) at its second, unless a dynamic graph of the same model exists by then: in a stream
-of varying sizes Dynamo replaces the first static graph by a dynamic one at the second call, so
-compiling it at once would spend one whole Inductor compile (about 20 s for CLIP ViT-L) on a
-graph that serves a single call; and a static graph made beside a dynamic one (Dynamo's batch of
-1) would take that compile at some later call of the stream, a stall no caller expects, for a
-call the graph's launches, not its kernels, dominate.
+``layout.py`` reads the graph once: batch inputs, the graph-set key (other symbols; one
+:class:`~vit_graph_backend.runtime.manager.EncoderCudaGraphManager` per key, LRU beyond
+``max_graph_sets``) and module state, referenced rather than copied until its address moves.
+Budgets count rows; a call is one item, chunked beyond the largest budget. Dynamo's static
+compiles run as one exact-shape graph, getting the inner compiler only at their second call and
+only without a dynamic graph of the same model (otherwise a whole compile is spent on a graph
+Dynamo soon replaces, or stalls a stream mid-way).
 """
 
 from __future__ import annotations
@@ -72,7 +44,7 @@ class _GraphSet:
         self.template = list(template)
         self.referenced = [i for i in layout.state if i not in copied]
         self.pointers = [template[i].data_ptr() for i in self.referenced]
-        # checked at every call (ViT-B: ~150 tensors), so kept to one C-level pass
+        # checked at every call, so kept to one C-level pass
         self._pick = operator.itemgetter(*self.referenced) if self.referenced else None
         self._row_buffers: dict[int, torch.Tensor] = {}
         self.max_rows = max_rows  # the largest budget: the shared row buffers' size
@@ -89,9 +61,8 @@ class _GraphSet:
                                                  max_frames_per_batch, device, dtype):
         static = {}
         for i in self.layout.batch_tensors:
-            # Budgets share one row buffer (views of its head): calls are ordered on the GPU
-            # (stream_order.py) and each writes all ``budget`` rows it reads, so 16 budgets
-            # cost one largest buffer.
+            # budgets share one row buffer (views of its head): calls are ordered on the GPU
+            # and each writes every row it reads
             buffer = self._row_buffers.get(i)
             if buffer is None or buffer.shape[0] < budget:
                 t = self.template[i]
@@ -148,8 +119,7 @@ class _GraphSet:
         return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
     def _outputs(self, out):
-        # An exact static graph is one "row": give every output a leading axis of 1 so the
-        # runtime's row slicing keeps it whole; the caller removes it again.
+        # an exact static graph is one "row": a leading axis of 1, removed by the caller
         out = tuple(out)
         return tuple(t.unsqueeze(0) for t in out) if self.static_shape else out
 
@@ -165,7 +135,6 @@ class _GraphSet:
         return [i for i, p, q in zip(self.referenced, pointers, self.pointers) if p != q]
 
 
-#: Options of packed encoders only: a batched graph holds one call's rows, not items or frames.
 def _empty(args: Sequence[Any], layout: GraphLayout) -> str | None:
     """Why a call has nothing to replay: its batch inputs hold no rows."""
     for i in layout.batch_tensors:
@@ -181,9 +150,8 @@ class BatchedGraphEncoder:
                  options: VitGraphOptions, compile_fn: Callable[[], Callable[..., Any]], *,
                  defer: Callable[[BatchedGraphEncoder], bool] | None = None) -> None:
         """``compile_fn()`` returns the inner-compiled graph. With ``defer``, a static graph
-        runs ``gm`` itself until its second call, and is compiled then if ``defer(self)`` is
-        true (see the module docstring)."""
-        #: the row budgets of every graph set of this graph, resolved once, here, at compile time
+        runs ``gm`` until its second call, then is compiled if ``defer(self)`` is true."""
+        #: the row budgets of every graph set, resolved once at compile time
         self.config = options.resolve(batched=True)
         self.options = options
         self.layout = analyze_graph(gm, example_inputs)
@@ -193,8 +161,7 @@ class BatchedGraphEncoder:
         if self.unsupported is None and self.static_shape and not options.static_graphs:
             self.unsupported = "static-shape graph and static_graphs=False"
         self._gm = gm
-        #: why every call of this graph has nothing to replay: Dynamo's static compile of an
-        #: empty batch
+        #: set for Dynamo's static compile of an empty batch
         self._empty = None
         if self.static_shape and any(
                 isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
@@ -202,7 +169,7 @@ class BatchedGraphEncoder:
             self._empty = "a graph made for an empty batch (nothing to replay)"
             self.unsupported = self.unsupported or self._empty
         if self.unsupported is None and self.static_shape:
-            # Every non-parameter input is copied: which of them is "the batch" is unknown here.
+            # every non-parameter input is copied: which is "the batch" is unknown
             self.layout.state = [i for i, x in enumerate(example_inputs)
                                  if isinstance(x, torch.Tensor)]
         if self.unsupported:
@@ -249,9 +216,8 @@ class BatchedGraphEncoder:
         return out
 
     def _run(self, args: Sequence[Any]) -> Any:
-        """One call through its graph set. A set made for this call (a new key, or inputs that
-        moved) replaces anything only once the call has returned: a call that raises (the
-        model's own error on a bad input) leaves every set, copy and pool as it found them."""
+        """One call through its graph set. A new set replaces anything only once the call has
+        returned, so a call that raises leaves every set, copy and pool as it found them."""
         key = tuple(args[i] for i in self.layout.key_ints)
         entry = self._sets.get(key)
         moved = entry[0].moved_inputs(args) if entry is not None else []
@@ -265,8 +231,7 @@ class BatchedGraphEncoder:
             manager.clear()
             raise
         if moved:
-            # A replaced parameter or a large tensor made anew is worth a warning (a copy per
-            # call from now on); scalars that the model builds at each call are expected.
+            # warn for replaced parameters or large tensors; small per-call scalars are expected
             worth = [i for i in moved if i in self.layout.params or args[i].numel() > 64]
             (log.warning if worth else log.info)(
                 "vitgraph: graph inputs %s changed address since capture (%s); copying them "
@@ -284,8 +249,7 @@ class BatchedGraphEncoder:
         return out
 
     def _compile_deferred(self) -> None:
-        # The static graph is called again: worth its compile. Its graphs hold the traced
-        # graph's kernels, so they are freed and captured anew around the compiled one.
+        # called again: compile, and capture anew around the compiled graph
         compile_fn, self._compile_later = self._compile_later, None
         assert compile_fn is not None
         fn = compile_fn()
@@ -300,8 +264,7 @@ class BatchedGraphEncoder:
 
     @property
     def compile_pending(self) -> bool:
-        """True while a static graph runs its traced kernels, its inner compile put off to its
-        second call."""
+        """True while a static graph's inner compile is put off to its second call."""
         return self._compile_later is not None
 
     def _off_shape(self, args: Sequence[Any]) -> str | None:
@@ -321,7 +284,7 @@ class BatchedGraphEncoder:
         exact_rows = None
         if self.static_shape:
             config = BudgetConfig((1,), 1)
-            # stats count the call's real rows, not the internal budget of 1 (graph_report.py)
+            # stats count the call's real rows, not the internal budget of 1
             exact_rows = next((a.shape[0] for a in args if isinstance(a, torch.Tensor)
                                and not isinstance(a, torch.nn.Parameter) and a.dim() > 0), 1)
         else:
@@ -333,9 +296,8 @@ class BatchedGraphEncoder:
                                           chunk=not self.static_shape, budget_config=config,
                                           exact_rows=exact_rows)
         if manager.uses_cuda_graphs:
-            # A pool whose every graph was dropped (eviction of the only set, a recapture, the
-            # deferred compile) is not captured into again: the caching allocator asserts
-            # (use_count > 0) on a pool it still holds blocks of with no user left.
+            # never capture again into a pool whose graphs were all dropped: the allocator
+            # asserts (use_count > 0) on it
             alive = self._graph_pool is not None and self._sets
             manager.graph_pool = self._graph_pool if alive else torch.cuda.graph_pool_handle()
         return graph_set, manager

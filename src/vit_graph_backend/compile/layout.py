@@ -1,9 +1,9 @@
 """What a Dynamo graph of a batched encoder looks like to the backend: :func:`analyze_graph`.
 
-Reads the graph's fake metadata once, at compile time (see ``batched.py`` for what is done with
-it): which inputs carry the batch axis at dim 0, which ints are the batch symbol or another
-symbol (the graph-set key), which tensors are module state, and why graphs cannot serve the graph
-(training-mode ops, in-place writes to inputs, outputs that may mix rows), if they cannot.
+Reads the graph's fake metadata once, at compile time: which inputs carry the batch axis at dim 0,
+which ints are the batch symbol or another symbol (the graph-set key), which tensors are module
+state, and why graphs cannot serve the graph (training-mode ops, in-place input writes, outputs
+that may mix rows), if they cannot.
 """
 
 from __future__ import annotations
@@ -77,9 +77,7 @@ def analyze_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Gr
     layout.unsupported = layout.unsupported or _unsafe_ops(gm)
     outputs = None if layout.unsupported else _check_outputs(gm, layout)
     if outputs and layout.batch_tensors and example_inputs[layout.batch_tensors[0]].shape[0] == 1:
-        # Dynamo compiled the frame again for a batch of 1 with the batch axis still symbolic
-        # (a size check in the model, e.g. nn.MultiheadAttention's, fails at 1), and the
-        # outputs carry a concrete 1: a graph for this exact shape, served as a static one.
+        # a batch-1 recompile whose outputs carry a concrete 1: served as a static graph
         layout.pinned = True
         layout.batch_symbol = None
         layout.batch_tensors, layout.batch_ints, layout.key_ints = [], [], []
@@ -89,8 +87,7 @@ def analyze_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Gr
 
 
 def returns_nothing(gm: torch.fx.GraphModule) -> bool:
-    """True for a graph with no outputs: a piece of a frame Dynamo split off that only has
-    side effects on Python state, or none (nothing to serve from graphs)."""
+    """True for a graph with no outputs (nothing to serve from graphs)."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     return out_node.args[0] in ((), [])
 

@@ -1,7 +1,6 @@
 """The graph rewrites' walk over linear layers, and ``epilogue_fusion``'s rewrite of a linear
-layer and its GELU into ``fused_linear``'s op ``vitgraph::linear_act`` (see that module for why and
-what the op runs). Pure FX graph editing: what it finds and replaces is tested on CPU
-(``tests/unit/test_fused_linear.py``).
+layer and its GELU into ``fused_linear``'s op ``vitgraph::linear_act``. Pure FX graph editing,
+tested on CPU.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ __all__ = ["fuse_linear_activations", "linear_layers"]
 
 
 def linear_layers(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[Any], int | None]]:
-    """Each ``F.linear`` node of ``gm`` (a list: the caller may rewrite the graph) with its
-    ``[input, weight, bias]`` (given by position or name) and the weight's position among the
-    graph's inputs (``None`` when the weight is not an input). Dynamo hands module parameters to
-    backends as graph inputs (placeholders) on every supported torch, so that is where the graph
-    rewrites (this module's and ``fp8_linear.py``'s) look for weights."""
+    """Each ``F.linear`` node of ``gm`` with its ``[input, weight, bias]`` and the weight's
+    position among the graph's inputs (``None`` if not an input: Dynamo passes parameters as
+    placeholders)."""
     index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     layers = []
     for node in gm.graph.nodes:
@@ -40,9 +37,8 @@ def fuse_linear_activations(
 ) -> int:
     """Rewrite, in place, every ``act(F.linear(x, W, b))`` of ``gm`` whose weight is a 2-D
     bf16/fp16 graph input with both sides multiples of 8 into ``vitgraph::linear_act``; returns
-    how many (weights found as :func:`linear_layers` says). ``rewritten(weight, bias,
-    activation)``, if given, is called with the example tensors of each layer rewritten whose
-    bias is a graph input too, or absent (the backend starts its kernels' compiles there)."""
+    how many. ``rewritten(weight, bias, activation)`` is called for each rewritten layer whose
+    bias is a graph input or absent (the backend starts kernel builds there)."""
     fused = 0
     inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False))
     for node, (x, weight_node, bias), source in linear_layers(gm):

@@ -1,30 +1,13 @@
 """``patch_embedding="gemm"`` (the default): the ViTs' patch embedding as one GEMM over the
 image's patches.
 
-A ViT embeds its image with a convolution whose kernel equals its stride (14 or 16 pixels in
-CLIP, SigLIP, DINOv2 and timm's and HF's ViTs): each output position reads one patch, no patch
-twice. That is a matrix product of the patches (``C * k * k`` values each) with the weight, but
-cuDNN runs it as a convolution, far below a GEMM's speed: on an H100, in CUDA graphs with
-Inductor, 1.05 ms at CLIP ViT-L/14-336 with 48 images against 0.23 ms as this GEMM and 0.13 ms
-with the patch length padded to a multiple of 8; 0.42 against 0.035 ms at ViT-B/16
-(``benchmarks/results/patch_embedding_conv_vs_gemm_*``). cuDNN's first convolution at each new
-batch size also spends 0.8 to 2.8 ms of host time, the GEMM's 0.1 to 0.6 ms.
-
-:func:`patch_embeddings_as_gemm` rewrites such a ``torch.conv2d`` of a Dynamo graph into
-``x.unfold(2, k, k).unfold(3, k, k)`` (views: the patches, the remainder dropped as the
-convolution drops it), one copy into rows of ``C * k * k`` values, zero-padded to a multiple of
-8 (rows of 16-byte multiples, which cuBLAS's fast bf16 kernels need; CLIP's 588 becomes 592, the
-weight's rows likewise, so the product is unchanged), and ``F.linear`` with the weight viewed as
-``[out, C * k * k]``. The batch axis stays its own dimension throughout, so the graph's row
-independence (``batched_layout.py``) is untouched.
-
-The GEMM's result is the convolution's output with channels last; it is made contiguous, so
-every later op sees the strides the convolution gave (a ``view`` of a channels-last tensor would
-fail, and the graph's recorded metadata holds those strides).
-
-Pure FX graph editing on PyTorch's own ops, so it runs on any device and under every inner
-compiler; what it finds and replaces is tested on CPU (``tests/unit/test_patch_rewrite.py``),
-on a GPU against a float32 convolution and eager (``tests/gpu/test_patch_rewrite_gpu.py``).
+A patch embedding is a convolution whose kernel equals its stride, i.e. a matrix product of the
+patches with the weight, which cuDNN runs far below GEMM speed (docs/performance.md).
+:func:`patch_embeddings_as_gemm` rewrites such a ``torch.conv2d`` into two ``unfold`` views, one
+copy into rows of ``C * k * k`` values zero-padded to a multiple of 8 (cuBLAS's fast kernels need
+16-byte rows; the weight is padded alike), and ``F.linear``. The batch axis stays its own
+dimension, so row independence is untouched, and the result is made contiguous so later ops see
+the convolution's strides. PyTorch's own ops only: any device, any inner compiler.
 """
 
 from __future__ import annotations
@@ -42,17 +25,11 @@ __all__ = ["patch_embeddings_as_gemm"]
 
 def patch_embeddings_as_gemm(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     """Rewrite, in place, every ``torch.conv2d`` of ``gm`` that is a patch embedding into the
-    patches' GEMM (module docstring); returns how many.
+    patches' GEMM; returns how many. A patch embedding: a 4-D weight that is a graph input,
+    stride equal to the kernel, no padding or dilation, one group, a 4-D input.
 
-    A patch embedding here: a 4-D weight that is a graph input, a stride equal to the kernel,
-    no padding, no dilation, one group, and an input of four dimensions.
-
-    Every inserted node calls a function AOTAutograd's compile cache accepts without the fake
-    value Dynamo records on its own nodes (an ATen op, a public ``torch`` or
-    ``torch.nn.functional`` function; torch/_functorch/_aot_autograd/autograd_cache.py): a
-    tensor method call on a node without one makes the cache pass the graph by, and every
-    process traced a rewritten CLIP-L again (``compile_fx`` 14 to 17 s against 3.4 s warm on an
-    H100, ``benchmarks/results/clip_l14_336_first_pass_cold_warm_patch_gemm_vs_conv_*``)."""
+    Inserted nodes call only ATen ops or public ``torch``/``F`` functions: a tensor method call
+    on a node without Dynamo's fake value makes AOTAutograd's compile cache bypass the graph."""
     index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     rewritten = 0
     for node in list(gm.graph.nodes):
@@ -64,13 +41,12 @@ def patch_embeddings_as_gemm(gm: torch.fx.GraphModule, example_inputs: Sequence[
         with graph.inserting_before(node):
             patches = graph.call_function(torch.ops.aten.unfold.default, (x, 2, kh, kh))
             patches = graph.call_function(torch.ops.aten.unfold.default, (patches, 3, kw, kw))
-            # [N, C, H/kh, W/kw, kh, kw] -> [N, H/kh, W/kw, C, kh, kw]: one row a patch, in the
-            # weight's (C, kh, kw) order
+            # [N, C, H/kh, W/kw, kh, kw] -> [N, H/kh, W/kw, C, kh, kw]: one row a patch
             patches = graph.call_function(torch.permute, (patches, (0, 2, 3, 1, 4, 5)))
             patches = graph.call_function(torch.flatten, (patches, 3))
             matrix = graph.call_function(torch.flatten, (weight, 1))
             pad = -(channels * kh * kw) % 8
-            if pad:  # module docstring: rows of 16-byte multiples for cuBLAS's fast kernels
+            if pad:  # rows of 16-byte multiples for cuBLAS's fast kernels
                 patches = graph.call_function(F.pad, (patches, (0, pad)))
                 matrix = graph.call_function(F.pad, (matrix, (0, pad)))
             out = graph.call_function(F.linear, (patches, matrix, bias))

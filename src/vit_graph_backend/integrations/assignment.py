@@ -1,20 +1,14 @@
 """Which rank encodes which item: the pure assignment behind data-parallel encoders.
 
-Pure Python, no torch: a function of the items' :class:`~vit_graph_backend.specs.EncoderItemSpec`
-and the world size only, so every rank of a process group computes the same assignment from the
-same call without talking to the others.
+Pure Python, a function of the items' specs and the world size only, so every rank computes the
+same assignment from the same call without talking to the others.
 
-Cost of an item (:func:`item_cost`): its input rows, plus attention's quadratic term per frame,
-``frames * (rows / frames) ** 2 / attention_rows``. ``attention_rows`` is where one row's
-attention costs as much as its linear layers; the default, 4096, is a starting point, not a
-measurement (the data-parallel benchmark is to set it).
-
-Assignment (:func:`assign_items`): longest processing time first. Items sorted by cost, largest
-first (ties: caller order), each goes to the rank with the least cost so far (ties: lowest rank).
-It is deterministic, every rank gets an item when there are at least as many items as ranks, and
-the busiest rank's cost is at most ``total / world_size + max_item_cost`` (the bound the tests
-check; the classic one for this greedy rule is also ``4/3`` of the best possible). A world of 1
-gives rank 0 every item in caller order: today's plan.
+:func:`item_cost`: input rows plus attention's quadratic term per frame,
+``frames * (rows / frames) ** 2 / attention_rows`` (``attention_rows``, default 4096, is where
+one row's attention costs as much as its linear layers: a starting point, not a measurement).
+:func:`assign_items`: longest processing time first, ties to caller order and lowest rank.
+Deterministic; every rank gets an item when there are enough; the busiest rank's cost is at most
+``total / world_size + max_item_cost``. A world of 1 gives rank 0 every item in caller order.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from ..specs import EncoderItemSpec, check_positive_int
 
 __all__ = ["DEFAULT_ATTENTION_ROWS", "Assignment", "assign_items", "item_cost"]
 
-#: Rows at which an item's attention costs as much as its linear layers (see the module docstring).
+#: Rows at which an item's attention costs as much as its linear layers.
 DEFAULT_ATTENTION_ROWS = 4096
 
 
@@ -67,6 +61,11 @@ class Assignment:
 def assign_items(specs: Sequence[EncoderItemSpec], world_size: int, *,
                  attention_rows: int = DEFAULT_ATTENTION_ROWS) -> Assignment:
     """Spread ``specs`` over ``world_size`` ranks, balancing :func:`item_cost`.
+
+    Args:
+        specs: the call's item specs, in caller order.
+        world_size: the number of ranks.
+        attention_rows: see :func:`item_cost`.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) for a ``world_size`` or ``attention_rows`` that is

@@ -1,23 +1,17 @@
 """One call on a whole Hugging Face model: :func:`serve_vision_` and its undo, :func:`restore_vision_`.
 
-``serve_vision_(model)`` finds the model's vision tower(s) and serves each from CUDA graphs **in
-place**, so ``generate()``, ``forward()``, ``get_image_features`` and ``get_video_features`` run
-unchanged (the shape of torchao's ``quantize_(model, config)``):
+``serve_vision_(model)`` serves each vision tower of the model from CUDA graphs **in place**, so
+``generate()``, ``forward()`` and ``get_image_features`` run unchanged:
 
-- a **packed** tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: ``visual(pixel_values, grid_thw=...)``) is
-  served through :func:`vit_graph_backend.serve`; the tower's call returns what the HF tower
-  returns: a ``BaseModelOutputWithPooling`` (Qwen3-VL: its subclass with ``deepstack_features``),
-  merged tokens in ``pooler_output``, or its ``to_tuple()`` with ``return_dict=False``.
-  ``last_hidden_state`` (the hidden states before the merger) is not produced by the graphs and
-  is ``None``; a call that asks for hidden states or attentions runs the tower's own forward;
-- a **batched** tower (CLIP, SigLIP, Idefics3, ... as in LLaVA, Idefics/SmolVLM, Gemma 3) runs
-  through ``torch.compile(backend="vitgraph")``.
+- a **packed** tower (Qwen-VL) goes through :func:`vit_graph_backend.serve` and returns HF's
+  output class with ``pooler_output`` (and Qwen3-VL's ``deepstack_features``);
+  ``last_hidden_state`` is ``None``, and a call asking for hidden states or attentions runs the
+  tower's own forward;
+- a **batched** tower (CLIP, SigLIP, Idefics) runs through ``torch.compile(backend="vitgraph")``.
 
-Nothing in the module tree changes: the tower stays where it was, with its attributes
-(``dtype``, ``device``, ``config``, ``spatial_merge_size``), and only its ``forward`` is replaced by
-an instance attribute. ``state_dict()`` keys and ``save_pretrained`` are exactly as before, and
-:func:`restore_vision_` deletes that attribute. Call ``serve_vision_`` after moving the model to
-its device and dtype (the graphs are captured for them).
+Only the tower's ``forward`` is replaced, by an instance attribute: the module tree,
+``state_dict()`` keys and ``save_pretrained`` are unchanged, and :func:`restore_vision_` deletes
+the attribute. Call it after moving the model to its device and dtype.
 """
 
 from __future__ import annotations
@@ -61,13 +55,11 @@ def serve_vision_(model: nn.Module, options: VitGraphOptions | None = None,
 
     Args:
         model: a Hugging Face vision-language model (or a bare vision tower), on its device.
-        options: :class:`VitGraphOptions` for every tower; or give its fields (and packed
-            packed towers' own, e.g. ``fuse=False``) as keyword arguments. Given as keywords,
-            ``max_frames_per_batch`` defaults to :data:`DEFAULT_VIDEO_FRAMES` for packed towers.
+        options: :class:`VitGraphOptions` for every tower; or give its fields as keyword
+            arguments (then ``max_frames_per_batch`` defaults to :data:`DEFAULT_VIDEO_FRAMES`).
 
     Raises:
-        UnsupportedModelError: (a ``TypeError``) if ``model`` holds no tower this package serves;
-            the message lists the supported classes.
+        UnsupportedModelError: (a ``TypeError``) if ``model`` holds no tower this package serves.
         InvalidOptionError: for bad options, before any tower is touched.
 
     Example::
@@ -85,8 +77,7 @@ def serve_vision_(model: nn.Module, options: VitGraphOptions | None = None,
             f"towers: {', '.join(BATCHED_TOWERS)}")
     has_packed = any(packed for _, _, packed in towers)
     if has_packed and options is None and "max_frames_per_batch" not in kwargs:
-        # videos of a VLM: graphs sized for this many frames (temporal patches) per batch, so a
-        # video replays a graph instead of running eagerly (frame-sized buffers are small)
+        # size the graphs for videos, so a video replays instead of running eagerly
         kwargs = {**kwargs, "max_frames_per_batch": DEFAULT_VIDEO_FRAMES}
     batched = _batched_options(options, kwargs, has_packed)
     for name, tower, packed in towers:
@@ -141,11 +132,8 @@ def _towers(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
 
 def _batched_options(options: VitGraphOptions | None, kwargs: dict[str, Any],
                      has_packed: bool) -> dict[str, Any] | None:
-    """The ``torch.compile`` options of batched towers, validated now (not at the first call).
-
-    Options of packed towers only (``PACKED_ONLY_OPTIONS``) apply to the packed towers of a
-    model that has some; without one they are refused here.
-    """
+    """Batched towers' ``torch.compile`` options, validated now; packed-only options are
+    dropped when the model has packed towers, else refused."""
     if options is None:
         options = VitGraphOptions(**kwargs)
     if has_packed:
@@ -157,8 +145,7 @@ def _batched_options(options: VitGraphOptions | None, kwargs: dict[str, Any],
 
 
 def _batched_forward(compiled: Any, *args: Any, **kwargs: Any) -> Any:
-    """A batched tower's call: an empty batch is refused here, before Dynamo traces it (a
-    trace of zero rows fails inside the model's reshapes with a long Dynamo error)."""
+    """A batched tower's call; an empty batch is refused before Dynamo traces it."""
     pixels = args[0] if args else kwargs.get("pixel_values")
     if isinstance(pixels, torch.Tensor) and pixels.dim() > 0 and pixels.shape[0] == 0:
         raise InvalidInputError(
@@ -177,8 +164,7 @@ def _packed_forward(tower: nn.Module, served: PackedGraphEncoder, own_forward: A
     param = next(tower.parameters())
     moved = (param.device, param.dtype) != (served.manager.device, served.manager.dtype)
     if grid_thw is None or moved or any(kwargs.get(k) for k in _HIDDEN):
-        # hidden states and attentions of every block are not kept by the graphs; a tower moved
-        # to another device or dtype after serve_vision_ no longer matches its graphs
+        # graphs keep no per-block outputs; a moved tower no longer matches its graphs
         if moved:
             _warn_moved(type(tower).__name__, str(param.device), str(param.dtype))
         return own_forward(tower, hidden_states, grid_thw=grid_thw, return_dict=return_dict,

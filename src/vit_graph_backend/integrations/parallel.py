@@ -1,22 +1,18 @@
 """Data-parallel encoders over a ``torch.distributed`` process group: :func:`data_parallel`.
 
-SPMD: every rank of the group calls the wrapped encoder with the same full inputs; each rank
-encodes only its share of the items through its own graphs, and every rank gets back all outputs
-in the caller's order, as one process would return them.
+SPMD: every rank calls the wrapper with the same full inputs, encodes only its share, and gets
+back all outputs in the caller's order.
 
-- **Packed** (a :class:`~vit_graph_backend.adapters.serve.PackedGraphEncoder`, ``served(pixels, grid)``):
-  items are assigned by :func:`~vit_graph_backend.integrations.assignment.assign_items` from their specs, which
-  every rank computes alike. Each rank also knows every other rank's output rows from the specs,
-  so outputs come back through one padded ``all_gather`` per output tensor, with no exchange of
-  sizes and no host round trip per item.
-- **Batched** (any ``[B, ...] -> [B, ...]`` callable, e.g. a ``torch.compile(backend="vitgraph")``
-  model): the rows are split into contiguous, near-equal chunks, one per rank, and every output
-  tensor with ``B`` rows is gathered back; outputs may be a tensor, a tuple/list, a mapping or a
-  Hugging Face ``ModelOutput``.
+- **Packed** (a :class:`~vit_graph_backend.adapters.serve.PackedGraphEncoder`): items are assigned
+  by :func:`~vit_graph_backend.integrations.assignment.assign_items`; every rank knows every
+  share's output rows from the specs, so outputs return through one padded ``all_gather`` per
+  tensor, with no exchange of sizes.
+- **Batched** (any ``[B, ...] -> [B, ...]`` callable): near-equal contiguous chunks, the last
+  zero-padded so every rank sees the same shapes; outputs may be tensors, tuples, mappings or
+  ``ModelOutput``.
 
-A call with fewer items (rows) than ranks runs whole on every rank, with no collective: it could
-not give every rank work, and such a call is too small to pay for the gathers. Without a group, or
-with a world of 1, the wrapper calls the encoder as it is.
+A call with fewer items than ranks runs whole on every rank, without collectives; without a
+group, or in a world of 1, the encoder is called as it is.
 """
 
 from __future__ import annotations
@@ -122,8 +118,7 @@ class DataParallelEncoder(nn.Module):
             from ..adapters.inputs import grid_tensor
 
             grid_thw = grid_tensor(grid_thw)
-        # One read of a device grid for the whole call: the specs, the shares and the tower
-        # below all take the host copy, so the tower does not read the device a second time.
+        # one read of a device grid for the whole call
         grid_thw = grid_thw.cpu()
         inputs = {"pixel_values": pixel_values, "grid_thw": grid_thw}
         specs = served.manager.model.get_encoder_cudagraph_item_specs(inputs)  # checks inputs
@@ -149,9 +144,7 @@ class DataParallelEncoder(nn.Module):
         if batch is None or batch.shape[0] < world:
             return self._local(*args, **kwargs)
         rows = batch.shape[0]
-        # Equal chunks, the last padded with zero rows (rows are independent in a batched
-        # encoder): every rank then sees the same shapes, so every rank makes the same decision
-        # about each output and the collectives always match.
+        # equal chunks, the last zero-padded: the same shapes everywhere, so collectives match
         chunk = ceil_div(rows, world)
         lo = rank * chunk
 
@@ -182,8 +175,7 @@ def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
 
 
 def _gather_rows(local: torch.Tensor, sizes: Sequence[int], group: Any) -> list[torch.Tensor]:
-    """Every rank's rows of one output, rank ``r``'s first ``sizes[r]`` rows each (padded
-    ``all_gather``: every rank knows the sizes, so nothing else is exchanged)."""
+    """Every rank's rows of one output, rank ``r``'s first ``sizes[r]`` (padded ``all_gather``)."""
     import torch.distributed as dist
 
     most = max(sizes)

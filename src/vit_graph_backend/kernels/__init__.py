@@ -1,9 +1,8 @@
-"""The package's own kernels and their choice per shape: a linear layer with its activation in
-the GEMM's epilogue (``fused_linear``), packed attention over segments (``packed_attention``,
-through cuDNN, flash varlen or the Triton kernels of ``segment_attention`` and
-``short_attention``) and which of them each budget's graph runs (``attention_choice``), and the
-Inductor-fused elementwise ops of the packed towers' blocks (``fused_ops``). Triton and cuDNN's
-frontend are imported only where a kernel of theirs runs.
+"""The package's own kernels and their choice per shape: fused linear + activation
+(``fused_linear``), packed attention (``packed_attention``, ``segment_attention``,
+``short_attention``, ``cudnn_attention``) and its per-budget choice (``attention_choice``), and the
+packed towers' fused elementwise ops (``fused_ops``). Triton and cuDNN's frontend are imported only
+where a kernel of theirs runs.
 """
 
 __all__: list[str] = []

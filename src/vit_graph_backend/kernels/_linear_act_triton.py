@@ -1,27 +1,13 @@
 """Triton kernels for ``act(x @ W.T + b)`` with the activation applied in the GEMM's epilogue.
 
-Imported only on CUDA and only when a graph uses :mod:`vit_graph_backend.kernels.fused_linear` (Triton is
-not installed with PyTorch's CPU wheels). The GEMM is a persistent kernel: one program per
-multiprocessor walks the output tiles in groups of ``GROUP_M`` row tiles (so neighbouring programs
-share a weight tile in L2), loading operand tiles through Hopper's tensor memory accelerator
-(host-side descriptors, which a CUDA graph captures by value). The accumulator stays in fp32
-through bias and activation and is rounded to the output dtype once.
-
-``activation_`` is the same epilogue as a separate pointwise kernel, in place: what runs after a
-cuBLAS GEMM where that pair is the faster one for a shape.
-
-``silu_mul`` is the gated form of a SiLU-gated MLP's first half: the weight packs the gate and up
-projections in alternating chunks of ``BN // 2`` rows (``fused_linear.pack_gated``), so each output
-tile's accumulator holds a gate half and the matching up half, and the epilogue writes only
-``silu(gate) * up``, half as wide. ``silu_mul_packed`` is that epilogue as a separate kernel after
-a cuBLAS GEMM on the same packed weight.
-
-Cold compiles: the GEMM kernel is not specialised on its row count (``do_not_specialize``), so one
-compile per tile configuration serves every budget, and :func:`precompile` builds the
-configurations a shape is about to time side by side in threads. On an H100 with cold caches this
-took CLIP ViT-L/14-336's fc1 over its 1..48-image ladder from 6 compiles in 6.5 s to 3 compiles in
-2.2 s, with the same kernel times and bitwise the same outputs
-(``benchmarks/linear_act_compile_probe.py``).
+Imported only when :mod:`vit_graph_backend.kernels.fused_linear` runs on CUDA. The GEMM is
+persistent (one program per SM walking output tiles in ``GROUP_M`` groups, for L2 reuse of weight
+tiles) and loads through Hopper's TMA with host-side descriptors, which a CUDA graph captures by
+value; the fp32 accumulator is rounded once, after bias and activation. ``activation_`` and
+``silu_mul_packed`` are the same epilogues as separate kernels after a cuBLAS GEMM. ``silu_mul``
+reads a weight packing gate and up in alternating ``BN // 2``-row chunks, so each tile writes only
+``silu(gate) * up``. The GEMM is not specialised on its row count, so one compile per tile
+configuration serves every budget, and :func:`precompile` builds configurations in threads.
 """
 
 from __future__ import annotations
@@ -43,13 +29,9 @@ __all__ = ["ACTIVATIONS", "CONFIGS", "activation_", "linear_act", "precompile",
 ACTIVATIONS = {"none": 0, "quick_gelu": 1, "gelu": 2, "gelu_tanh": 3, "silu_mul": 4}
 _GATED = 4
 
-#: Tile configurations (BM, BN, BK, stages, warps, warp-specialized[, programs per SM]) that
-#: ``benchmarks/linear_act_probe.py`` times; the first is the default. The output is stored in
-#: two half-width tiles: a whole-tile store was slower at every CLIP-L fc1 size on an H100 and is
-#: gone. Triton's warp specialization was no faster; the probe still times it. Programs per SM
-#: (1 when left out) above 1 launch that many persistent programs per multiprocessor, for tiles
-#: small enough that two fit one at a time: one's epilogue then runs while the other's GEMM
-#: keeps the tensor cores busy.
+#: Tile configurations (BM, BN, BK, stages, warps, warp-specialized[, programs per SM]); the
+#: first is the default. Programs per SM above 1 (default 1) overlap one program's epilogue with
+#: another's GEMM, for tiles small enough that two fit.
 CONFIGS = (
     (128, 256, 64, 3, 8, 0),
     (128, 256, 64, 4, 8, 0),
@@ -69,8 +51,7 @@ def _tanh(x, APPROX: tl.constexpr):
 
 @triton.jit
 def _act(x, ACT: tl.constexpr, APPROX: tl.constexpr):
-    # sigmoid(v) = (1 + tanh(v / 2)) / 2: in the GEMM's epilogue the special-function unit,
-    # not the tensor cores, bounds a tile's epilogue, and tanh costs it one op (exp + divide, two)
+    # sigmoid(v) = (1 + tanh(v / 2)) / 2: tanh is one special-function op, exp + divide two
     if ACT == 1:  # HF QuickGELUActivation: x * sigmoid(1.702 x)
         x = 0.5 * x * (1.0 + _tanh(0.851 * x, APPROX))
     elif ACT == 2:  # exact GELU
@@ -93,8 +74,7 @@ def _tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (tile % width) % rows, (tile % width) // rows
 
 
-# The row count only sizes the tile loop (the descriptors bound the loads and stores), so a
-# specialisation on its divisibility would compile each configuration twice for no speed.
+# the row count only sizes the tile loop: specialising on it would only add compiles
 @triton.jit(do_not_specialize=["M"])
 def _linear_act_kernel(x_desc, w_desc, out_desc, bias_ptr, M, N, K,
                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
@@ -167,12 +147,10 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                activation: str, configs: Sequence[tuple[int, ...]], *,
                approx: bool = True) -> None:
-    """Compile (or load from Triton's cache) the kernel of each configuration that
-    :func:`linear_act` would launch for these arguments, side by side in threads, launching
-    nothing. A configuration that fails to build is left to fail again at its launch, where the
-    caller sees why."""
-    # A few rows stand for all: the kernel is not specialised on the row count, and a small
-    # output keeps the allocation off a large budget's memory.
+    """Compile (or load from cache) the kernel of each configuration :func:`linear_act` would
+    launch for these arguments, side by side in threads, launching nothing. A failed build fails
+    again at its launch, where the caller sees why."""
+    # a few rows stand for all: the kernel is not specialised on the row count
     rows = x[:128]
 
     def build(config: tuple[int, ...]) -> None:
@@ -186,8 +164,7 @@ def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _arguments(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                activation: str, config: tuple[int, ...], approx: bool
                ) -> tuple[torch.Tensor, tuple[int], tuple[object, ...], dict[str, object]]:
-    """The output :func:`linear_act` returns, and the grid, arguments and options it launches
-    the kernel with."""
+    """The output, grid, arguments and options of a :func:`linear_act` launch."""
     bm, bn, bk, stages, warps, specialize, *per_sm = config
     m, k = x.shape
     gated = ACTIVATIONS[activation] == _GATED

@@ -1,47 +1,11 @@
-"""The Triton kernel of ``_segment_attention``: flash attention within segments of any length,
+"""The Triton kernel of ``segment_attention``: flash attention within segments of any length,
 for head sizes that are not a power of two, on GPUs with TMA (compute capability 9.0+).
 
-Imported only on CUDA (Triton is not installed with PyTorch's CPU wheels). One program attends
-``BLOCK_M`` rows of one segment for one head, with the online softmax of flash attention over
-the segment's keys: whole blocks of keys without a mask, the segment's last partial block with
-one. Programs are laid out segment after segment, each segment taking ``ceil(length / BLOCK_M)``
-of them; every program finds its segment from the offsets itself (a cumulative sum over the
-segment slots), so the kernel needs nothing derived from the offsets and the grid is static:
-``ceil(rows / BLOCK_M)`` plus one program per segment slot, the programs past the last
-segment's blocks storing nothing.
-
-A head of 80 (Qwen2.5-VL) or 72 (Qwen3-VL) is read as a 64-wide part and a 16-wide tail, each
-with its own tensor-core dots, instead of one tile rounded up to 128: cuDNN runs these heads in
-its 128-wide kernel (``benchmarks/results/attention_head_padding_*``). q, k and v are read
-through TMA descriptors over ``(rows, heads, head_dim)``, which return zeros past the last row
-and past the head's last column (the tail of a head of 72). The output is stored through a row
-mask: a block's rows past its segment's end belong to the next segment's programs.
-
-Measured on an H100 (``benchmarks/results/segment_attention_kernel_*``):
-
-- 128 rows by 64 keys, 4 warps, 3 pipeline stages. Eight warps, 128 keys a step or 64 rows
-  were slower; one pipeline stage made an illegal memory access (Triton 3.6), so the wrapper
-  never asks for it. q, k and v read through TMA descriptors instead of pointers: 9 to 16 %
-  faster. 256 rows on 8 warps, registers capped for more CTAs an SM (``registers``: it
-  spills), Triton's warp specialization of the key loop (it fails to compile with 4 warps)
-  and scoring the next block of keys before a block's softmax (two blocks of scores in
-  registers) were no faster.
-- Heads vary fastest in the grid. Cutting the rows into fixed blocks regardless of segments was
-  5 % faster on one segment, but the block across a segment's end then walked both segments'
-  keys and, started late, set the kernel's time: one image of 2,730 rows and its padding in a
-  4,096-row budget took 0.201 ms against cuDNN's 0.154 (this layout: 0.152).
-- An earlier form with ``if`` blocks around the key loops gave NaN in some outputs; the masked
-  last block is therefore a loop of at most one turn.
-
-Cold compiles: Triton compiles the kernel once per value of its compile-time arguments and per
-specialisation of its integer ones. The segment count only bounds the slot scan, so the kernel
-is not specialised on it (``do_not_specialize``), and the slots scanned are a power of two of at
-least :data:`MIN_SLOTS`, so every batch of up to that many segments shares one compile.
-:func:`precompile` builds the configurations a shape is about to time side by side in threads
-(``attention_op``'s timing). On an H100 with cold caches, CLIP ViT-L/14-336's attention over the
-1..48-image ladder in both timed configurations went from 12 compiles in 13.4 s to 2 in 2.6 s,
-with bitwise the same outputs; scanning 64 slots instead of 16 made the kernel 3 to 12 % faster
-at 1 to 16 segments (``benchmarks/results/segment_attention_kernel_cold_compiles_*``).
+One program attends ``BLOCK_M`` rows of one segment for one head; programs are laid out segment
+after segment and each finds its own from the offsets, so the grid is static and no block crosses
+a segment's end. A head of 80 or 72 is read as a 64-wide part and a 16-wide tail through TMA
+descriptors instead of one 128-wide tile. The masked last key block is a loop of at most one turn
+(``if`` blocks there gave NaN); one pipeline stage made an illegal memory access (Triton 3.6).
 """
 
 from __future__ import annotations
@@ -89,8 +53,7 @@ def _keys(q0, q1, m_i, l_i, acc0, acc1, k0_desc, k1_desc, v0_desc, v1_desc, star
     return m_new, l_i, acc0, acc1
 
 
-# The segment count only masks the slot scan: a specialisation on its value (1, or a multiple of
-# 16) would compile the kernel again for no speed.
+# the segment count only masks the slot scan: specialising on it would only add compiles
 @triton.jit(do_not_specialize=["segments"])
 def _segment_attention(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_ptr, offsets,
                        segments, o_row, scale_log2, HEAD_DIM: tl.constexpr, HEAD: tl.constexpr,
@@ -155,7 +118,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Ten
     """Attention of ``(rows, heads, head_dim)`` q, k, v (each row's heads contiguous, rows and
     heads 16-byte aligned) within the segments of int32 cumulative ``offsets`` (the last equal
     to ``rows``: every row in some segment). ``registers`` caps the registers per thread
-    (Triton's ``maxnreg``; the probe's, never the wrapper's). Returns a fresh contiguous output."""
+    (Triton's ``maxnreg``; for probes only). Returns a fresh contiguous output."""
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     grid, args, options = _arguments(q, k, v, offsets, scale, out,
                                      (block_m, block_n, warps, stages), registers)
@@ -165,11 +128,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Ten
 
 def precompile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                scale: float, configs: Sequence[tuple[int, int, int, int]]) -> None:
-    """Compile (or load from Triton's cache) the kernel that :func:`attend` would launch for
-    these arguments in each ``(block_m, block_n, warps, stages)`` configuration, side by side
-    in threads, launching nothing. A configuration that fails to build is left to fail again
-    at its launch, where the caller sees why."""
-    # one row of output stands for the whole: it has the same dtype, row stride and alignment
+    """Compile (or load from cache) the kernel :func:`attend` would launch for these arguments
+    in each ``(block_m, block_n, warps, stages)`` configuration, side by side in threads,
+    launching nothing; a failed build fails again at its launch."""
+    # one row of output stands for the whole (same dtype, row stride and alignment)
     out = torch.empty((1, *q.shape[1:]), device=q.device, dtype=q.dtype)
 
     def build(config: tuple[int, int, int, int]) -> None:
@@ -189,9 +151,8 @@ def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch
                scale: float, out: torch.Tensor, config: tuple[int, int, int, int],
                registers: int | None, least: int = MIN_SLOTS
                ) -> tuple[tuple[int, int], tuple[object, ...], dict[str, object]]:
-    """The grid, arguments and options :func:`attend` launches the kernel with, writing into
-    ``out`` (of ``q``'s dtype and row stride); ``least``: the fewest slots scanned (the
-    probe's, to time other floors)."""
+    """The grid, arguments and options of an :func:`attend` launch writing into ``out``;
+    ``least``: the fewest slots scanned."""
     block_m, block_n, warps, stages = config
     rows, heads, dim = q.shape
     part, tail = split_head(dim)

@@ -1,13 +1,9 @@
-"""The Triton kernel of ``_short_attention``: attention within segments of at most 64 rows.
+"""The Triton kernel of ``short_attention``: attention within segments of at most 64 rows.
 
-Imported only on CUDA, by :class:`~._short_attention.ShortSegmentAttention` (Triton is not
-installed with PyTorch's CPU wheels). One program attends one segment for one head: it loads the
-segment's q, k and v rows whole (a ``BLOCK x WIDTH`` tile each, the rows past the segment's end
-and the columns past the head size masked to zero), computes the scores with one tensor-core dot,
-the softmax in float32 in registers (no running maximum: the whole row is there) and the output
-with a second dot, divided by the row sums at the end (as flash attention does). A program whose
-segment is empty returns at once: a graph's segment buffer holds one slot per possible window,
-most of them empty in a given call.
+One program attends one segment for one head: whole ``BLOCK x WIDTH`` tiles of q, k, v (masked
+to zero past the segment and head), one dot for the scores, the softmax in float32 registers (no
+running maximum), a second dot for the output. Empty segments return at once: a graph's segment
+buffer holds one slot per possible window, most empty in a given call.
 """
 
 from __future__ import annotations
@@ -51,9 +47,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Ten
     """Attention of ``(rows, heads, head_dim)`` q, k, v (heads contiguous within a row, any row
     stride) within the segments of int32 ``offsets``, each at most ``block`` rows (a power of
     two, 16 to 64); a fresh contiguous output. Rows outside every segment are left unwritten.
-
-    ``warps``: four (the default) because eight were 10 to 35 % slower on an H100 at the
-    Qwen2.5-VL-3B window shapes (``benchmarks/results/window_attention_kernel_probe_*``).
+    ``warps``: four by default (eight were slower at window shapes).
     """
     rows, heads, dim = q.shape
     out = torch.empty((rows, heads, dim), device=q.device, dtype=q.dtype)

@@ -1,11 +1,9 @@
 """What the package's Triton attention kernels share: compiled once per shape outside CUDA-graph
 capture, a shape whose first run fails remembered and left to the fallback kernel.
 
-A Triton kernel compiles at its first call for a shape; a shape met first inside a capture is
-served by the fallback (the runtime's warm-up run before each capture compiles it). A shape
-whose first run fails is left to the fallback for the process, unless it ran out of memory:
-that is the moment's memory, and the next call tries again. Used by ``_short_attention`` and
-``_segment_attention``.
+A shape met first inside a capture is served by the fallback (the warm-up before each capture
+compiles it). A failed shape is refused for the process, unless it ran out of memory: then only
+that call falls back. Used by ``short_attention`` and ``segment_attention``.
 """
 
 from __future__ import annotations
@@ -39,9 +37,8 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 def inputs_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                   kernel: str) -> str | None:
-    """Why the Triton attention kernel named ``kernel`` cannot take these offsets or dtypes, or
-    ``None``: the kernels read offsets as packed int32 (anything else would be misread) and
-    q, k, v in float16/bfloat16."""
+    """Why the Triton attention kernel ``kernel`` cannot take these offsets (contiguous 1-D
+    int32) or dtypes (float16/bfloat16), or ``None``."""
     if offsets.dtype != torch.int32 or offsets.dim() != 1 or not offsets.is_contiguous():
         return (f"offsets of dtype {offsets.dtype} and shape {tuple(offsets.shape)} (the kernel "
                 "takes a contiguous 1-D int32 tensor)")
@@ -62,13 +59,11 @@ def layout_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | No
 
 
 class TritonKernelCalls:
-    """The compiled and refused shapes of one Triton kernel module (module docstring).
+    """The compiled and refused shapes of one Triton kernel module (thread-safe).
 
     Args:
         module: the kernel's module, imported at the first call.
         what: the kernel's name in warnings; ``fallback``: the kernel that serves instead.
-
-    Thread-safe: one lock covers the table of compiled and refused shapes.
     """
 
     def __init__(self, module: str, what: str, fallback: str) -> None:
@@ -104,7 +99,6 @@ class TritonKernelCalls:
             except Exception as exc:  # Triton cannot compile or run it here
                 reason = error_line(exc)
                 if out_of_memory(exc):
-                    # the moment's memory, not the shape: the fallback serves this call only
                     log.warning("vitgraph: the %s for %s: %s; %s serves this call",
                                 self._what, key, reason, self._fallback)
                     return None

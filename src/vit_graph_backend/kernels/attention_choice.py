@@ -1,66 +1,10 @@
-"""Which full-attention kernel each budget's graph runs, chosen by measuring at capture time.
+"""Which attention kernel each budget's graph runs, chosen by timing at capture time.
 
-A packed graph attends within segments given as offsets, so it runs flash varlen attention
-(``_packed_attention``). When a budget's batches can hold only one real segment (one slot of one
-frame: ``max_items_per_graph=1`` or ``max_frames_per_batch=1``, single images), full attention
-is one segment followed by the padding rows, and a dense SDPA call can serve it: PyTorch then
-picks its own fastest kernel (cuDNN on an H100), which over 16,384 rows at head size 80 ran
-1.6x faster than flash varlen (``benchmarks/results/varlen_attention_probe_*``). Dense
-attention has no segments, so
-:func:`~vit_graph_backend.kernels.packed_attention.key_masked_attention` hides the padding
-keys through one extra head channel instead of a mask (a mask would cost SDPA that speed); in
-the graphs the channel is added by the rotary embedding's fused kernel
-(``_fused.rotate_qk_wide``), so both kernels are timed without the work around them.
-
-Neither kernel wins everywhere: dense attention also computes the padding rows' scores, and a
-budget's padding varies per call. So for each budget :meth:`AttentionChoice.prepare` times both
-on the budget's own shapes with random data laid out as a call near the bottom of the budget's
-range would be (one real segment of two thirds of the rows, the rest padding: a budget serves
-items larger than the next smaller budget, at most 1.5x smaller with the default ladder), checks
-that they agree, and keeps the faster one. Dense attention is thus kept only where it wins for
-the budget's worst typical padding; a stream measured with the choice made at an eighth of
-padding instead put its largest images (40 % padding) in dense budgets, and its p99 rose from
-47.6 to 56.5 ms (``benchmarks/results/attention_choice_*``). ``packed_attention="dense"`` suits budgets
-that fit the images exactly (a fixed image size with ``budgets=`` its token count);
-``"varlen"`` fixes flash varlen. Window attention (Qwen2.5-VL) always has many segments: its
-kernel is chosen apart (below).
-
-Full attention over segments (every budget) runs cuDNN's ragged kernel in the graphs where
-``nvidia-cudnn-frontend`` is installed (``_cudnn_attention``: 1.5 to 2x flash varlen's speed in
-the Qwen2.5-VL-3B tower's full layers; in its window layers cuDNN is slower than flash varlen),
-flash varlen otherwise: the default
-(``packed_attention=None``) takes cuDNN when the library imports, ``"cudnn"`` insists on it (an error
-when the adapter is built without it), ``"varlen"`` keeps flash varlen, and ``"auto"`` and
-``"dense"`` compare dense attention with whichever segment kernel serves.
-
-Where Triton imports and the GPU has TMA, full attention over segments has a third kernel: the
-Triton segment kernel (``_segment_attention``), which tiles heads of 80 and 72 as 64 + 16 columns
-where cuDNN runs them 128 wide. It was 5 % slower than cuDNN to 19 % faster on the
-Qwen2.5-VL-3B tower's layouts, 8 % slower to 7 % faster on the Qwen3-VL-8B tower's
-(``benchmarks/results/segment_attention_kernel_*``), so for each budget
-:meth:`AttentionChoice.prepare` times it against the segment kernel that serves otherwise
-(cuDNN, else flash varlen) on the budget's full-attention layouts (one image of all the rows and
-one of two thirds, each with the graph's empty slots and padding segment; a budget of several
-frames also two images of a third each; the times summed), checks that they agree, and keeps
-the faster (``full_by_rows``); ``packed_attention="varlen"`` and ``"cudnn"`` never run it.
-
-Window layers (Qwen2.5-VL: segments of at most 64 rows) have two kernels of the same inputs and
-outputs: flash varlen and the short-segment Triton kernel (``_short_attention``, about twice as
-fast at the 3B tower's shapes on an H100). For each budget of a tower with windows,
-:meth:`AttentionChoice.prepare` times both on the budget's window layout (full windows, the
-graph's empty slots and padding chunks), checks that they agree, and keeps the faster
-(``window_by_rows``); ``packed_attention="varlen"`` keeps flash varlen there too, and so does a process
-without Triton.
-
-Every choice is timed from CUDA-graph replays (``gpu_timing.graph_ms``). Timed as single
-launches, a small budget's kernels measured the host's launch time (0.05 to 0.16 ms against 0.01
-to 0.02 ms of GPU time on an H100), and ``"auto"`` chose dense attention for the small budgets of
-the Qwen2.5-VL-3B ladder where it did not pay: that single-image stream ran 8 % slower
-(``attention_choice_single_image_streams_margin_*``). Timed from graphs, ``"auto"`` keeps dense
-attention for the smallest budgets only and its streams run even with the default (p50 6.98
-against 7.08 ms for the 3B tower, p99 35.1 against 36.2 ms for a Qwen3-VL-8B-shaped one,
-``attention_choice_graph_timed_single_image_streams_default_vs_auto_*``), while its first pass
-also compiles the widened rotary kernel: no gain that would make it the default.
+Full attention runs cuDNN where it imports, else flash varlen; the Triton segment kernel is timed
+against it per budget, window layers time the short-segment kernel against flash varlen, and
+``"auto"`` times dense SDPA for one-segment budgets. No kernel wins everywhere, so each race runs
+on the budget's own shapes near the bottom of its range, checks the kernels agree and keeps the
+faster, timed from CUDA-graph replays (single launches would measure host time).
 """
 
 from __future__ import annotations
@@ -83,17 +27,15 @@ __all__ = ["ATTENTION_SETTINGS", "AttentionChoice"]
 
 log = logging.getLogger(__name__)
 
-#: ``attention`` values besides ``None`` (the default: cuDNN segment attention where its library
-#: imports, else flash varlen): measure per budget, or always one kernel where it applies.
+#: ``attention`` values besides ``None`` (the default: cuDNN where it imports, else flash varlen).
 ATTENTION_SETTINGS = ("auto", "varlen", "dense", "cudnn")
 
 #: Dense attention is kept only when timed at least this much faster: its graph also widens q,
-#: k and v inside the rotary kernel, which the timing leaves out (0.08 ms a layer at 6,724 rows
-#: on an H100, a tenth of the attention there; ``packed_large_image_kernel_time_by_kind_*``).
+#: k and v inside the rotary kernel, which the timing leaves out.
 _DENSE_MARGIN = 0.9
 
-#: Largest max-abs difference between the kernels on unit-variance bf16 inputs that counts as
-#: agreeing (both measured within 1e-2 of a float32 reference; a wrong kernel is off by ~1).
+#: Largest max-abs difference between two kernels on unit-variance bf16 inputs that counts as
+#: agreeing (a wrong kernel is off by ~1).
 _AGREE = 5e-2
 
 
@@ -101,14 +43,11 @@ class AttentionChoice:
     """The ``attention`` setting of one adapter and the kernel chosen for each budget.
 
     Args:
-        setting: ``None`` (default: segment attention through cuDNN in the graphs where
-            ``nvidia-cudnn-frontend`` imports, else flash varlen), ``"cudnn"`` (the same, and an
-            error without the library), ``"varlen"`` (flash varlen always), ``"auto"`` (measure
-            dense against segment attention per one-segment budget at capture, on CUDA) or
-            ``"dense"`` (dense SDPA wherever a budget holds one real segment, on any device).
-            Window layers: every setting but ``"varlen"`` times the short-segment kernel
-            against flash varlen per budget on CUDA (module docstring); ``"varlen"`` keeps
-            flash varlen.
+        setting: ``None`` (default: cuDNN segment attention where ``nvidia-cudnn-frontend``
+            imports, else flash varlen), ``"cudnn"`` (the same, an error without the library),
+            ``"varlen"`` (flash varlen always, windows included), ``"auto"`` (time dense against
+            segment attention per one-segment budget, on CUDA) or ``"dense"`` (dense SDPA
+            wherever a budget holds one real segment).
 
     Raises:
         InvalidOptionError: for another value.
@@ -122,7 +61,7 @@ class AttentionChoice:
                 f"{', '.join(ATTENTION_SETTINGS)} ('auto' times segment attention against dense "
                 "SDPA per budget at capture)")
         self.setting = setting
-        #: why cuDNN segment attention is off (``None``: on), for reports
+        #: why cuDNN segment attention is off (``None``: on)
         self.cudnn_off = "packed_attention='varlen'" if setting == "varlen" else cudnn_frontend_reason()
         if setting == "cudnn" and self.cudnn_off is not None:
             raise MissingDependencyError(f"packed_attention='cudnn' needs cuDNN's frontend: "
@@ -131,7 +70,7 @@ class AttentionChoice:
         self.ragged = RaggedAttention() if self.cudnn_off is None else None
         #: static row count of a captured budget -> "dense" or "varlen" (segment attention)
         self.by_rows: dict[int, str] = {}
-        #: static row count -> measured ms per kernel (``auto`` only), for reports
+        #: static row count -> measured ms per kernel (``auto`` only)
         self.timings: dict[int, dict[str, float]] = {}
         #: why window layers never run the short-segment kernel (``None``: measured per budget)
         self.short_off = "packed_attention='varlen'" if setting == "varlen" else triton_reason()
@@ -139,30 +78,25 @@ class AttentionChoice:
         self.short = ShortSegmentAttention() if self.short_off is None else None
         #: static row count -> window layers' kernel ("short" or "varlen")
         self.window_by_rows: dict[int, str] = {}
-        #: static row count -> the window kernels' measured ms, for reports
+        #: static row count -> the window kernels' measured ms
         self.window_timings: dict[int, dict[str, float]] = {}
-        #: why full attention never runs the Triton segment kernel (``None``: measured per
-        #: budget on CUDA)
+        #: why full attention never runs the Triton segment kernel (``None``: timed per budget)
         self.segment_off = (f"packed_attention={setting!r}" if setting in ("varlen", "cudnn")
                             else triton_reason())
         #: the Triton segment kernel for full attention, or ``None``
         self.segment = SegmentFlashAttention() if self.segment_off is None else None
-        #: static row count -> full attention's segment kernel ("triton" or "varlen": cuDNN
-        #: where it serves, else flash varlen)
+        #: static row count -> full attention's segment kernel ("triton" or "varlen")
         self.full_by_rows: dict[int, str] = {}
-        #: static row count -> the full segment kernels' measured ms, for reports
+        #: static row count -> the full segment kernels' measured ms
         self.full_timings: dict[int, dict[str, float]] = {}
 
     def prepare(self, rows: int, heads: int, head_dim: int, scale: float, *, one_segment: bool,
                 device: torch.device, dtype: torch.dtype,
                 varlen: Callable[..., Any] | None,
                 windows: tuple[int, int] | None = None, frames: int = 1) -> str:
-        """Choose the full-attention kernel of the budget whose static buffers have ``rows``
-        rows (called before its capture); returns ``"dense"`` or ``"varlen"``. ``windows``:
-        ``(rows of a full window, window segment slots)`` of a tower with window layers, whose
-        kernel is then chosen too (:meth:`window_kernel`); ``frames``: the graph's segment slots
-        for full attention besides the padding segment (the segment kernel is chosen on that
-        layout: :meth:`graph_kernel`)."""
+        """Choose the kernels of the budget of ``rows`` static rows, before its capture; returns
+        ``"dense"`` or ``"varlen"``. ``windows``: ``(rows of a full window, window slots)`` of a
+        tower with window layers; ``frames``: full attention's segment slots besides padding."""
         if not self.by_rows and device.type == "cuda" and self.ragged is None and (
                 self.setting != "varlen"):  # once, at the first capture: where graphs exist
             log.info("vitgraph: full attention in graphs runs flash varlen: %s", self.cudnn_off)
@@ -180,10 +114,9 @@ class AttentionChoice:
         return choice
 
     def graph_kernel(self, rows: int) -> Callable[..., torch.Tensor | None] | None:
-        """The segment kernel of a graph's full attention in the budget of ``rows`` static
-        rows: the Triton segment kernel where it was timed faster (cuDNN, then flash varlen,
-        where it does not serve a call), else cuDNN's ragged attention, or ``None`` (flash
-        varlen). Never while an inner compiler traces (these calls are opaque to it)."""
+        """Full attention's segment kernel for the budget of ``rows`` static rows: Triton where
+        timed faster (falling back to cuDNN), else cuDNN, or ``None`` (flash varlen). Never while
+        an inner compiler traces."""
         if torch.compiler.is_compiling():
             return None
         if self.full_by_rows.get(rows) == "triton":
@@ -191,17 +124,15 @@ class AttentionChoice:
         return self.ragged
 
     def window_kernel(self, rows: int) -> ShortSegmentAttention | None:
-        """The short-segment kernel where it was chosen for the budget of ``rows`` static rows,
-        else ``None`` (flash varlen). Never while an inner compiler traces (one trace serves
-        every budget, and the kernel's call is opaque to it)."""
+        """The short-segment kernel where chosen for the budget of ``rows`` static rows, else
+        ``None`` (flash varlen). Never while an inner compiler traces (one trace, every budget)."""
         if torch.compiler.is_compiling() or self.window_by_rows.get(rows) != "short":
             return None
         return self.short
 
     def dense(self, rows: int) -> bool:
-        """True if the budget of ``rows`` static rows runs dense attention. Never while an inner
-        compiler traces: it traces once for every budget (symbolic rows), and a choice per row
-        count would specialize it."""
+        """True if the budget of ``rows`` static rows runs dense attention; never while an inner
+        compiler traces (a choice per row count would specialize its symbolic trace)."""
         return not torch.compiler.is_compiling() and self.by_rows.get(rows) == "dense"
 
     @property
@@ -225,9 +156,7 @@ class AttentionChoice:
     def _choose_window_kernel(self, rows: int, heads: int, head_dim: int, scale: float,
                               windows: tuple[int, int], device: torch.device,
                               dtype: torch.dtype, varlen: Callable[..., Any] | None) -> str:
-        """Time the short-segment kernel against flash varlen on the budget's window layout
-        (full windows over every row, then the slots left empty and the padding chunks the
-        graph adds: ``_qwen_packing.QwenPacker.segments``), each replayed from a CUDA graph."""
+        """Time the short-segment kernel against flash varlen on the budget's window layout."""
         window, slots = windows
         if self.short is None or varlen is None or not _timed_on(device) or window < 1:
             return "varlen"
@@ -252,9 +181,7 @@ class AttentionChoice:
     def _choose_segment_kernel(self, rows: int, heads: int, head_dim: int, scale: float,
                                frames: int, device: torch.device, dtype: torch.dtype,
                                varlen: Callable[..., Any] | None) -> str:
-        """Time the Triton segment kernel against the one that serves otherwise (cuDNN, else
-        flash varlen) on the budget's full-attention layout, each replayed from a CUDA graph
-        (module docstring); ``"triton"`` where it was faster."""
+        """Time the Triton segment kernel against cuDNN (else flash varlen); ``"triton"`` if faster."""
         if self.segment is None or varlen is None or not _timed_on(device):
             return "varlen"
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
@@ -285,11 +212,9 @@ class AttentionChoice:
         real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)
         offsets = torch.tensor([0, real, rows], dtype=torch.int32, device=device)
         segments = Segments(offsets, rows)
-        # timed without the widening, which the graph does in the rotary embedding's kernel
-        # (``_fused.rotate_qk_wide``), as flash varlen is timed without the rotary embedding
+        # the graph widens inside the rotary kernel, so the timing leaves it out
         wide = widen_for_dense(q, k, v, offsets[1:2])
         ms = _race(rows, "full attention", {
-            # segment attention: cuDNN where it serves, else flash varlen
             "varlen": lambda: varlen_attention(q, k, v, segments, scale, varlen,
                                                self.graph_kernel(rows)),
             "dense": lambda: dense_sdpa(wide, head_dim, scale)}, real, self.timings)
@@ -302,10 +227,9 @@ class AttentionChoice:
 
 
 def full_layouts(rows: int, frames: int) -> list[list[int]]:
-    """The full-attention offsets a budget of ``rows`` static rows and ``frames`` frame slots is
-    timed on: one image of all its rows and one of two thirds (the two ends of the budget's
-    range, module docstring), and with several slots also two images of a third each; then
-    the graph's empty frame slots and its padding segment."""
+    """The full-attention offsets a budget is timed on: one image of all ``rows`` and one of two
+    thirds (the ends of its range), with several ``frames`` also two of a third each; then the
+    graph's empty frame slots and its padding segment."""
     real = max(1, 2 * rows // 3)
     images = [[rows], [real]] + ([[real // 2, real - real // 2]] if frames > 1 else [])
     layouts = []
@@ -316,13 +240,12 @@ def full_layouts(rows: int, frames: int) -> list[list[int]]:
 
 
 def _timed_on(device: torch.device) -> bool:
-    """Kernels are timed against each other on CUDA only (CUDA-graph replays)."""
+    """Kernels are timed on CUDA only."""
     return torch.device(device).type == "cuda"
 
 
 class _FirstServing:
-    """The Triton segment kernel, then cuDNN's where it does not serve a call (``None`` from
-    both: flash varlen serves); called like ``RaggedAttention``."""
+    """The Triton segment kernel, then cuDNN's where it refuses a call; called like ``RaggedAttention``."""
 
     def __init__(self, first: SegmentFlashAttention | None, then: RaggedAttention | None
                  ) -> None:
@@ -345,10 +268,8 @@ def _random_qkv(rows: int, heads: int, head_dim: int, device: torch.device, dtyp
 
 def _race(rows: int, what: str, kernels: dict[str, Callable[[], torch.Tensor | None]],
           compared: int, timings: dict[int, dict[str, float]]) -> dict[str, float] | None:
-    """Each of ``kernels`` (``"varlen"``, the one that serves otherwise, and its rival), timed
-    from CUDA-graph replays (``gpu_timing.graph_ms``) on the budget of ``rows`` static rows; the
-    times are also kept in ``timings``. ``None`` (``"varlen"`` serves) where a kernel raises or
-    refuses (returns ``None``), or where the two disagree over the first ``compared`` rows."""
+    """Each kernel's graph-replay time (also kept in ``timings``), or ``None`` (``"varlen"``
+    serves) where one raises or refuses, or they disagree over the first ``compared`` rows."""
     try:
         with torch.no_grad():
             outs = [run() for run in kernels.values()]

@@ -1,31 +1,11 @@
 """cuDNN's ragged (THD) attention for the packed graphs' full-attention layers, through
-``nvidia-cudnn-frontend``.
+``nvidia-cudnn-frontend`` (optional, imported on first use).
 
-Flash varlen attention (``torch.nn.attention.varlen``) runs the Qwen towers' head sizes (72, 80)
-in its 96-wide kernel, at about 210 TFLOP/s on an H100. cuDNN attends packed segments too: q, k
-and v stay ``(rows, heads, head_dim)`` views, each segment is a "batch" whose start is given by a
-ragged offset tensor and whose length by a sequence-length tensor, and the padding mask comes
-from those lengths. Both are device tensors, so one cuDNN graph built for a budget's static
-shapes serves every call of it and captures in a CUDA graph. PyTorch's own entry to that kernel
-(``aten._cudnn_attention_forward`` with offsets) fails CUDA-graph capture in torch 2.11
-(``benchmarks/results/varlen_attention_probe_*``), hence the frontend.
-
-Where it pays, measured inside the Qwen2.5-VL-3B-shaped tower's graphs on an H100
-(``benchmarks/results/cudnn_attention_profile_*``): its 4 full-attention layers took 14.7 ms
-with cuDNN against 22.8 ms with flash varlen at 16,384 patches, 0.12 against 0.24 ms at 1,024;
-its 28 window layers took 9.6 against 4.5 ms and 0.81 against 0.35 ms. A window layer's graph
-holds one segment slot per possible window (hundreds, most of them empty or short in a given
-call), and cuDNN spends far more than flash on such slots; cutting long segments' queries into
-pieces to bound the full layers' slots made them slower (17.1 ms), so the segments go to cuDNN
-as they are. The adapters therefore send full attention here and keep flash varlen for windows.
-
-The frontend is optional (``pip install 'vit-graph-backend[cudnn]'``) and imported only when an
-adapter first asks for it. A cuDNN graph is built once per shape (segment slots, heads, longest
-segment, head size, strides), outside CUDA-graph capture: the runtime's warm-up runs build it,
-and a shape met first inside a capture is served by flash varlen instead. A shape cuDNN refuses
-is remembered with its reason (``RaggedAttention.state``) and served by flash varlen; one whose
-build ran out of memory is not remembered (the moment's memory, not the shape): flash varlen
-serves that call, and the next tries again.
+It beats flash varlen on full attention at the Qwen head sizes but not on window layers
+(docs/performance.md), so only full attention comes here. Segments are device tensors, so one
+cuDNN graph per shape serves every call and captures; PyTorch's own entry to the kernel fails
+CUDA-graph capture in torch 2.11. Graphs are built outside capture; refused shapes are remembered,
+out-of-memory builds are tried again.
 """
 
 from __future__ import annotations
@@ -111,14 +91,12 @@ class _Plan:
 
 
 class RaggedAttention:
-    """Packed segment attention through cuDNN, one built graph per shape (module docstring).
+    """Packed segment attention through cuDNN, one built graph per shape (thread-safe).
 
-    Call it with ``(rows, heads, head_dim)`` q, k, v (any row and head strides), the segments'
-    cumulative int32 ``offsets`` and a static ``max_seqlen``; it returns the attention output,
-    or ``None`` where cuDNN cannot serve this shape (the caller then runs flash varlen). The
-    per-call layout tensors derived from ``offsets`` go into ``cache`` when given, so that the
-    layers of one forward sharing the offsets compute them once. Thread-safe: one lock covers the
-    plan table and each launch (a cuDNN handle is bound to one stream at a time).
+    Call it with ``(rows, heads, head_dim)`` q, k, v (any row and head strides), cumulative int32
+    ``offsets`` and a static ``max_seqlen``; returns the output, or ``None`` where cuDNN cannot
+    serve the shape (flash varlen then runs). Layout tensors derived from ``offsets`` go into
+    ``cache`` when given, so layers sharing the offsets compute them once.
     """
 
     def __init__(self) -> None:
@@ -164,8 +142,7 @@ class RaggedAttention:
                 feeds[desc] = cache[row]
             workspace = torch.empty(max(plan.workspace, 1), device=q.device, dtype=torch.uint8)
             handle = self._handles[q.device.index]
-            # the tensors' device and its stream, whichever device is current: the handle was
-            # made on theirs, and another device's stream fails the launch
+            # the handle belongs to the tensors' device: launch on that device's stream
             with torch.cuda.device(q.device):
                 self._cudnn.set_stream(handle=handle,
                                        stream=torch.cuda.current_stream(q.device).cuda_stream)
@@ -192,7 +169,7 @@ class RaggedAttention:
                     plan = _Plan(self._cudnn, handle, q, k, v, slots, max_len, scale)
             except Exception as exc:  # cuDNN refuses the shape, or the library is unusable
                 reason = error_line(exc)
-                if out_of_memory(exc):  # the moment's memory, not the shape: tried again
+                if out_of_memory(exc):  # not remembered: tried again
                     log.warning("vitgraph: cuDNN ragged attention for %d segments of up to %d "
                                 "rows: %s; flash varlen serves this call", slots, max_len, reason)
                     return None

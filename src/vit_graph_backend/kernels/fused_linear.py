@@ -1,48 +1,13 @@
-"""``epilogue_fusion="auto"``: a linear layer and its GELU as one GEMM where that is faster.
+"""``epilogue_fusion="auto"``: a linear layer and its activation as one GEMM where that is faster.
 
-Inductor runs ``act(F.linear(x, W, b))`` as a cuBLAS GEMM and a separate pointwise kernel that
-reads and writes the whole intermediate again; its own Triton GEMM templates, which could take the
-activation into their epilogue, lost to cuBLAS at every MLP shape of CLIP ViT-L/14-336
-(``benchmarks/results/clip_l14_336_fixed_batch_inductor_gemm_autotune_*``), so it never fuses.
-``linear_rewrite.fuse_linear_activations`` rewrites the traced graph before the inner compiler
-sees it: each ``F.linear`` whose only consumer is an activation this module knows (HF's quick GELU
-``y * sigmoid(1.702 y)``, exact GELU, tanh GELU) becomes one call of the custom op
-``vitgraph::linear_act`` defined here.
-
-The op picks, per shape, among a Triton GEMM with bias and activation in its epilogue (tile
-configurations of ``_linear_act_kernels.py``), cuBLAS followed by an in-place activation kernel
-and, for the tanh GELU with a bias, cuBLASLt's GEMM with both in its epilogue, by timing them on
-the call's own tensors the first time the shape runs outside a CUDA graph capture (the runtime's
-warm-up runs before each capture are such runs); a shape first met inside a capture takes
-cuBLAS + activation and is timed at its next run outside one. Each candidate is timed from the
-replays of a small CUDA graph (``gpu_timing.graph_ms``), as the budget's graph
-will run it: timed as single launches, a shape of up to a few tenths of a millisecond of GPU
-time reads mostly as the host's launch time, and the pick was as much the host's as the GPU's
-(``benchmarks/results/linear_act_choice_timing_single_launch_vs_graph_*``). The fused kernel
-wins on the large GPU-bound shapes (CLIP-L fc1 at 48 images: 0.38 against 0.49 ms) and cuBLAS on
-small ones (ViT-B fc1 at 8 images); ``benchmarks/results/linear_act_probe_*`` has the table.
-
-A SiLU-gated MLP's first half, ``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` (Qwen2.5-VL's vision
-blocks), is the op ``vitgraph::linear_silu_mul`` on one weight that packs the gate and up
-projections in alternating chunks of :data:`GATE_CHUNK` rows (:func:`pack_gated`): a 128x256 tile
-of that GEMM holds a gate chunk and its up chunk, so the Triton kernel's epilogue writes only the
-gated product, half as wide, and the GEMM itself runs at the speed of one wide GEMM (two separate
-narrow ones were slower; ``benchmarks/results/linear_act_probe_gated_*``). Its rival per shape is
-cuBLAS on the packed weight followed by one SiLU-mul kernel. The packed adapters call it
-(``adapters/_aligned_mlp.py`` keeps the packed copies); the graph rewrite does not look for it.
-
-Where the fused path cannot run (no CUDA, a GPU older than Hopper's tensor memory accelerator, no
-Triton, an operand the kernel's descriptors cannot address), the op computes the same thing with
-PyTorch's ops, so a rewritten graph is correct on any device.
-
-With cold caches, compiling the fused configurations is most of a shape's first timing. They do
-not depend on the row count, so the rewrite hands each fused layer's weight to
-:meth:`LinearActChoices.prefetch`, which begins their build in a background thread while the
-model's first call goes on; the first timing of a shape with that weight waits for it. On an H100,
-CLIP ViT-L/14-336's cold first pass spent 2.5 s instead of 3.1 to 4.0 timing fused shapes
-(``benchmarks/results/linear_act_kernel_builds_begun_at_the_graph_rewrite_*``): the first call
-of the static graph Dynamo traces first times its shape within a second of the rewrite, so most
-of the build is still waited for.
+Inductor runs ``act(F.linear(x, W, b))`` as a cuBLAS GEMM plus a pointwise kernel and never fuses
+the two (its Triton GEMMs lose to cuBLAS at ViT shapes). ``compile.linear_rewrite`` turns such
+pairs into ``vitgraph::linear_act``, which picks per shape among a Triton GEMM with the activation
+in its epilogue, cuBLAS + an activation kernel and (tanh GELU with bias) cuBLASLt's epilogue,
+timed from CUDA-graph replays the first time the shape runs outside a capture; neither wins
+everywhere (docs/performance.md). ``vitgraph::linear_silu_mul`` is the SiLU-gated form on a weight
+packed by :func:`pack_gated`. Without CUDA, Hopper, Triton or aligned operands, both ops run
+PyTorch's ops. :meth:`LinearActChoices.prefetch` starts kernel builds in the background.
 """
 
 from __future__ import annotations
@@ -66,21 +31,19 @@ __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearAct
 
 log = logging.getLogger(__name__)
 
-#: The activations the op takes (``_linear_act_kernels.ACTIVATIONS`` codes them for the kernels).
+#: The activations the op takes (``_linear_act_triton.ACTIVATIONS`` codes them for the kernels).
 ACTIVATIONS: tuple[str, ...] = ("quick_gelu", "gelu", "gelu_tanh")
 #: The gated form's name where the choices and kernels name an activation.
 GATED = "silu_mul"
 #: Rows of the gate, then of the up projection, that alternate in a packed gated weight: half
 #: the fused kernel's tile width.
 GATE_CHUNK = 128
-#: Fused tile configurations timed per shape (``_linear_act_kernels.CONFIGS`` says the fields).
-#: 128x256 won every large shape of the probe, 128x128 the small ones
-#: (``benchmarks/linear_act_probe.py``).
+#: Fused tile configurations timed per shape (the kernel module's ``CONFIGS`` names the fields):
+#: 128x256 wins large shapes, 128x128 small ones.
 FUSED_CONFIGS: tuple[tuple[int, ...], ...] = ((128, 256, 64, 3, 8, 0),
                                               (128, 256, 64, 4, 8, 0),
                                               (128, 128, 64, 4, 8, 0))
-#: The gated form's configurations: those whose tile is ``2 * GATE_CHUNK`` wide (one gate chunk
-#: and its up chunk).
+#: The gated form's configurations: tiles ``2 * GATE_CHUNK`` wide (a gate chunk and its up chunk).
 GATED_CONFIGS: tuple[tuple[int, ...], ...] = tuple(c for c in FUSED_CONFIGS
                                                    if c[1] == 2 * GATE_CHUNK)
 #: The tensor memory accelerator the kernel loads through: Hopper (9.0) and newer.
@@ -88,15 +51,12 @@ MIN_CAPABILITY = (9, 0)
 #: The dtypes the fused kernels take.
 DTYPES = (torch.bfloat16, torch.float16)
 _UNFUSED = "cublas+activation"  # cuBLAS, then one activation (or SiLU-mul) kernel
-#: cuBLASLt's GEMM with bias and tanh GELU in its epilogue (``_compat.addmm_gelu_tanh``): at
-#: SigLIP so400m's fc1 on an H100 it won at 729/4,096/6,396 rows, lost at 2,916/11,664
+#: cuBLASLt's GEMM with bias and tanh GELU in its epilogue (``_compat.addmm_gelu_tanh``)
 _CUBLASLT = "cublaslt epilogue"
 _PYTORCH = "pytorch"  # what runs when neither Triton path does for a shape
-#: Calls per timing graph and replays timed (``gpu_timing.graph_ms``): every candidate of every
-#: shape runs at most ``1 + calls * (reps + 1)`` times, in the first pass of each new model.
+#: Calls per timing graph and replays timed (``runtime.timing.graph_ms``).
 _GRAPH_CALLS, _GRAPH_REPS = 3, 3
-#: Shapes timed at most: past this (an eager fallback meeting a new row count at every call,
-#: say), new shapes take cuBLAS + activation untimed, so no call keeps paying for timing.
+#: Shapes timed at most; past this, new shapes take cuBLAS + activation untimed.
 MAX_TIMED_SHAPES = 1024
 
 
@@ -120,10 +80,9 @@ def gated_width(width: int) -> int:
 
 def pack_gated(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
                ) -> torch.Tensor:
-    """The gate and up projections' weights (``[W, K]`` each) or biases (``[W]``) packed for
-    :func:`linear_silu_mul`: ``[2 * gated_width(W), ...]``, chunks of :data:`GATE_CHUNK` rows
-    alternating gate, up, gate, up..., zero rows past ``W`` in each. Written into ``out`` when
-    given (whose padding rows must already be zero: only the real rows are written)."""
+    """The gate and up weights (``[W, K]``) or biases (``[W]``) packed for :func:`linear_silu_mul`:
+    ``[2 * gated_width(W), ...]``, :data:`GATE_CHUNK`-row chunks alternating gate, up, with zero
+    rows past ``W``. Written into ``out`` when given (its padding rows must already be zero)."""
     width, rest = gate.shape[0], tuple(gate.shape[1:])
     padded = gated_width(width)
     if out is None:
@@ -152,9 +111,8 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def activation_of(module: Any) -> str | None:
-    """Which of :data:`ACTIVATIONS` a callable computes (``None``: none of them), judged by its
-    values on a float64 probe against :func:`activation_reference`, so any class that computes
-    one (HF's ``QuickGELUActivation``, ``GELUTanh``, ``nn.GELU``...) counts."""
+    """Which of :data:`ACTIVATIONS` a callable computes (``None``: none), judged by its values on
+    a float64 probe, so any class computing one counts."""
     probe = torch.linspace(-8.0, 8.0, 257, dtype=torch.float64)
     try:
         with torch.no_grad():
@@ -181,9 +139,8 @@ def _(x, weight, bias, activation):
 
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                activation: str) -> torch.Tensor:
-    """``act(F.linear(x, weight, bias))`` through the op (what the graph rewrite calls; packed
-    adapters call it directly): the faster of the fused kernel and cuBLAS + activation per shape
-    on a Hopper GPU, PyTorch's ops elsewhere."""
+    """``act(F.linear(x, weight, bias))`` through the op ``vitgraph::linear_act``: the faster
+    way per shape on a Hopper GPU, PyTorch's ops elsewhere."""
     return torch.ops.vitgraph.linear_act.default(x, weight, bias, activation)
 
 
@@ -209,16 +166,13 @@ def _(x, weight, bias):
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """``silu(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu)`` through the op
-    ``vitgraph::linear_silu_mul``, with ``weight``/``bias`` the two projections packed by
-    :func:`pack_gated` (the result is ``gated_width(W)`` wide; its padding columns are zero): the
-    faster of the gated Triton GEMM and cuBLAS + a SiLU-mul kernel per shape on a Hopper GPU,
-    PyTorch's ops elsewhere."""
+    ``vitgraph::linear_silu_mul``, ``weight``/``bias`` packed by :func:`pack_gated` (result
+    ``gated_width(W)`` wide, padding columns zero); the faster way per shape on Hopper."""
     return torch.ops.vitgraph.linear_silu_mul.default(x, weight, bias)
 
 
 def tma_unavailable(device: torch.device | None) -> str | None:
-    """Why a Triton kernel that loads through Hopper's tensor memory accelerator cannot run on
-    ``device`` (``None``: its GPU has one); the kernel's own import aside."""
+    """Why a Triton kernel that loads through Hopper's TMA cannot run on ``device`` (``None``: it can)."""
     if device is None or device.type != "cuda":
         return f"the graph runs on {device}, not a CUDA GPU"
     capability = torch.cuda.get_device_capability(device)
@@ -238,8 +192,8 @@ def fused_epilogue_unavailable(device: torch.device | None) -> str | None:
 def _kernels() -> tuple[Any, str | None]:
     """The Triton kernels module, or why it does not import."""
     try:
-        from . import _linear_act_kernels
-        return _linear_act_kernels, None
+        from . import _linear_act_triton
+        return _linear_act_triton, None
     except Exception as exc:  # Triton missing or too old for host tensor descriptors
         return None, f"Triton's kernels do not import ({type(exc).__name__}: {exc})"
 
@@ -253,11 +207,9 @@ class LinearActChoices:
     """Which way each shape runs, timed once per shape (thread-safe; one per process)."""
 
     def __init__(self) -> None:
-        #: (device index, dtype, rows, K, N, activation, has bias) -> ``_UNFUSED``,
-        #: ``_CUBLASLT``, ``_PYTORCH`` or a fused tile configuration (``CONFIGS``' fields)
+        #: (device index, dtype, rows, K, N, activation, has bias) -> :data:`Choice`
         self.chosen: dict[tuple[Any, ...], Choice] = {}
-        #: (gated, fused configuration or ``_CUBLASLT``) -> why it failed to compile or run
-        #: (not tried again)
+        #: (gated, fused configuration or ``_CUBLASLT``) -> why it failed (not tried again)
         self.refused: dict[tuple[bool, Choice], str] = {}
         #: (device index, dtype, K, N, activation, has bias) -> the build :meth:`prefetch` began
         self._builds: dict[tuple[Any, ...], Future[None]] = {}
@@ -265,11 +217,9 @@ class LinearActChoices:
         self._lock = threading.Lock()
 
     def prefetch(self, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
-        """Begin compiling, in a background thread, the fused configurations that the first
-        timing of a shape with this weight will time (the kernels do not depend on the row
-        count), so that with cold caches Triton compiles while the call that compiled the graph
-        goes on; the timing waits for what is left. Nothing when the kernels cannot run on the
-        weight, or no thread can start."""
+        """Begin compiling, in a background thread, the fused configurations a shape with this
+        weight will time (they do not depend on the row count); the timing waits for what is
+        left. Nothing when the kernels cannot run on the weight or no thread can start."""
         kernels = _kernels()[0]
         if (kernels is None or activation not in ACTIVATIONS  # the weight stands for rows of
                 or not self._fusable(weight, weight, bias)):  # its device, dtype and width
@@ -280,8 +230,7 @@ class LinearActChoices:
             if key in self._builds:
                 return
             configs = [c for c in FUSED_CONFIGS if (False, c) not in self.refused]
-            # a few rows stand for all (``_linear_act_kernels.precompile``), allocated here,
-            # where the caller is, rather than in the thread
+            # a few rows stand for all, allocated here rather than in the thread
             rows = weight.new_empty((128, weight.shape[1]))
             try:
                 if self._builder is None:
@@ -343,9 +292,7 @@ class LinearActChoices:
 
     def _time(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               activation: str) -> Choice:
-        """The fastest way for this shape, each candidate timed from CUDA-graph replays on the
-        call's own tensors (``gpu_timing.graph_ms``, whose first run outside the capture compiles
-        the candidate's kernel): what the budget's graph will run, not the host's launch time."""
+        """The fastest way for this shape, each candidate timed from CUDA-graph replays."""
         gated = activation == GATED
         fused = [c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
                  if (gated, c) not in self.refused]
@@ -388,8 +335,7 @@ class LinearActChoices:
 
 
 def _name(choice: Choice) -> str:
-    """``"cublas+activation"``, ``"cublaslt epilogue"``, ``"pytorch"`` or ``"fused "`` and the
-    tile's fields."""
+    """A choice's name for logs and state."""
     return choice if isinstance(choice, str) else "fused " + "x".join(map(str, choice))
 
 
@@ -399,5 +345,5 @@ def _describe(key: tuple[Any, ...]) -> str:
             f"{' +bias' if has_bias else ''}")
 
 
-#: The process's choices (shapes are the same whichever graph meets them).
+#: The process's choices (shared by every graph).
 CHOICES = LinearActChoices()

@@ -1,17 +1,12 @@
 """The elementwise work of a Qwen vision block, fused by Inductor inside captured graphs.
 
-Profiled on an H100 (``benchmarks/qwen_floor.py``, 3B tower, one 4096-patch image), kernels other
-than GEMMs and flash attention took 9.7 of 19.6 ms of GPU time: the float32 rotary embedding's
-multiply, roll and multiply-add over q and k alone took 5.4 ms (unvectorized: q and k are strided
-views and cos/sin broadcast). A CUDA graph removes launch overhead but not memory traffic; fusing
-these few ops does: 19.9 -> 12.6 ms per graph replay.
-
-Each function here is plain PyTorch with the Qwen towers' numerics (the same ops as the adapter's
-unfused path). :func:`ops` returns them either as written or compiled with ``torch.compile``
-(Inductor, its own CUDA graphs off; the row dimension marked dynamic so that one compile serves
-every budget). They are compiled only for the graph path on CUDA: the first call happens in the
-runtime's warm-up before a capture, never during one, and eager calls never pay a compile.
-If compiling fails, the functions run as written from then on, with one logged reason.
+Outside GEMMs and attention, a Qwen block's elementwise ops (above all the float32 rotary embedding
+over strided q and k) take a large share of GPU time; a CUDA graph removes launches but not memory
+traffic, which fusing removes (docs/performance.md). Each function is plain PyTorch with the Qwen
+towers' numerics. :func:`ops` returns them as written or compiled with ``torch.compile`` (Inductor,
+rows marked dynamic so one compile serves every budget), compiled only for the graph path on
+CUDA, first called in a warm-up, never in a capture. A failed compile falls back to the functions
+as written, with one logged reason.
 """
 
 from __future__ import annotations
@@ -36,10 +31,8 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q and k in ``qkv`` (``(rows, 3, heads, head_dim)``), as HF's
     ``apply_rotary_pos_emb_vision``: float32 math, one rounding back to the input dtype.
-
-    ``cos`` and ``signed_sin`` are ``(rows, 1, 1, head_dim)`` float32, ``signed_sin`` with its first
-    half negated so that ``rotate_half(x) * sin == roll(x, half) * signed_sin``. bf16 -> fp32 is
-    exact, so the mixed-dtype products equal HF's float32 ones.
+    ``cos`` and ``signed_sin`` are ``(rows, 1, 1, head_dim)`` float32, ``signed_sin`` with its
+    first half negated (``rotate_half(x) * sin == roll(x, half) * signed_sin``).
     """
     qk = qkv[:, :2]
     rolled = torch.roll(qk, qk.shape[-1] // 2, dims=-1)
@@ -49,9 +42,8 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
 
 def rotate_qk_wide(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    real: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate_qk` and v, widened for dense attention (``_packed_attention.widen_for_dense``:
-    the padding keys at rows ``>= real`` hidden): one buffer ``(3, rows, heads, width)``, written
-    by one fused kernel when compiled instead of a rotary kernel and five copies."""
+    """:func:`rotate_qk` and v, widened for dense attention (``packed_attention.widen_for_dense``)
+    into one ``(3, rows, heads, width)`` buffer, by one fused kernel when compiled."""
     q, k = rotate_qk(qkv, cos, signed_sin)
     return widen_for_dense(q, k, qkv[:, 2], real)
 
@@ -97,8 +89,7 @@ class _Compiled:
         self.failure: str | None = None
 
     def __call__(self, *args: Any) -> Any:
-        # inside someone's torch.compile trace (the inductor inner compiler), the tracer fuses
-        # the plain ops itself
+        # inside another torch.compile trace, the tracer fuses the plain ops itself
         if self.failure is not None or torch.compiler.is_compiling():
             return self.fn(*args)
         for i in self.row_args:
@@ -151,8 +142,7 @@ _COMPILED: Ops | None = None
 
 
 def ops(compiled: bool) -> Ops:
-    """The process-wide set of functions: compiled ones are shared by every adapter, so each is
-    compiled once per process (per tower geometry) however many towers are served."""
+    """The process-wide set of functions; compiled ones are shared by every adapter."""
     global _COMPILED
     if not compiled:
         return _PLAIN
@@ -162,8 +152,7 @@ def ops(compiled: bool) -> Ops:
 
 
 def fusion_available(device: torch.device) -> str | None:
-    """Why fused kernels cannot be compiled for ``device``, or ``None`` if they can (CUDA with
-    Triton installed: Inductor's GPU code generator)."""
+    """Why fused kernels cannot be compiled for ``device`` (needs CUDA and Triton), or ``None``."""
     if torch.device(device).type != "cuda":
         return f"fused kernels are compiled for CUDA only (device {device})"
     try:

@@ -1,26 +1,9 @@
-"""Packed (variable-length) self-attention over segments of one sequence, four ways.
-
-A packed tower attends within segments (frames, or Qwen2.5-VL windows) of one ``(rows, heads,
-head_dim)`` sequence. :func:`packed_attention` picks:
-
-0. :func:`key_masked_attention` when the segments are marked ``dense``: one real segment from row
-   0, then padding (a budget that holds one single-frame item, chosen per budget by measuring at
-   capture, ``_attention_choice``). One dense SDPA call over all rows, the padding keys hidden by
-   an extra head channel: SDPA keeps its fastest kernel (cuDNN on an H100), which an attention
-   mask would forbid.
-
-1. ``varlen_attn`` (``torch.nn.attention.varlen``, PyTorch 2.11+) on CUDA in fp16/bf16: offsets
-   are a tensor and ``max_seqlen`` a Python int, so it captures in a CUDA graph. Zero-length
-   segments (a repeated offset) are skipped by the kernel. In a graph, a ``ragged`` kernel
-   (cuDNN's, ``_cudnn_attention``) is tried first where the caller gives one.
-2. A per-segment loop of SDPA calls when the offsets are known on the host (eager only: it
-   slices with Python ints, exactly like HF's own non-flash path).
-3. SDPA with a block-diagonal boolean mask built from the offsets with tensor ops only
-   (``searchsorted``): capturable and correct on any device, but it materializes a
-   ``rows x rows`` mask, so it is the CPU graph path and the reference, not a CUDA fast path.
-
-Every row lies in some segment (the caller gives padding its own segment), so every row attends
-at least to itself and no fully masked softmax row can produce NaN.
+"""Packed (variable-length) self-attention over segments of one ``(rows, heads, head_dim)``
+sequence. :func:`packed_attention` picks: dense SDPA with padding keys hidden by an extra head
+channel (one-segment budgets; a mask would cost SDPA its fastest kernel), ``varlen_attn`` on CUDA
+in fp16/bf16 (capturable; a ``ragged`` kernel tried first in graphs), a per-segment SDPA loop with
+host offsets (eager), or SDPA with a block-diagonal mask (any device; the reference). Padding has
+its own segment, so every row attends at least to itself.
 """
 
 from __future__ import annotations
@@ -38,10 +21,8 @@ __all__ = ["Segments", "dense_sdpa", "key_masked_attention", "masked_attention",
 
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
-#: The extra key channel of a padding row (the query's is 1). Times the softmax scale
-#: (``head_dim ** -0.5``, above 0.06 for heads up to 256 wide) a padding key's score is below
-#: -60000 against real scores of at most a few hundred, and exp of that is 0 in float32: padding
-#: keys get exactly zero weight.
+#: The extra key channel of a padding row (the query's is 1): times any softmax scale of a head
+#: up to 256 wide the score is below -60000, whose exp is 0 in float32.
 _HIDDEN_KEY = -1e6
 
 
@@ -62,8 +43,7 @@ class Segments:
     host_offsets: Sequence[int] | None = None
     #: one real segment ``[0, offsets[1])`` then padding only: dense attention may serve it
     dense: bool = False
-    #: tensors derived from ``offsets`` once per forward and shared by its layers (cuDNN's
-    #: layout, ``_cudnn_attention``)
+    #: tensors derived from ``offsets`` once per forward, shared by its layers (cuDNN's layout)
     derived: dict[Any, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -100,10 +80,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
 
 def wide_width(head_dim: int) -> int:
     """Head width of :func:`widen_for_dense`'s buffer: at least one extra channel, rounded up to
-    a multiple of 16. The fused SDPA kernels need a multiple of 8, but cuDNN's dense kernel ran
-    Qwen2.5-VL's heads of 80 widened to 96 7 to 15 % faster than widened to 88, over 4,096 and
-    16,384 rows on an H100 (72 widened to 80 ran as fast as to 96;
-    ``benchmarks/results/attention_head_padding_*``)."""
+    a multiple of 16 (SDPA needs 8, but cuDNN's dense kernel is faster at 16)."""
     return (head_dim // 16 + 1) * 16
 
 
@@ -112,9 +89,9 @@ def widen_for_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: tor
     """``(3, rows, heads, wide_width(head_dim))``: q, k and v with the extra channel that hides
     the keys at rows ``>= real`` (a ``(1,)`` tensor: the real segment's end), zeros after it.
 
-    The channel is 1 in every query, 0 in the real keys and ``_HIDDEN_KEY`` in the padding keys,
-    and 0 in v. Written as cat and pad so that Inductor fuses it with the rotary embedding into
-    one kernel (``_fused.rotate_qk_wide``); run as is, each tensor is copied twice.
+    The channel is 1 in every query, 0 in real keys, ``_HIDDEN_KEY`` in padding keys and 0 in v.
+    Written as cat and pad so Inductor fuses it with the rotary embedding
+    (``fused_ops.rotate_qk_wide``).
     """
     rows, heads, dim = q.shape
     width = wide_width(dim)
@@ -138,12 +115,8 @@ def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          segments: Segments, scale: float) -> torch.Tensor:
     """Dense SDPA over all rows where only rows ``[0, offsets[1])`` are keys.
 
-    Each head gets one more channel (then zeros up to :func:`wide_width`): 1 in every query, 0 in
-    the real keys and ``_HIDDEN_KEY`` in the padding keys. A real key's score is unchanged (plus
-    ``1 * 0``); a padding key's is far below anything ``exp`` returns non-zero for. The real rows'
-    outputs are exactly segment attention's; the padding rows attend to the real keys (finite
-    values nobody reads). ``v`` is padded with zeros to the same width and the extra channels
-    are dropped from the output.
+    Through :func:`widen_for_dense`: real rows' outputs are exactly segment attention's;
+    padding rows attend to the real keys (finite values nobody reads).
     """
     wide = widen_for_dense(q, k, v, segments.offsets[1:2])
     return dense_sdpa(wide, q.shape[-1], scale)
@@ -152,9 +125,8 @@ def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
                      scale: float, varlen: Callable[..., Any],
                      ragged: Callable[..., torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Segment attention through an offsets kernel: ``ragged`` (cuDNN's,
-    ``_cudnn_attention.RaggedAttention``) for a graph's segments (no host offsets) where it
-    serves the shape, else ``varlen`` (flash varlen)."""
+    """Segment attention through ``ragged`` (e.g. cuDNN's) for a graph's segments (no host
+    offsets) where it serves the shape, else ``varlen`` (flash varlen)."""
     if ragged is not None and segments.host_offsets is None:
         out = ragged(q, k, v, segments.offsets, segments.max_seqlen, scale, segments.derived)
         if out is not None:
@@ -169,8 +141,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
     """Attention of ``(rows, heads, head_dim)`` ``q, k, v`` within ``segments``.
 
     Args:
-        scale: softmax scale; ``varlen`` is called without it and must default to the same value
-            (``head_dim ** -0.5``, which is what the Qwen towers use).
+        scale: softmax scale; ``varlen`` is called without it and must default to the same
+            value (``head_dim ** -0.5``).
         varlen: ``torch.nn.attention.varlen.varlen_attn``, or ``None`` where torch lacks it.
         ragged: cuDNN's ragged attention to try first where flash varlen would serve a graph's
             segments (:func:`varlen_attention`), or ``None``.

@@ -1,22 +1,11 @@
-"""Attention within short segments (Qwen2.5-VL's windows) through one Triton kernel.
+"""Attention within short segments (Qwen2.5-VL's windows, at most 64 rows) through one Triton kernel.
 
-A Qwen2.5-VL window holds at most 64 rows (112 px windows of 14 px patches). Flash varlen
-attention tiles queries by 128 rows, so half of each tile is empty, and its head-size-80 kernel
-runs 96 wide: at 16,384 rows (16 heads of 80, a graph's 1,281 segment slots, most of them empty)
-a window layer took 0.146 ms on an H100, about 2.6x what moving q, k, v and the output through
-memory takes. ``_short_attention_kernel`` attends a whole segment per program in registers:
-0.076 ms there, 0.020 against 0.035 ms at 4,096 rows, same error against float32
-(``benchmarks/results/window_attention_kernel_probe_*``).
-
-:class:`ShortSegmentAttention` is called like ``_cudnn_attention.RaggedAttention`` and returns
-``None`` where it does not serve (the caller then runs flash varlen): tensors not on CUDA, a
-dtype other than float16/bfloat16, segments longer than :data:`MAX_ROWS`, heads wider than
-:data:`MAX_HEAD_DIM`, a head not contiguous within its row, or Triton missing. The kernel compiles
-at its first call for a shape; a shape met first inside a CUDA-graph capture is served by flash
-varlen (the runtime's warm-up run before each capture compiles it). A shape whose first run fails
-is left to flash varlen for the process, unless it ran out of memory: that is the moment's
-memory, and the next call tries again (``_triton_calls``). Which of the two serves each
-budget's window layers is measured at capture (``_attention_choice``).
+Flash varlen tiles queries by 128 rows, half empty for a window, and runs heads of 80 at 96 wide;
+``_short_attention_triton`` attends a whole segment per program in registers, about twice as fast
+at window shapes (docs/performance.md). :class:`ShortSegmentAttention` is called like
+``cudnn_attention.RaggedAttention`` and returns ``None`` where it does not serve
+(:func:`short_unserved_reason`, or no Triton); compiles and failures are handled by
+``_triton_calls``. Which kernel serves each budget's window layers is timed at capture.
 """
 
 from __future__ import annotations
@@ -37,8 +26,7 @@ MAX_HEAD_DIM = 128
 def short_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           offsets: torch.Tensor, max_seqlen: int) -> str | None:
     """Why the kernel cannot serve these ``(rows, heads, head_dim)`` tensors with segments of up
-    to ``max_seqlen`` rows at ``offsets``, or ``None`` if it can (on any device: the caller
-    checks CUDA)."""
+    to ``max_seqlen`` rows, or ``None`` (the caller checks CUDA)."""
     dim = q.shape[-1]
     why = inputs_reason(q, k, v, offsets, "short-segment kernel")
     if why is not None:
@@ -51,11 +39,9 @@ def short_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class ShortSegmentAttention(TritonKernelCalls):
-    """Segment attention through ``_short_attention_kernel`` (module docstring).
+    """Segment attention through ``_short_attention_triton`` (thread-safe).
 
-    Call it with ``(rows, heads, head_dim)`` q, k, v, the segments' cumulative int32 ``offsets``
-    and a static ``max_seqlen``; it returns the attention output, or ``None`` where it does not
-    serve. Thread-safe (``_triton_calls.TritonKernelCalls``).
+    Called like ``RaggedAttention``; returns the output, or ``None`` where it does not serve.
     """
 
     def __init__(self) -> None:

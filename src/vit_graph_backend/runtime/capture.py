@@ -1,33 +1,11 @@
 """Capturing one budget's CUDA graph within a memory bound, and surviving a capture that fails.
 
-:class:`GraphMemory` is the manager's memory book: which pools its graphs live in, what their
-static inputs hold, the bound ``max_graph_memory`` resolves to, and each budget's estimate.
-:func:`capture_budget_graph` does one budget:
-
-1. **Warm-up, measured.** The encoder runs ``warmup_iters`` times on a side stream (cuBLAS and
-   cuDNN set-up, lazy compiles) after the allocator's cache was emptied; what the allocator had to
-   reserve for it is the budget's estimate: the warm-up's peak, rounded up to the allocator's
-   segments. A warm-up that runs out of memory skips the budget. The peak counter
-   (``torch.cuda.max_memory_allocated``) is not used, because resetting it would change what the
-   application measures.
-2. **The bound.** The graphs held so far, plus the part of the estimate the current pool cannot
-   already supply (smaller graphs reuse the largest one's memory), plus the new static inputs,
-   must fit ``max_graph_memory``; a budget that does not is skipped. After a capture the measured
-   total is checked again and a graph over the bound is dropped; the pool keeps the memory that
-   graph touched (the allocator returns a pool's memory only when the whole pool goes), so the
-   total can end above the bound by at most about one budget's estimate.
-3. **Capture** into the shared pool on the device's capture stream (:func:`capture_stream`),
-   with ``keep_graph=True``: the graph is then instantiated as ``graph_launch.py`` decides (for
-   device launch where the driver allows, which makes a launch cheap for the host). If it fails
-   (out of memory, a host sync in the forward), the pool it was capturing into may be unusable
-   for later captures: PyTorch's allocator was seen to fail an internal assert
-   (``use_count > 0``) on every later capture into it, leaving 0 graphs. So the caller continues
-   in a fresh pool, and the thread's current stream, which ``torch.cuda.graph`` leaves on the
-   capture stream when ending the capture raises, is put back.
-
-Budgets are captured largest first (see ``runtime.py``), so under pressure the small budgets that
-fit are captured and a call for a skipped budget replays the next larger captured graph or runs
-eagerly with the skip's reason.
+:func:`capture_budget_graph` warms the budget up on a side stream (the memory reserved is its
+estimate), checks ``max_graph_memory`` against the graphs held plus what the pool cannot already
+supply, and captures into the shared pool with ``keep_graph=True`` (``launch.py`` instantiates
+it). A graph found over the bound after capture is dropped. A failed capture can leave its pool
+unusable, so the caller continues in a fresh pool. Budgets go largest first, so under memory
+pressure the small ones that fit are kept.
 """
 
 from __future__ import annotations
@@ -63,15 +41,9 @@ class GraphMemory:
 
     def resolve_limit(self, device: torch.device, held: int) -> int | None:
         """The byte bound, resolved once at the first capture: an int is bytes; a float is a
-        fraction of the device's free memory then, plus what these graphs already hold.
-
-        Free memory is read after the allocator's cached blocks are released (as the warm-up
-        does next): blocks that the caller's earlier calls or the kernel timings before this
-        capture (``adapters/_attention_choice.py``) left cached would otherwise read as used,
-        and the bound would depend on them. Under a 1.5 GiB margin, the Triton segment
-        kernel's timings left enough cached to lower the bound so far that the budget of 768
-        rows no longer fit and the stress suite's memory part served 22 calls from graphs
-        instead of 442 (``benchmarks/results/stress_memory_part_cached_blocks_*``)."""
+        fraction of the device's free memory then, plus what these graphs already hold. Free
+        memory is read after emptying the cache, so blocks cached by earlier calls or kernel
+        timings do not lower the bound."""
         if self.limit is None and self.limit_option is not None:
             if isinstance(self.limit_option, float):
                 torch.cuda.empty_cache()
@@ -95,8 +67,7 @@ class GraphMemory:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
-    """Bytes of the storages behind ``tensors``, each counted once (budgets may share one
-    row buffer through views); storages already in ``seen`` are not counted again."""
+    """Bytes of the storages behind ``tensors``, each counted once (also across calls via ``seen``)."""
     seen = set() if seen is None else seen
     total = 0
     for t in tensors:
@@ -120,8 +91,7 @@ class CaptureOutcome:
 
 def _warmup(forward: Callable[[Any], Any], static: Mapping[str, torch.Tensor],
             iters: int, device: torch.device) -> tuple[int | None, bool | None]:
-    """The bytes the warm-up made the allocator reserve, and whether it advanced the device's
-    random-number generator (``None``, ``None`` without a warm-up)."""
+    """Bytes the warm-up reserved and whether it advanced the device RNG (``None``s without one)."""
     if iters == 0:
         return None, None
     torch.cuda.empty_cache()
@@ -149,10 +119,8 @@ def capture_budget_graph(
     Args:
         held: bytes the manager's graphs hold now (pools and static inputs).
         new_static: bytes of this budget's static inputs not yet counted in ``held``.
-        live_outputs: bytes of the static outputs of graphs already captured: pool memory a
-            new graph cannot reuse.
-        graph_launch: the option of that name: how the graph is instantiated and launched
-            (``graph_launch.py``).
+        live_outputs: bytes of static outputs of graphs already captured (not reusable).
+        graph_launch: the option of that name (``launch.py``).
     """
     # resolved before the warm-up, whose cached memory would read as not free
     limit = memory.resolve_limit(device, held)
@@ -175,7 +143,6 @@ def capture_budget_graph(
                 f"needs about {mib(projected)} with the graphs already held, over "
                 f"max_graph_memory={memory.limit_option!r} ({mib(limit)})"))
     stream_before = torch.cuda.current_stream(device)
-    # kept: the driver instantiates it for device launch (graph_launch.py)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     try:
         with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
@@ -226,10 +193,8 @@ class BudgetGraph:
         self.dirty.clear()
 
     def aliased_keys(self) -> frozenset[str]:
-        """Static buffers that share storage with another one, in this budget (views of one
-        metadata block) or another (batched graphs' budgets view one row buffer): a write to
-        one changes the others, so their non-zero rows are not tracked. Set by
-        :class:`BudgetGraphs` over all its budgets; an entry made alone checks its own."""
+        """Static buffers sharing storage with another one (in any budget): their non-zero rows
+        are not tracked. Set by :class:`BudgetGraphs`; an entry made alone checks its own."""
         if self._aliased is None:
             self._aliased = _aliased({self.budget: self})[self.budget]
         return self._aliased
@@ -248,10 +213,8 @@ def _aliased(entries: Mapping[int, BudgetGraph]) -> dict[int, frozenset[str]]:
 
 
 class BudgetGraphs:
-    """The captured graphs of one manager: static buffers, pools, memory book, skips.
-
-    The manager decides what to serve; this class only builds, holds and frees graphs.
-    """
+    """The captured graphs of one manager (static buffers, pools, memory book, skips); the
+    manager decides what to serve, this class builds, holds and frees graphs."""
 
     def __init__(self, model: Any, warmup_iters: int, max_graph_memory: int | float | None,
                  max_batch_size: int, max_frames_per_batch: int | None,
@@ -287,14 +250,12 @@ class BudgetGraphs:
         """The memory part of the manager's ``memory_report()``."""
         static = storage_bytes(self._static_tensors())
         pool = self.pool_bytes()
-        # memory held for graphs: without a captured graph (no CUDA) the static buffers are
-        # still reported, as static_input_bytes, but no graph memory
+        # without a captured graph (no CUDA) static buffers count as inputs, not graph memory
         graphed = storage_bytes(t for g in self.entries.values() if g.graph is not None
                                 for t in g.static.values())
         return {
             "graphs": self.num_graphs,
             "captured_budgets": sorted(b for b, g in self.entries.items() if g.graph is not None),
-            # how each captured graph launches (graph_launch.py): "device" or "torch"
             "graph_launch": {b: launch_kind(g.graph) for b, g in sorted(self.entries.items())
                              if g.graph is not None},
             "largest_budget": max(self.entries) if self.entries else None,
@@ -327,15 +288,14 @@ class BudgetGraphs:
             self.entries[budget]._aliased = keys
 
     def capture(self, budget: int) -> CaptureOutcome:
-        """Capture ``budget`` into the shared pool, measured and bounded (module docstring);
-        a skipped budget is recorded in :attr:`skipped` with its reason."""
+        """Capture ``budget`` into the shared pool, measured and bounded; skips go to :attr:`skipped`."""
         start = time.perf_counter()
         try:
             outcome = self._capture(budget)
         finally:
             self.capture_seconds += time.perf_counter() - start
         if outcome.failed:
-            # the pool may be unusable for later captures: smaller budgets go into a fresh one
+            # the pool may be unusable for later captures
             self.graph_pool = torch.cuda.graph_pool_handle()
         if outcome.skipped is not None:
             self.skipped[budget] = outcome.skipped
@@ -372,7 +332,7 @@ class BudgetGraphs:
                 del self.entries[budget]
                 del outcome, static
                 if not self.entries:
-                    # no other graph lives in this pool: drop the pool too, so its memory goes
+                    # no other graph lives in this pool: drop it so its memory goes
                     self.memory.pools.remove(self.graph_pool)
                     self.graph_pool = None
                 torch.cuda.empty_cache()

@@ -1,17 +1,10 @@
 """Inner compilers: what runs inside each captured CUDA graph.
 
-- ``eager``: the traced FX graph as is. The CUDA graph already removes the launch overhead that
-  dominates small-batch encoders; compiles instantly. What ``"auto"`` picks off CUDA and for
-  packed towers (``VitGraphOptions.inner_compiler_for``).
-- ``inductor``: ``compile_fx`` with Inductor's own CUDA graphs off (ours wrap it; graphs must not
-  nest). Fuses elementwise work (norms, bias, activations, residual adds) into fewer kernels,
-  which pays where the kernels set the time; costs a compile per Dynamo graph, cached on disk by
-  Inductor (its FX graph and autotuning caches under ``TORCHINDUCTOR_CACHE_DIR``), so a second
-  process starts from the cache. What ``"auto"`` picks for ``torch.compile`` graphs on CUDA.
-- ``tensorrt``: torch-tensorrt's Dynamo backend, imported only here and only when chosen. It pins
-  one torch minor version and its native libraries are not on the plain package index, so the
-  option check (``options.py``) refuses it when it is not installed. If it hands back a module
-  with no TensorRT engine (its silent fallback to PyTorch), we warn.
+- ``eager``: the traced FX graph as is; the CUDA graph already removes launch overhead.
+- ``inductor``: ``compile_fx`` with Inductor's own CUDA graphs off (graphs must not nest); fuses
+  elementwise work, at a compile per Dynamo graph (cached on disk by Inductor).
+- ``tensorrt``: torch-tensorrt's Dynamo backend, imported only when chosen; a result with no
+  TensorRT engine (its silent fallback to PyTorch) is warned about.
 """
 
 from __future__ import annotations
@@ -80,11 +73,7 @@ def _compile_tensorrt(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -
 
 
 def _has_tensorrt_engine(compiled: Any) -> bool:
-    """True if ``compiled`` holds at least one TensorRT-accelerated submodule.
-
-    torch-tensorrt partitions the graph and names accelerated submodules ``_run_on_acc_*``;
-    a result without one ran entirely in PyTorch.
-    """
+    """True if ``compiled`` holds a TensorRT submodule (torch-tensorrt names them ``_run_on_acc_*``)."""
     modules = getattr(compiled, "named_modules", None)
     if modules is None:
         return False

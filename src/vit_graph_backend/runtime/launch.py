@@ -1,34 +1,11 @@
 """How a captured graph is launched: an executable made for device launch, or PyTorch's own.
 
-``CUDAGraph.replay()`` launches the executable PyTorch instantiated with no flags. That launch costs
-the host about 5 to 50 µs for a graph of kernels only, but once the graph holds memset nodes it
-grows by about 1.5 µs per memset: cuBLAS puts a 4-byte memset before each GEMM whose kernel needs
-a zeroed counter in its workspace, which on an H100 it does for the larger row counts, so the
-Qwen2.5-VL-3B tower's graphs of 768 tokens and more (36 to 166 memsets, by kernel settings) took
-0.2 to 0.6 ms of host time per launch, and 300 GEMMs of 16,384 rows 0.53 ms. The same graphs
-instantiated with the driver's ``CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`` launch from the host
-in 0.02 to 0.13 ms (the tower) and 0.02 to 0.05 ms (the GEMMs), and their GPU work takes as long
-(``benchmarks/graph_launch_probe.py``; ``benchmarks/results/graph_launch_*``).
-
-:func:`make_launcher` takes a graph captured with ``keep_graph=True`` and returns what the runtime
-replays:
-
-- a :class:`DeviceLaunchGraph`: the graph instantiated by the CUDA driver (through ``ctypes``, the
-  only driver entry points this package uses) for device launch, uploaded once, launched with
-  ``cuGraphLaunch`` into the caller's current stream. The ``torch.cuda.CUDAGraph`` stays alive
-  beside it: it owns the captured graph and its memory pool.
-- the ``torch.cuda.CUDAGraph`` itself, instantiated by PyTorch, when ``graph_launch="torch"``, when
-  the forward draws random numbers (PyTorch's replay advances the generator's offsets per launch;
-  a launch outside it would repeat the same numbers; the check reads the device's default
-  generator in the warm-up, so a forward drawing from a CUDA generator of its own should set
-  ``graph_launch="torch"``), when the driver library cannot be loaded,
-  or when the driver refuses device launch for this graph (it allows kernel, memcpy and memset
-  nodes on one device only). The reason is logged once.
-
-A launch that fails raises ``RuntimeError`` with the driver's error code: the runtime then runs the
-batch eagerly and disables that budget, like any failed replay.
-
-:func:`capture_stream` is the stream a device's graphs are captured on (``graph_capture.py``).
+``CUDAGraph.replay()``'s executable costs the host more per launch with every memset node (cuBLAS
+adds them before large GEMMs); the same graph instantiated with
+``CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`` launches far cheaper (docs/performance.md).
+:func:`make_launcher` returns a :class:`DeviceLaunchGraph` (driver calls through ``ctypes``), or the
+``CUDAGraph`` instantiated by PyTorch with ``graph_launch="torch"``, for forwards that draw random
+numbers (only PyTorch's replay advances the generator), or where the driver refuses.
 """
 
 from __future__ import annotations
@@ -82,14 +59,10 @@ _capture_streams_lock = threading.Lock()
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one stream every graph of ``device`` is captured on: the allocator hands a pool's free
-    blocks only to allocations on the stream that freed them, so a stream per capture would stop
-    the smaller graphs reusing the larger ones' memory. One per device, not ``torch.cuda.graph``'s
-    default, which is one stream for the process made on whichever device was current when it was
-    first used: a capture for another GPU's tensors then begins on the first GPU (the forward's
-    kernels run eagerly outside it and the graph is empty, or the capture fails and leaves that
-    GPU's random-number generator in capture mode, so every later draw there raises:
-    ``benchmarks/results/gpu_suite_two_gpus_capture_stream_on_the_first_gpu_*``)."""
+    """The one stream every graph of ``device`` is captured on. One stream, because a pool's free
+    blocks go only to allocations on the stream that freed them (smaller graphs reuse the larger
+    ones' memory); one per device, because ``torch.cuda.graph``'s process-wide default stream
+    lives on whichever device was current first, which breaks captures on other GPUs."""
     index = device_index(device)
     with _capture_streams_lock:
         stream = _capture_streams.get(index)
@@ -165,13 +138,13 @@ def launch_kind(launcher: Any) -> str:
 
 def make_launcher(graph: torch.cuda.CUDAGraph, device: torch.device, mode: str,
                   uses_rng: bool | None) -> Any:
-    """What to replay for ``graph`` (captured with ``keep_graph=True``): a
-    :class:`DeviceLaunchGraph`, or ``graph`` instantiated by PyTorch (module docstring).
+    """What to replay for ``graph``: a :class:`DeviceLaunchGraph`, or ``graph`` instantiated by
+    PyTorch (module docstring).
 
     Args:
         mode: the ``graph_launch`` option (``options.GRAPH_LAUNCHES``).
-        uses_rng: whether the forward advanced the CUDA generator in its warm-up; ``None`` when
-            unknown (no warm-up ran): then PyTorch's replay, which handles it either way.
+        uses_rng: whether the forward advanced the CUDA generator in its warm-up; ``None``
+            (unknown): PyTorch's replay.
     """
     reason = _device_launch_refused(mode, uses_rng)
     if reason is None:

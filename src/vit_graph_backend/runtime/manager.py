@@ -1,30 +1,10 @@
-"""`EncoderCudaGraphManager`: budgets, static buffers, one shared graph pool, capture and replay.
+"""`EncoderCudaGraphManager`: plans each call, pads batches into budgets and replays their graphs.
 
-One manager serves one encoder (or, for batched ``torch.compile`` graphs, one graph set). For each
-call it asks the encoder for item specs, plans batches (``planner``), and runs each batch:
-
-- a **graph batch** copies the encoder's replay buffers into the budget's static buffers (a short
-  buffer is copied into the head and its tail zeroed, so no stale or NaN padding survives), replays
-  the budget's CUDA graph, clones the real rows once and hands each item a view of its rows;
-- an **eager batch** (an item larger than every budget, a budget whose capture failed, grad
-  required) runs ``encoder_eager_forward`` and is counted in ``stats`` with its reason; a call
-  with hooks or patched code inside the encoder at capture runs eagerly (``weights.py``).
-
-Budgets are captured **largest first into one graph pool**, so smaller graphs reuse the largest
-one's intermediates; each capture is measured and bounded first, and a failed capture does not
-take the smaller budgets with it (``graph_capture.py``). Which budgets are served, why the others
-are not, and the cached plans over them: ``served_budgets.py``. This module replays.
-
-**Threads and streams.** Host state is guarded by this manager's lock. The GPU work of each call
-(copies into the static buffers, replays, output copies, eager batches) is ordered after the
-previous call's on the device through :class:`~vit_graph_backend.runtime.stream_order.StreamOrder`, so
-any number of threads on any streams get the outputs eager PyTorch would give them; outputs are
-made on the caller's current stream. Without CUDA the same plan, pad, run and slice path runs
-without graphs (CPU tests use it).
-
-Encoders reach the manager through :class:`~vit_graph_backend.protocol.SupportsEncoderCudaGraph`;
-one of independent rows may add ``prepare_encoder_cudagraph_replay_segments`` and
-``encoder_eager_segments`` (planner segments instead of items: large items cut, ``chunk=True``).
+A graph batch copies replay buffers into the budget's static buffers (tails zeroed), replays and
+hands each item a view of one clone of the real rows; an eager batch (oversize item, failed
+budget, grad, hooks or patched code) runs ``encoder_eager_forward`` and is counted with its reason.
+Each call's GPU work is ordered after the previous call's (``stream_order``), so any thread on any
+stream gets what eager would give it. Without CUDA the same path runs without graphs.
 """
 
 from __future__ import annotations
@@ -65,27 +45,16 @@ class EncoderCudaGraphManager:
         device: where static buffers live; ``None`` for the model's first parameter's device.
         dtype: dtype of floating capture inputs; ``None`` for the model's parameter dtype.
         chunk: cut row items larger than the largest budget into chunks (needs the segment API).
-        budget_config: a resolved config to use instead of resolving ``options`` against the
-            model's budget range.
-        exact_rows: for an exact-shape graph (one budget of 1 holding a whole static call):
-            the call's real rows, counted in ``stats`` instead of a budget of 1.
-        pad_without_graphs: on a device without CUDA, pad each batch to its budget and run
-            the captured computation over static buffers, as a graph would (for tests of
-            padding without a GPU); ``None`` for the class default :attr:`pad_without_graphs`
-            (``False``: such a device runs each planned batch at its own size, eagerly, so it
-            costs what eager costs).
-        watch: the module whose weights the graphs read (``weights.py``: checked for new
-            storage before every call that replays a graph, for hooks and patched code at
-            every capture); ``None`` for ``model`` itself where it is a module.
-
-    Example::
-
-        manager = EncoderCudaGraphManager(adapter, VitGraphOptions(max_items_per_graph=4))
-        outputs = manager.run({"pixel_values": pv, "grid_thw": grid})   # one output per item
+        budget_config: a resolved config instead of resolving ``options``.
+        exact_rows: for an exact-shape graph: the call's real rows, counted in ``stats``.
+        pad_without_graphs: without CUDA, pad each batch and run the captured computation over
+            static buffers as a graph would (tests); ``None`` for the class default (``False``:
+            each planned batch runs eagerly at its own size).
+        watch: the module whose weights the graphs read (``weights.py``); ``None`` for ``model``
+            itself where it is a module.
     """
 
-    #: the default of ``pad_without_graphs``: tests of padding on CPU set it for managers made
-    #: inside ``serve()`` and ``torch.compile`` (``tests/conftest.py``, fixture ``padded_cpu``)
+    #: default of ``pad_without_graphs``; CPU padding tests set it (fixture ``padded_cpu``)
     pad_without_graphs = False
 
     def __init__(
@@ -114,7 +83,6 @@ class EncoderCudaGraphManager:
             )
         self.chunk = chunk
         self.exact_rows = exact_rows
-        #: batches are padded to budgets: where graphs can replay them, or when asked to
         if pad_without_graphs is None:
             pad_without_graphs = type(self).pad_without_graphs
         self.pads = self.device.type == "cuda" or pad_without_graphs
@@ -123,20 +91,16 @@ class EncoderCudaGraphManager:
                                    self.config.max_batch_size, self.config.max_frames_per_batch,
                                    self.device, self.dtype, self.options.graph_launch)
         self._graphs = self.graphs.entries
-        #: the budgets served now, why the others are not, and the plans over them
         self.served = ServedBudgets(self.config, self.options.policy, chunk)
         self._off_reason: str | None = None
         self._all_budgets_failed = False   # graphs off only because every budget was disabled
         self._logged: set[str] = set()
         self._lock = threading.RLock()
-        #: the module the graphs read weights of, and where its weights live (``weights.py``)
         self.watched = watch if watch is not None else (
             model if isinstance(model, torch.nn.Module) else None)
         self.weights = WeightSlots(self.watched) if self.watched is not None else None
-        #: the encoder's own weight copies (its optional protocol method), refreshed once a
-        #: call after its first launch
+        #: the encoder's optional weight-copy refresh, called once a call after its first launch
         self._refresh = getattr(model, "refresh_encoder_cudagraph_weights", None)
-        #: orders this call's GPU work after the previous call's, on any stream (one per device)
         self.order = order_for(self.device)
         if self.device.type != "cuda":
             _log_cpu_once()
@@ -144,7 +108,6 @@ class EncoderCudaGraphManager:
         if reason:
             self.disable_graphs(reason)
 
-    # ----------------------------------------------------------------------------- introspection
     @property
     def uses_cuda_graphs(self) -> bool:
         """True if calls can replay CUDA graphs (CUDA device, graphs not disabled)."""
@@ -179,14 +142,9 @@ class EncoderCudaGraphManager:
         return self.graphs.capture_seconds
 
     def memory_report(self) -> dict[str, Any]:
-        """Memory the captured set holds, measured from the CUDA caching allocator.
-
-        ``pool_bytes`` is what the allocator reserved for the graph pools (intermediates and
-        static outputs); ``static_input_bytes`` the static input buffers outside them;
-        ``skipped_budgets`` the budgets not captured, each with its reason (over
-        ``max_graph_memory``, out of memory, a failed capture); ``estimated_bytes`` each
-        measured budget's warm-up estimate; ``disabled_budgets`` every budget not served, with
-        its reason (skips, failed replays, failed verification).
+        """Memory the captured set holds, from the CUDA caching allocator: ``pool_bytes`` (graph
+        pools), ``static_input_bytes``, ``skipped_budgets`` and ``disabled_budgets`` (each with
+        its reason), ``estimated_bytes`` (warm-up estimates per budget).
         """
         report = self.graphs.report()
         report["budgets"] = list(self.token_budgets)
@@ -194,7 +152,6 @@ class EncoderCudaGraphManager:
         report["graphs_off_reason"] = self._off_reason
         return report
 
-    # ------------------------------------------------------------------------------- life cycle
     def disable_graphs(self, reason: str) -> None:
         """Serve every later call eagerly, logging ``reason`` once."""
         self._off_reason = reason
@@ -239,7 +196,6 @@ class EncoderCudaGraphManager:
         if self.served.enable(list(self.graphs.skipped)) and self._all_budgets_failed:
             self._off_reason, self._all_budgets_failed = None, False
 
-    # ------------------------------------------------------------------------------------ calls
     def run(self, inputs: Any) -> list[Any]:
         """Run one call; returns one output per item, in the caller's order."""
         specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
@@ -294,8 +250,7 @@ class EncoderCudaGraphManager:
             return self._eager(inputs, batch, f"batch not servable by graph: {exc}")
         except Exception as exc:  # a graph path must never crash a user's call
             why = f"replay failed: {error_line(exc)}"
-            # Eagerly first: where eager raises too, the call's input is at fault (the model's
-            # own check), which is the caller's error, and the budget stays served.
+            # eager first: if it raises too, the input is at fault and the budget stays served
             outs = self._eager(inputs, batch, why)
             self._disable_budget(batch.budget, why)
             return outs
@@ -331,8 +286,7 @@ class EncoderCudaGraphManager:
         graph = entry.graph is not None
         if graph:
             entry.graph.replay()
-            # the encoder's weight copies, once a call, while the GPU runs its first graph: one
-            # that read copies behind their weights (valid memory) replays again
+            # refresh weight copies once a call; if one was stale, replay again
             if self._refresh is not None and not call.refreshed:
                 call.refreshed = True
                 if self._refresh():
@@ -364,7 +318,7 @@ class EncoderCudaGraphManager:
     def _eager(self, inputs: Any, batch: Batch, reason: str) -> list[Any]:
         out = split_rows(self._eager_packed(inputs, batch), batch.segments)
         self.stats.record_eager(len(batch.segments), reason)
-        # once per kind of reason (the text before its first colon), then at DEBUG
+        # warn once per kind of reason (text before the first colon), then at DEBUG
         kind = reason.split(":")[0]
         if kind not in self._logged:
             self._logged.add(kind)
@@ -386,8 +340,7 @@ class EncoderCudaGraphManager:
         return self.model.prepare_encoder_cudagraph_replay_buffers(inputs, list(batch.items), budget)
 
     def _python_outside(self) -> bool:
-        """Before the first graph (or static buffers) of the encoder: whether it runs Python a
-        graph would skip (hooks, patched code: ``weights.py``), which turns graphs off."""
+        """Whether the encoder runs Python a graph would skip (hooks, patched code); turns graphs off."""
         outside = python_outside_graphs(self.watched) if self.watched is not None else None
         if outside is not None:
             self.disable_graphs(f"{outside}, Python that graphs skip; served eagerly (remove "
@@ -398,8 +351,7 @@ class EncoderCudaGraphManager:
         with torch.cuda.device(self.device):  # the encoder's, whichever is current (graph_ms)
             outcome = self.graphs.capture(budget)
         if outcome.skipped is not None:
-            # a capture that failed for another reason than memory also warns: a host sync in
-            # the forward, an op graphs cannot hold
+            # a non-memory capture failure also warns (host sync, an op graphs cannot hold)
             self._disable_budget(budget, outcome.skipped, warn=outcome.failed and not outcome.oom)
 
     def _disable_budget(self, budget: int, reason: str, warn: bool = False) -> None:
@@ -428,9 +380,8 @@ class EncoderCudaGraphManager:
                 f"captured for {self.device}, {self.dtype}; serve it again to have graphs there")
 
     def refresh(self) -> None:
-        """Serve the encoder as it is now: after a submodule was replaced, a forward hook
-        added or removed, or code patched (``weights.py``: the contract). Its weights and hooks
-        are read again and its graphs are captured again at the next call."""
+        """Serve the encoder as it is now (after a replaced submodule, a hook added or removed,
+        patched code): weights and hooks are read again, graphs captured again at the next call."""
         with self._lock:
             if self.watched is not None:
                 self.weights = WeightSlots(self.watched)
@@ -446,8 +397,7 @@ class EncoderCudaGraphManager:
 
 
 class _Call:
-    """One call's standing: why it runs eagerly (``None``: graphs serve it), and whether the
-    encoder's weight copies were refreshed during it."""
+    """One call's eager reason (``None``: graphs serve it) and whether weights were refreshed."""
 
     __slots__ = ("reason", "refreshed")
 

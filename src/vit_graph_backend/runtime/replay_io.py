@@ -1,24 +1,11 @@
 """Moving rows in and out of a budget's static buffers: pad, split, reassemble, compare.
 
-Pure tensor helpers of :mod:`~vit_graph_backend.runtime.manager`, kept apart so the manager reads as
-the life cycle of its graphs. A short replay buffer is copied into the head of its static buffer
-and the tail is zeroed, so no stale or NaN padding survives from an earlier replay.
-
-Copies a replay does not need are not made (:func:`write_inputs`), since on the packed path
-every host operation of a call counts against a few hundred microseconds:
-
-- **Rows already zero.** A budget remembers, per buffer, how many leading rows may hold
-  something other than zero; a shorter write zeroes only the rows between, and a write at
-  least as long as the last zeroes none. Not for buffers that share storage with another (views
-  of one block): a write through one would change what the other holds.
-- **Buffers that are a function of something the encoder names.** An encoder may return
-  :class:`~vit_graph_backend.protocol.StampedBuffers`: the buffers that change every call, plus
-  a *stamp* and a loader for the others (a batch's metadata, which depends only on its items'
-  sizes). When the budget's static buffers were last filled from the same stamp, those buffers
-  already hold their values and the loader is not called.
-
-Anything else that writes a budget's static buffers (the stress suite's NaN poisoning) calls the
-entry's ``forget_inputs()``, so the next replay writes them all again.
+A short replay buffer is copied into the head of its static buffer and the tail zeroed, so no
+stale or NaN padding survives. :func:`write_inputs` skips copies a replay does not need, since
+host time per call is tight on the packed path: a budget remembers per buffer how many leading
+rows may be non-zero (not for buffers sharing storage), and
+:class:`~vit_graph_backend.protocol.StampedBuffers` whose stamp filled the buffers last are not
+loaded again. Anything else that writes static buffers calls the entry's ``forget_inputs()``.
 """
 
 from __future__ import annotations
@@ -52,7 +39,7 @@ def map_output(out: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def head_copy(out: Any, rows: int) -> Any:
     """A copy of the first ``rows`` rows of a tensor output, or of each tensor of a tuple/list
-    output (``map_output`` without a function built per call: this runs after every replay)."""
+    output (no closure per call: this runs after every replay)."""
     if isinstance(out, torch.Tensor):
         return out[:rows].clone()
     return type(out)(t[:rows].clone() for t in out)
@@ -85,8 +72,8 @@ def input_tensors(inputs: Any) -> list[torch.Tensor]:
 
 
 def write_inputs(entry: Any, values: Mapping[str, torch.Tensor]) -> None:
-    """Write one replay's buffers into ``entry``'s static buffers (``graph_capture.BudgetGraph``:
-    ``static``, ``written``, ``stamp``, ``dirty``), skipping what they already hold."""
+    """Write one replay's buffers into ``entry``'s static buffers (a ``capture.BudgetGraph``),
+    skipping what they already hold."""
     stamp = values.stamp if isinstance(values, StampedBuffers) else None
     aliased, dirty = entry.aliased_keys(), entry.dirty
     if stamp is None or entry.stamp is not stamp:
@@ -107,14 +94,9 @@ def copy_padded(static: dict[str, torch.Tensor], key: str, value: torch.Tensor,
                 dirty: dict[str, int] | None = None) -> None:
     """Copy ``value`` into the head of ``static[key]`` and zero the rest of its rows.
 
-    A ``value`` in pinned host memory is copied to the GPU without waiting for it: a plain host
-    tensor's copy synchronizes the stream, so the host could not run ahead of a busy GPU. The
-    caller hands such a value over, never writing it again; PyTorch's pinned-memory allocator
-    keeps a freed block until the copies from it are done.
-
-    ``dirty``, when given, holds per key how many leading rows may be non-zero (a key not in it:
-    all of them): only the rows between ``value``'s end and that count are zeroed, and the count
-    is updated.
+    A pinned host ``value`` is copied without a host sync (the caller never writes it again).
+    ``dirty``, when given, holds per key how many leading rows may be non-zero (absent: all);
+    only rows between ``value``'s end and that count are zeroed, and the count is updated.
     """
     try:
         target = static[key]

@@ -1,15 +1,9 @@
 """One report of what a set of graph managers did: the fields ``report()`` returns.
 
-``vit_graph_backend.report()`` (every compiled graph and served tower in the process), the
-backend's ``vitgraph.report()`` (compiled graphs) and ``PackedGraphEncoder.report()`` (one served
-tower) all build their answer here, so the three agree field by field. The managers are read
-through their public surface (``stats``, ``memory_report()``, ``uses_cuda_graphs``,
-``exact_rows``) only.
-
-Fields are true on every device: without CUDA, ``graphs_captured`` and ``graph_memory_bytes`` are
-0, batches run at their own size and are counted as ``no_graph_batches``, not replays, and
-nothing is padded; an exact-shape graph
-(Dynamo's static compile) is counted in ``exact_shape_graphs``, never as a budget.
+``vit_graph_backend.report()``, the backend's ``vitgraph.report()`` and
+``PackedGraphEncoder.report()`` all build their answer here, from the managers' public surface, so
+they agree field by field. Without CUDA, graph counts and memory are 0 and batches count as
+``no_graph_batches``; exact-shape graphs count in ``exact_shape_graphs``, never as a budget.
 """
 
 from __future__ import annotations
@@ -61,8 +55,7 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         "device_launch_graphs": device_launch,
         "captured_budgets": sorted(budgets),
         "skipped_budgets": skipped,
-        # how often memory ran out: budgets skipped (each logged once, in skipped_budgets),
-        # and kernel timings cut short (process-wide; each choice logged in one line)
+        # kernel timings cut short are counted process-wide
         "out_of_memory": {"skipped_budgets": oom, "kernel_timings": timings_short_of_memory()},
         "graph_memory_bytes": memory,
         "static_input_bytes": static,

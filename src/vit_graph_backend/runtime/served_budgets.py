@@ -1,10 +1,9 @@
 """`ServedBudgets`: which budgets a graph manager serves now, and the plans over them.
 
-The runtime (``runtime.py``) replays graphs; this part only keeps its book of budgets. A budget
-leaves the served set when its capture is skipped (memory), its replay fails or its verification
-fails, each with a reason that ``memory_report()["disabled_budgets"]`` shows; it comes back when
-``clear()`` frees memory. Plans are cached per tuple of item specs and dropped whenever the set
-changes, so no cached plan ever names a budget that is not served.
+A budget leaves the served set when its capture is skipped or its replay or verification fails,
+with a reason (``memory_report()["disabled_budgets"]``); ``clear()`` brings skipped ones back.
+Plans are cached per tuple of item specs and dropped whenever the set changes, so no cached plan
+names a budget that is not served.
 """
 
 from __future__ import annotations

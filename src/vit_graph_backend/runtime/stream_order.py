@@ -1,24 +1,12 @@
 """Stream-ordered use of CUDA graph memory, whichever thread and stream calls.
 
-A graph replay is enqueued on the caller's current stream and returns at once. A host lock alone
-therefore does not protect a graph's static buffers or its pool's intermediates: a second caller
-on another stream would take the lock as soon as the first call *returned* and rewrite the
-buffers while the first replay still ran on the GPU (measured on an H100: 830 of 1200 outputs
-wrong with four threads, two of them on side streams; on the packed path the rewritten offsets
-made attention read out of bounds and killed the CUDA context).
-
-:class:`StreamOrder` keeps that promise on the GPU as well. Every call's GPU work (input copies,
-replays, output copies, eager fallbacks of the same encoder) runs between :meth:`enter` and
-:meth:`exit`, under one lock; when the previous call ran on another stream, :meth:`enter`
-records an event on that stream and makes the caller's stream wait for it (on one stream the
-order is already given and nothing is recorded). No host synchronization: the waits are on the
-GPU, and the caller's outputs are made on its own stream, after its own replay, so they are
-ready for whatever the caller enqueues next.
-
-There is one order per CUDA device (:func:`order_for`), shared by every manager on it: graphs
-share pools (a batched encoder's graph sets, a pool handed to ``capture(graph_pool)``), and one
-order for the device covers every way they can. The price is that calls of two different
-encoders, made on two streams, run one after the other on the GPU, as they would on one stream.
+A replay is enqueued on the caller's stream and returns at once, so a host lock alone does not
+protect static buffers: a caller on another stream could rewrite them while the previous replay
+still runs. :class:`StreamOrder` runs every call's GPU work between :meth:`~StreamOrder.enter` and
+:meth:`~StreamOrder.exit` under one lock; when the previous call ran on another stream, the
+caller's stream waits on an event recorded there (on the GPU, no host sync). There is one order
+per device (:func:`order_for`), shared by every manager, since graphs may share pools; calls of
+two encoders on two streams therefore serialize on the GPU.
 """
 
 from __future__ import annotations
@@ -53,7 +41,7 @@ class StreamOrder:
         self._streams: dict[int, Any] = {}  # stream objects by raw handle
         self._raw: Any = None  # the context manager's enter, for its exit
         self._depth = 0
-        #: how many calls had to wait for another stream's previous call (for tests and reports)
+        #: calls that had to wait for another stream's previous call
         self.cross_stream_waits = 0
 
     def enter(self) -> Any:
@@ -63,14 +51,11 @@ class StreamOrder:
         self._depth += 1
         if self.device.type != "cuda":
             return None
-        # the raw handle, not a torch.cuda.Stream: this runs on every call (_compat)
+        # the raw handle, not a torch.cuda.Stream: this runs on every call
         index = self._index if self._index is not None else torch.cuda.current_device()
         raw = current_raw_stream(index)
         if self._depth == 1 and self._last_stream is not None and raw != self._last_raw:
-            # Recorded now, on the previous call's stream: it marks everything enqueued there so
-            # far, the previous call included. Recording lazily keeps one stream's calls free of
-            # event work; the price is that the new stream may also wait for work the previous
-            # caller enqueued after its call.
+            # recorded lazily, only on a switch: one stream's calls do no event work
             if self._event is None:
                 self._event = torch.cuda.Event()
             self._event.record(self._last_stream)
@@ -90,8 +75,7 @@ class StreamOrder:
             self._lock.release()
 
     def _stream(self, raw: int) -> Any:
-        """The ``torch.cuda.Stream`` of the current stream, whose handle is ``raw``: made once
-        per stream, only on a switch (a call on the last call's stream never needs it)."""
+        """The ``torch.cuda.Stream`` of handle ``raw``, made once per stream, only on a switch."""
         stream = self._streams.get(raw)
         if stream is None:
             stream = torch.cuda.current_stream(self.device)

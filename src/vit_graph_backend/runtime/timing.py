@@ -1,18 +1,11 @@
-"""The GPU time of a short piece of work as a CUDA graph runs it: how the package's choices
-between kernels are timed (``fused_linear`` per GEMM shape, ``adapters/_attention_choice.py``
-per budget).
+"""The GPU time of a short piece of work as a CUDA graph runs it: how kernel choices are timed
+(``fused_linear`` per GEMM shape, attention choices per budget).
 
-A single launch timed with CUDA events measures the host's launch time wherever the kernels are
-short: on an H100 a small budget's window attention timed that way took 0.07 to 0.15 ms against 4
-to 12 us of GPU time (``benchmarks/results/window_attention_*``), so such a timing picks whichever
-candidate launches fewer kernels, not the one the graph runs faster. :func:`graph_ms` captures a
-few calls into a temporary graph and times its replays instead.
-
-It captures with ``CUDAGraph.capture_begin``/``capture_end`` on a side stream rather than through
-``torch.cuda.graph``, whose entry synchronizes the device and empties the allocator's device and
-pinned-host caches (and runs ``gc.collect()`` where ``torch.compiler.config.force_cudagraph_gc``
-is set; off by default in torch 2.11): paid for every candidate of every shape, that would land
-in a model's first pass, and emptied caches make the next allocations slow.
+A single launch timed with CUDA events measures host launch time wherever kernels are short, so
+it picks whichever candidate launches fewer kernels. :func:`graph_ms` captures a few calls into a
+temporary graph and times its replays instead, with ``capture_begin``/``capture_end`` on a side
+stream: ``torch.cuda.graph``'s entry synchronizes the device and empties the allocator's caches,
+which would land in a model's first pass for every candidate.
 """
 
 from __future__ import annotations
@@ -32,22 +25,15 @@ __all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "time_each", "timings_shor
 _T = TypeVar("_T")
 
 
-#: One side stream per device for every timing, created on first use: cuBLAS keeps a workspace
-#: (tens of MiB on Hopper) for each stream it has run on, for the process's life, so a fresh pool
-#: stream per timing grew a ViT-B/16 stream's peak memory by 363 MiB over its 18 budgets.
-#: With each stream, one element of that device, written inside a timing capture whose work raised
-#: before it launched anything (out of memory at its first allocation, say): PyTorch warns of an
-#: empty graph at the capture's end as one "captured on wrong device or stream", which would send
-#: whoever reads the log after a timing that only ran out of memory looking for the wrong fault.
+#: One side stream per device for every timing (cuBLAS keeps a workspace per stream it ran on,
+#: for the process's life), with one element written into an abandoned capture so it never ends
+#: empty (PyTorch would warn of a wrong device or stream).
 _streams: dict[int, tuple[torch.cuda.Stream, torch.Tensor]] = {}
-#: One timing at a time: a stream can hold only one capture. Re-entrant, for an ``fn`` whose
-#: first run (outside the capture) times something itself.
+#: One timing at a time (one capture per stream); re-entrant for an ``fn`` that times itself.
 _lock = threading.RLock()
 #: A timing graph whose untimed first replay takes at least this long is timed over at most
-#: :data:`LONG_REPS` replays: at that length the event timer's microseconds and the launch are
-#: lost in the work, and the replays the default ``reps`` adds cost the first pass GPU time (in
-#: the Qwen2.5-VL-3B tower's capture, its large budgets' attention races: 0.1 to 0.2 s of about
-#: 3 s on an H100, ``benchmarks/results/first_pass_one_warm_up_run_*``).
+#: :data:`LONG_REPS` replays: launch noise is lost in the work, and more replays only lengthen
+#: the first pass.
 LONG_REPLAY_MS = 2.0
 LONG_REPS = 2
 
@@ -57,12 +43,9 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     ``reps`` replays after an untimed one, or of at most :data:`LONG_REPS` where that one took
     :data:`LONG_REPLAY_MS` or more.
 
-    ``fn`` runs once outside the capture first (a Triton compile, lazy modules). It runs on the
-    current device's timing stream, which waits for the caller's stream, and the caller's stream
-    waits for it in turn, so ``fn`` may read tensors the caller just wrote. The caller makes the
-    device of ``fn``'s tensors current: on another device's stream their kernels would run
-    outside the capture. The capture is thread-local: another thread's work stays legal
-    meanwhile. Raises what ``fn`` raises, with the capture closed.
+    ``fn`` runs once outside the capture first (compiles, lazy set-up), on the current device's
+    timing stream, ordered both ways with the caller's stream. The caller makes ``fn``'s device
+    current. Raises what ``fn`` raises, with the capture closed.
     """
     caller = torch.cuda.current_stream()
     with _lock:
@@ -98,11 +81,9 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
 def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int, reps: int,
               timer: Callable[..., float] = graph_ms
               ) -> tuple[dict[_T, float], dict[_T, tuple[str, bool]]]:
-    """Each candidate's GPU ms per ``run(candidate)`` (``timer``: :func:`graph_ms`, or what a
-    caller's tests put in its place), and for each that raised instead, the reason in one line
-    and whether it said memory ran out (``errors.out_of_memory``: the moment's memory, not the
-    candidate, so the caller may try it again later rather than refuse it). The per-shape
-    choices of ``fused_linear`` and ``attention_op`` are timed with it."""
+    """Each candidate's GPU ms per ``run(candidate)`` (``timer``: :func:`graph_ms` or a test
+    stand-in), and for each that raised, the reason in one line and whether memory ran out (so
+    the caller may try it again later rather than refuse it)."""
     times: dict[_T, float] = {}
     failures: dict[_T, tuple[str, bool]] = {}
     for candidate in candidates:

@@ -1,20 +1,12 @@
 """What a served encoder promises about its weights, and the one check per call that keeps it.
 
-**The contract.** After ``serve()`` or a compile, a tower's structure and code are its own: the
-graphs were captured from its modules, hooks and code as they were then. Its parameters and
-buffers may change *value* in place at any time (``load_state_dict``, an optimizer step outside
-the graphs, ``p.mul_(2)``): graphs read them where they live. What gives a weight *new storage*
-(``.to()``, ``.half()``, ``load_state_dict(..., assign=True)``, ``p.data = t``, a write to a
-module's parameter table as accelerate's ``set_module_tensor_to_device`` does) is seen by
-:class:`WeightSlots` before any graph of a call launches, and the graphs are captured again
-(``runtime.py``). Anything else (a submodule replaced, a forward hook added, code patched into a
-class after the graphs were captured) is the user's to announce with ``refresh()``, which
-captures again; hooks and patched code present at capture are found then
-(:func:`python_outside_graphs`) and the encoder is served eagerly, where they run.
-
-The check is the one PyTorch's own CUDA graph trees make on static inputs: every weight looked up
-where it lives, its address compared with the one captured, in C where the torch build has the
-comparison (``_compat.same_data_ptrs``).
+Parameters and buffers may change value in place at any time: graphs read them where they live.
+A weight given new storage (``.to()``, ``assign=True``, ``p.data = t``, a write to a parameter
+table) is seen by :class:`WeightSlots` before any graph of a call launches, and the graphs are
+captured again. Anything else (a replaced submodule, a hook added, patched code) is the user's to
+announce with ``refresh()``; hooks and patched code present at capture are found then
+(:func:`python_outside_graphs`) and the encoder is served eagerly. The check compares every
+weight's address with the captured one, as PyTorch's CUDA graph trees check static inputs.
 """
 
 from __future__ import annotations
@@ -34,10 +26,9 @@ _version = operator.attrgetter("_version")
 
 
 class WeightSlots:
-    """Every parameter and buffer of ``module``'s tree: the table it lives in and its name, and
-    the address it had when the slots were read. A weight that is a wrapper tensor subclass (a
-    quantized weight) has no storage of its own; the tensors it holds (``__tensor_flatten__``)
-    are what the graphs read, so their addresses are compared for it."""
+    """Every parameter and buffer of ``module``'s tree (its table, name and address when read).
+    For a wrapper tensor subclass (a quantized weight) the addresses of the tensors it holds
+    (``__tensor_flatten__``) are compared."""
 
     def __init__(self, module: nn.Module) -> None:
         tables, names = [], []
@@ -88,9 +79,8 @@ def _held(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 def fingerprint(tensors: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each tensor's address and version counter (-1 for both where a slot holds ``None``): what
-    derived copies of weights (the Qwen adapters' padded MLP weights) compare to know whether
-    their sources were written or moved since they were made.
+    """Each tensor's address and version counter (-1 for ``None``), which derived weight copies
+    compare to know whether their sources were written or moved.
 
     Raises:
         RuntimeError: for an inference tensor, which keeps no version counter.
@@ -103,10 +93,9 @@ def fingerprint(tensors: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def python_outside_graphs(module: nn.Module) -> str | None:
-    """Why calls of ``module`` would run Python that a graph captured from its submodules skips,
-    or ``None``: a forward hook or pre-hook on a submodule (or a global one), a ``forward`` set
-    on a submodule instance, or a class whose ``forward`` was patched in from another module.
-    ``module`` itself is left out: its own hooks and forward run around the whole call."""
+    """Why calls of ``module`` would run Python that its captured graphs skip (a forward hook on
+    a submodule or a global one, a ``forward`` set on an instance or patched into a class), or
+    ``None``. ``module``'s own hooks are fine: they run around the whole call."""
     pre, post = _compat.global_forward_hook_tables()
     if pre or post:
         return "a global forward hook is registered"

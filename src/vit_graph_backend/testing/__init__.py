@@ -1,13 +1,7 @@
 """Test helpers for users' own suites: Hypothesis strategies for specs, budgets and grids.
 
-Needs the ``test`` extra (``pip install vit-graph-backend[test]``), which brings ``hypothesis``.
-Nothing else in the package imports this subpackage, so ``import vit_graph_backend`` never imports
-``hypothesis``.
-
-Example::
-
-    from hypothesis import given
-    from vit_graph_backend.testing import budget_configs, item_spec_lists
+Needs the ``test`` extra (``pip install vit-graph-backend[test]``). Nothing else in the package
+imports this subpackage, so ``import vit_graph_backend`` never imports ``hypothesis``.
 """
 
 from .strategies import *  # noqa: F403  (the names listed in strategies.__all__)

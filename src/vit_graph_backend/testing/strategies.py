@@ -1,28 +1,18 @@
 """Hypothesis strategies for the package's value types, for this package's tests and for yours.
 
-Each strategy checks its arguments when it is *called*, not when the first example is drawn, the way
-Hypothesis's own ``order_check`` does: a bad argument fails at the line that wrote it, with a
-message naming the argument and its value (``min_tokens=5 is larger than max_tokens=3``). The
-errors are :class:`~vit_graph_backend.errors.InvalidOptionError`, which is also a ``ValueError``.
-
-Every strategy draws only valid values: specs that construct, configs built through
-:meth:`~vit_graph_backend.budgets.BudgetConfig.resolve` (all four of its paths), ladders from
-:func:`~vit_graph_backend.budgets.budget_ladder`. Property tests can then assert the invariants
-without filtering.
+Each strategy checks its arguments when it is *called*, not at the first draw (like Hypothesis's
+own ``order_check``): a bad argument fails at the line that wrote it, with an
+:class:`~vit_graph_backend.errors.InvalidOptionError` (a ``ValueError``) naming it. Every strategy
+draws only valid values (configs through :meth:`~vit_graph_backend.budgets.BudgetConfig.resolve`,
+ladders from :func:`~vit_graph_backend.budgets.budget_ladder`), so property tests need no filter.
+This is the only module of the package that imports ``hypothesis`` (the ``test`` extra).
 
 Example::
-
-    from hypothesis import given
-    from vit_graph_backend import plan_batches
-    from vit_graph_backend.testing import budget_configs, item_spec_lists
 
     @given(budget_configs(max_value=512), item_spec_lists(max_tokens=1024))
     def test_every_graph_batch_fits(config, specs):
         for batch in plan_batches(specs, config).graph_batches:
             assert batch.tokens <= batch.budget
-
-This module is the only place in the package that imports ``hypothesis`` (install the ``test``
-extra).
 """
 
 from __future__ import annotations
@@ -48,8 +38,7 @@ __all__ = [
     "vitgraph_options",
 ]
 
-#: Default upper bound for token counts and budgets: large enough for a 896x896 image at patch 14
-#: (4096 patches), small enough that plans stay quick to build and shrink.
+#: Default upper bound for token counts and budgets (a 896x896 image at patch 14).
 DEFAULT_MAX_TOKENS = 4096
 
 
@@ -83,13 +72,6 @@ def token_counts(min_value: int = 1, max_value: int = DEFAULT_MAX_TOKENS) -> st.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
-
-    Example::
-
-        >>> from hypothesis import given
-        >>> @given(token_counts(max_value=64))
-        ... def test(n):
-        ...     assert 1 <= n <= 64
     """
     check_positive_int("min_value", min_value)
     check_positive_int("max_value", max_value)
@@ -109,10 +91,9 @@ def item_specs(
         min_tokens: the fewest output tokens an item has; a positive integer.
         max_tokens: the most output tokens an item has; ``>= min_tokens``.
         max_frames: the most frames an item has (drawn from ``1..max_frames``); 1 for images.
-        merge: spatial merge factor ``m``: ``input_size == output_tokens * m * m``. ``merge=1``
-            with ``max_frames=1`` gives *row items* (a batched layout's rows, which
-            ``plan_batches(chunk=True)`` can split). ``None`` draws ``input_size`` independently
-            of ``output_tokens``, from ``1..4 * output_tokens``.
+        merge: spatial merge factor ``m``: ``input_size == output_tokens * m * m`` (``1`` with
+            ``max_frames=1``: row items); ``None`` draws ``input_size`` from
+            ``1..4 * output_tokens``.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
@@ -126,8 +107,7 @@ def item_specs(
     return _item_specs(min_tokens, max_tokens, max_frames, merge)
 
 
-# The draw functions live at module level: ``st.composite`` inspects its function, which costs
-# more than a draw when done inside every call of a strategy.
+# draw functions at module level: st.composite's inspection costs more than a draw
 @st.composite
 def _item_specs(
     draw: Any, min_tokens: int, max_tokens: int, max_frames: int, merge: int | None
@@ -200,9 +180,8 @@ def budget_ladders(
 ) -> st.SearchStrategy[tuple[int, ...]]:
     """Budget ladders as :func:`~vit_graph_backend.budgets.budget_ladder` builds them.
 
-    Each ladder starts at ``start`` and ends exactly at ``stop``, with
-    ``min_value <= start <= stop <= max_value``; it doubles (``max_steps=1``) or splits each
-    doubling into a drawn ``1..max_steps`` steps.
+    Each runs from ``start`` to exactly ``stop`` within ``[min_value, max_value]``, splitting
+    each doubling into a drawn ``1..max_steps`` steps.
 
     Args:
         min_value: the smallest start drawn; a positive integer.
@@ -220,7 +199,7 @@ def budget_ladders(
 def _budget_config_draws(
     min_value: int, max_value: int, max_budgets: int, max_frames: int | None
 ) -> st.SearchStrategy[tuple[int, dict[str, Any], BudgetConfig]]:
-    """``(path, resolve keyword arguments, config)``; tests use it to see every path is drawn."""
+    """``(path, resolve keyword arguments, config)``: tests check every path is drawn."""
     check_positive_int("min_value", min_value)
     check_positive_int("max_value", max_value)
     _order_check("value", min_value, max_value)
@@ -258,10 +237,8 @@ def budget_configs(
 ) -> st.SearchStrategy[BudgetConfig]:
     """Valid :class:`~vit_graph_backend.budgets.BudgetConfig` values.
 
-    Each config is built by :meth:`BudgetConfig.resolve` from a drawn model range and one of its
-    four paths, drawn evenly: budgets and ``max_batch_size`` given, only ``max_batch_size``,
-    only budgets, neither. The user choices always satisfy ``max_batch_size <= min(budgets)``, so
-    ``resolve`` never raises.
+    Built by :meth:`BudgetConfig.resolve` from a drawn range through its four paths, evenly
+    (budgets and/or ``max_batch_size`` given or not), with ``max_batch_size <= min(budgets)``.
 
     Args:
         min_value: the smallest budget (and range bound) drawn; a positive integer.
@@ -287,9 +264,8 @@ def image_grids(
 ) -> st.SearchStrategy[tuple[int, int, int]]:
     """``(t, h, w)`` patch grids, as packed encoders (Qwen-VL's ``grid_thw``) describe an item.
 
-    ``h`` and ``w`` count patches and are multiples of ``merge``, so the item has
-    ``t * h * w`` input patches and ``t * (h // merge) * (w // merge)`` output tokens. The image
-    sides ``h * patch`` and ``w * patch`` lie in ``[min_side, max_side]`` pixels.
+    ``h`` and ``w`` count patches, are multiples of ``merge``, and ``h * patch`` and
+    ``w * patch`` lie in ``[min_side, max_side]`` pixels.
 
     Args:
         patch: patch side in pixels; a positive integer.
@@ -302,14 +278,6 @@ def image_grids(
 
     Raises:
         InvalidOptionError: (a ``ValueError``) naming the bad argument and its value.
-
-    Example::
-
-        >>> from hypothesis import given
-        >>> @given(image_grids(patch=14, merge=2, max_side=448))
-        ... def test(grid):
-        ...     t, h, w = grid
-        ...     assert h % 2 == 0 and w % 2 == 0 and h * 14 <= 448
     """
     check_positive_int("patch", patch)
     check_positive_int("merge", merge)
@@ -360,10 +328,8 @@ def _options(draw: Any, max_value: int) -> VitGraphOptions:
 
 
 def vitgraph_options(max_value: int = DEFAULT_MAX_TOKENS) -> st.SearchStrategy[VitGraphOptions]:
-    """Valid :class:`~vit_graph_backend.options.VitGraphOptions`: every field drawn (``None``
-    where it may be), budgets and bounds in ``1..max_value``, ``min_budget <= max_budget`` and
-    ``max_items_per_graph <= min(budgets)`` when both are given. ``inner_compiler`` is never
-    ``"tensorrt"``, which needs torch-tensorrt installed.
+    """Valid :class:`~vit_graph_backend.options.VitGraphOptions`: every field drawn, budgets and
+    bounds in ``1..max_value``; ``inner_compiler`` is never ``"tensorrt"`` (needs torch-tensorrt).
 
     Args:
         max_value: the largest budget or bound drawn; a positive integer.

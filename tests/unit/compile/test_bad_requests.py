@@ -23,11 +23,11 @@ from vit_graph_backend.compile.backend import vitgraph  # noqa: E402
 
 # The encoder under test carries its state from one example to the next, so a shrunk sequence
 # would not replay the failure: no shrinking, and the failing draws are printed as they came.
-SEQUENCES = settings(max_examples=4, deadline=None, derandomize=True,
+SEQUENCES = settings(max_examples=3, deadline=None, derandomize=True,
                      phases=[Phase.explicit, Phase.generate],
                      suppress_health_check=[HealthCheck.too_slow,
                                             HealthCheck.function_scoped_fixture])
-CALLS = st.integers(4, 8)
+CALLS = st.integers(3, 6)
 
 BATCHED = {"hf_vit": lambda: br.hf_vit(False), "hf_vit_interpolate": lambda: br.hf_vit(True),
            "hf_clip": br.hf_clip, "hf_siglip": br.hf_siglip, "timm_vit": br.timm_vit}

@@ -310,8 +310,8 @@ def test_cudnn_out_of_memory_while_building_is_tried_again(as_if_on_cuda, caplog
 
 def test_cudnn_launches_on_the_stream_of_the_tensors_device(monkeypatch):
     """The handle was made on the tensors' device: its launch takes that device's current stream
-    with that device current, not the current device's (another GPU's stream fails the launch:
-    ``benchmarks/results/gpu_suite_two_gpus_capture_stream_on_the_first_gpu_*``)."""
+    with that device current, not the current device's (another GPU's stream fails the launch,
+    as a two-GPU run of the GPU suite showed)."""
     import contextlib
     from types import SimpleNamespace
 

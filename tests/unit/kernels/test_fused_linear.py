@@ -272,7 +272,7 @@ def test_the_rewrite_names_each_rewritten_layer_s_weight_bias_and_activation():
 
 
 class _Kernels:
-    """A stand-in for ``_linear_act_kernels`` whose ``precompile`` records its calls and, when
+    """A stand-in for ``_linear_act_triton`` whose ``precompile`` records its calls and, when
     told to, blocks until released."""
 
     def __init__(self, hold=False):

@@ -1,4 +1,4 @@
-"""The Triton segment kernel (``adapters/_segment_attention_kernel.py``) run by Triton's CPU
+"""The Triton segment kernel (``kernels/_segment_attention_triton.py``) run by Triton's CPU
 interpreter against the block-diagonal reference (``_packed_attention.masked_attention``).
 
 Runs where Triton imports on a CPU machine and its interpreter works with the installed NumPy
