@@ -161,8 +161,12 @@ def test_repeated_timings_of_cublas_work_hold_no_more_memory():
 
 
 def test_threads_timing_together_each_get_a_time():
+    # drawn before the threads: PyTorch refuses the device's default generator in one thread
+    # while another captures a graph ("Offset increment outside graph capture")
+    inputs = [torch.randn(512 + 128 * i, 512, device=DEV, dtype=DT) for i in range(4)]
+
     def work(i):
-        a = torch.randn(512 + 128 * i, 512, device=DEV, dtype=DT)
+        a = inputs[i]
         return [graph_ms(lambda: a @ a.T, calls=2, reps=2) for _ in range(3)]
 
     with ThreadPoolExecutor(4) as pool:   # a worker's exception is raised here

@@ -234,5 +234,5 @@ def test_a_tower_given_new_storage_is_captured_again_or_served_eagerly():
     tower.to(torch.float16)
     pv16 = pv.half()
     got, ref = served(pv16, grid), _hf(tower, pv16, grid)[0]
-    assert "moved to cuda:0, torch.float16" in (mgr.memory_report()["graphs_off_reason"] or "")
+    assert "moved (cuda:0, torch.float16)" in (mgr.memory_report()["graphs_off_reason"] or "")
     torch.testing.assert_close(got, ref, atol=5e-2, rtol=0)
