@@ -37,7 +37,6 @@ __all__ = [
     "parameter_table",
     "rearm_code",
     "register_dynamo_backend",
-    "same_data_ptrs",
     "sym_name",
     "torch_version_at_least",
     "uncompiled_callers",
@@ -281,17 +280,4 @@ def rearm_code(code: types.CodeType) -> None:
 
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
 
-
-_data_ptr = torch.Tensor.data_ptr
-
-
-def same_data_ptrs(tensors: list[torch.Tensor], addresses: list[int],
-                   indices: list[int]) -> bool:
-    """Whether ``tensors`` still live at ``addresses`` (``indices``: ``list(range(len))``), in one
-    call of ``torch._C._tensors_data_ptrs_at_indices_equal`` (CUDA builds; used by
-    torch/_inductor/cudagraph_trees.py), else through ``map``."""
-    check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-    if check is not None:
-        return bool(check(tensors, addresses, indices))
-    return list(map(_data_ptr, tensors)) == addresses
 

@@ -44,6 +44,7 @@ __all__ = ["ALIGNMENT", "AlignedMLPs", "CopiesPinned", "MLPWeights", "UntrackedW
 ALIGNMENT = 8
 
 _lookup = dict.get
+_version = operator.attrgetter("_version")
 
 
 class UntrackedWeights(RuntimeError):
@@ -158,15 +159,22 @@ class AlignedMLPs:
             names.append("weight")
         return tuple(tables), tuple(names)
 
-    def refresh(self) -> bool:
+    def refresh(self, replay: bool = False) -> bool:
         """Bring the padded copies in step with the MLPs' parameters; True if anything was
-        copied. Unchanged parameters cost one pass over addresses and version counters.
+        copied. Unchanged parameters cost one pass over addresses and version counters; with
+        ``replay`` (the runtime checked every address before the launch) over versions alone.
 
         Raises:
             UntrackedWeights: the parameters are inference tensors.
             CopiesPinned: pinned copies cannot follow a move or a shape change.
         """
         params = list(map(_lookup, *self._slots))  # C-level, like fingerprint
+        if replay and self._fingerprint is not None and self._untracked is None:
+            try:
+                if tuple(map(_version, params)) == self._fingerprint[1]:
+                    return False
+            except (AttributeError, RuntimeError):  # None in a slot, or an inference tensor
+                pass
         if self._untracked is not None and all(map(operator.is_, params, self._untracked)):
             raise UntrackedWeights(_UNTRACKED)  # the same tensors as last time: no scan per call
         try:

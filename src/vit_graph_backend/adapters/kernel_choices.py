@@ -67,7 +67,7 @@ class KernelChoices:
         if self.aligned is None:
             return False
         if replay:
-            return self.aligned.pinned and self.aligned.refresh()
+            return self.aligned.pinned and self.aligned.refresh(replay=True)
         use = self.align_mlp if self.align_mlp is not None else torch.device(device).type == "cuda"
         copied = False
         if use:

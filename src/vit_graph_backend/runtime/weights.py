@@ -41,7 +41,6 @@ class WeightSlots:
         self._slots = (tuple(tables), tuple(names))
         tensors = self.read()
         self._addresses = [_data_ptr(t) for t in tensors]
-        self._indices = list(range(len(self._addresses)))
         self._wrapped = {i: _held(t) for i, t in enumerate(tensors)
                          if type(t) not in _PLAIN}
 
@@ -53,7 +52,7 @@ class WeightSlots:
         """Whether any weight lives elsewhere than when the slots were read."""
         tensors = self.read()
         try:
-            if not _compat.same_data_ptrs(tensors, self._addresses, self._indices):
+            if list(map(_data_ptr, tensors)) != self._addresses:
                 return True
             return any(_held(tensors[i]) != held for i, held in self._wrapped.items())
         except (AttributeError, TypeError, RuntimeError):  # a slot emptied or holding no tensor
