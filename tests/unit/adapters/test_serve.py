@@ -342,3 +342,16 @@ def test_a_batch_invariant_tower_runs_one_attention_kernel_and_no_timed_mlp():
     with pytest.raises(vg.InvalidOptionError, match="packed_attention='cudnn' is invalid with "
                                                     "batch_invariant=True"):
         vg.serve(_qwen2_5().eval(), batch_invariant=True, packed_attention="cudnn")
+
+
+@torch.no_grad()
+def test_on_cpu_a_served_tower_pads_nothing_and_holds_no_static_buffers():
+    """No graph can exist on CPU, so nothing is padded for one: every planned batch runs at its
+    own size (the plan -> run -> slice path stays), and the report says so."""
+    served, pixels = _served(), _pixels()
+    torch.testing.assert_close(served(pixels, GRID), served.encoder.tower(
+        pixels, torch.tensor(GRID)).pooler_output, atol=1e-5, rtol=1e-5)
+    report = served.report()
+    assert report["stats"]["padded_tokens"] == 0 and report["stats"]["padding_ratio"] == 0.0
+    assert report["static_input_bytes"] == 0 and report["graphs_captured"] == 0
+    assert report["stats"]["no_graph_batches"] >= 1 and report["stats"]["eager_batches"] == 0
