@@ -39,7 +39,7 @@ fi
 calls=${VITGRAPH_STRESS:-2500}
 if [ "$calls" != "0" ]; then
   echo "== stress: $calls checked calls per part, 4 threads"
-  python3 -m vit_graph_backend.bench.stress --calls "$calls" --threads 4 \
+  PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} python3 -m stress --calls "$calls" --threads 4 \
     --json "$OUT/stress.json" >"$OUT/stress.log" 2>&1
   grep -vE "^WARNING|warnings.warn|UserWarning" "$OUT/stress.log" | tail -12
 fi

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from toy_encoders import PaddedSegToyEncoder, run_alone
-from vit_graph_backend.bench.stress import StressConfig, run_stress
+from stress.suite import StressConfig, run_stress
 from vit_graph_backend.options import VitGraphOptions
 from vit_graph_backend.runtime.manager import EncoderCudaGraphManager
 

@@ -41,6 +41,7 @@ print(type(served.encoder).__module__, (got - expected).abs().max().item(), stat
 """
 
 
+@pytest.mark.slow
 def test_a_copy_under_another_name_serves_with_its_own_adapter_and_code(tmp_path):
     shutil.copytree(Path(vit_graph_backend.__file__).parent, tmp_path / "relocated_vgb")
     run = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True,

@@ -242,6 +242,7 @@ def test_vitgraph_options_are_valid_and_round_trip(max_value, data):
             assert opts.max_items_per_graph <= min(opts.budgets)
 
 
+@pytest.mark.slow
 def test_vitgraph_options_strategy_draws_every_choice():
     from hypothesis import find
 

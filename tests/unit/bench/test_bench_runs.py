@@ -177,6 +177,7 @@ def test_without_timm_the_default_bench_runs_the_same_shape_from_transformers(mo
     assert run.config.model == "vit-micro" and run.notes == ()
 
 
+@pytest.mark.slow
 def test_a_torchvision_that_fails_beside_this_torch_is_named_in_one_line_and_set_aside(
         tmp_path):
     """PyPI's torchvision beside a CPU build of torch fails at import ("operator torchvision::nms

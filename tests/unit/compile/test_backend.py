@@ -310,6 +310,7 @@ def test_entry_point_works_in_a_fresh_interpreter():
     assert proc.stdout.strip().startswith("OK")
 
 
+@pytest.mark.slow
 def test_register_is_guarded_after_import_too():
     code = textwrap.dedent("""
         import torch

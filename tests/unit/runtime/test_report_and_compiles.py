@@ -99,8 +99,10 @@ def test_served_tower_report_has_the_same_fields():
 CALLS = [(3, 32), (5, 32), (2, 48), (4, 48), (1, 48), (1, 32), (6, 32), (2, 64), (1, 64)]
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
-@pytest.mark.parametrize("oblivious,most", [(False, 5), (True, 3)],
+# the default run stays in the quick tier; the three variants ride in the full one (pyproject.toml)
+@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["automatic", "dynamic=True"])
+@pytest.mark.parametrize("oblivious,most", [(False, 5), pytest.param(True, 3, marks=pytest.mark.slow)],
                          ids=["default", "backed_size_oblivious"])
 @torch.no_grad()
 def test_image_size_changes_cost_the_documented_compiles(dynamic, oblivious, most, caplog):

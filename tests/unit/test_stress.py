@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit_graph_backend.bench.stress import (PartResult, StressConfig, _hammer,
+from stress.suite import (PartResult, StressConfig, _hammer,
                                                    format_stress, run_stress)
 
 pytest.importorskip("timm")
@@ -50,7 +50,7 @@ def test_poison_fills_every_kind_of_static_buffer():
     adapters' metadata, ``adapters/_staging.py``) all-ones bytes, which its int views read as -1
     and its float views as NaN."""
     from vit_graph_backend.adapters.staging import upload
-    from vit_graph_backend.bench.poison import _fill_nan
+    from stress.poison import _fill_nan
 
     static = upload({"lengths": torch.tensor([3, 4], dtype=torch.int32),
                      "weights": torch.ones(2)}, torch.device("cpu"), blocks=True)

@@ -20,9 +20,9 @@ def part_ordering(cfg: Any, result: Any) -> Any:
     """
     import torch
 
-    from ..compile.backend import vitgraph
-    from ..runtime.stream_order import StreamOrder
-    from .models import MODELS, build_model
+    from vit_graph_backend.compile.backend import vitgraph
+    from vit_graph_backend.runtime.stream_order import StreamOrder
+    from vit_graph_backend.bench.models import MODELS, build_model
 
     order = StreamOrder(torch.device(cfg.device))
     n = 20000

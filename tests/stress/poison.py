@@ -49,7 +49,7 @@ class PoolPoisoner:
     def __init__(self, manager: Any) -> None:
         import torch
 
-        from ..runtime.launch import capture_stream
+        from vit_graph_backend.runtime.launch import capture_stream
 
         self.manager = manager
         self.graph: Any = None

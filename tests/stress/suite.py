@@ -1,4 +1,4 @@
-"""The stress suite (``vitgraph stress``): many threads, many streams, poisoned memory, little
+"""The stress suite (`PYTHONPATH=tests python -m stress`): many threads, many streams, poisoned memory, little
 memory, every output checked against eager.
 
 Parts, each a row of the closing table: ``batched`` (``torch.compile(vit, backend=vitgraph)``,
@@ -131,7 +131,7 @@ def _hammer(result: PartResult, cfg: StressConfig, call: Callable[[int], Any], r
 def _batched(cfg: StressConfig) -> tuple[Any, list[tuple[Any]], Any]:
     import torch
 
-    from .models import MODELS, build_model
+    from vit_graph_backend.bench.models import MODELS, build_model
 
     cuda = cfg.device.startswith("cuda")
     built = build_model(MODELS["vit-s16" if cuda else "vit-micro"], device=cfg.device,
@@ -194,7 +194,7 @@ def _packed_options(cfg: StressConfig) -> dict[str, Any]:
 def _references(fn: Callable[..., Any], inputs: list[tuple[Any, ...]]) -> list[Any]:
     import torch
 
-    from .models import primary_output
+    from vit_graph_backend.bench.models import primary_output
 
     with torch.inference_mode():
         return [primary_output(fn(*x)).clone() for x in inputs]
@@ -219,7 +219,7 @@ def _poisoner(managers: Callable[[], list[Any]], cuda: bool) -> Callable[[], Non
 def _part_batched(cfg: StressConfig) -> PartResult:
     import torch
 
-    from ..compile.backend import vitgraph
+    from vit_graph_backend.compile.backend import vitgraph
 
     module, inputs, options = _batched(cfg)
     refs = _references(module, inputs)
@@ -240,7 +240,7 @@ def _part_batched(cfg: StressConfig) -> PartResult:
 
 
 def _served(cfg: StressConfig, tower: Any, **extra: Any) -> Any:
-    from ..adapters.serve import serve
+    from vit_graph_backend.adapters.serve import serve
 
     return serve(tower, **{**_packed_options(cfg), **extra})
 
@@ -342,14 +342,14 @@ def format_stress(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m vit_graph_backend.bench.stress``: run, print the table, write JSON."""
+    """``PYTHONPATH=tests python -m stress``: run, print the table, write JSON."""
     import argparse
     import json
     import logging
 
     import torch
 
-    from .environment import collect_environment
+    from vit_graph_backend.bench.environment import collect_environment
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=None,
