@@ -2,6 +2,12 @@
 (``vitgraph``) against the world (``vitgraph+dp``) per run.
 
     python benchmarks/data_parallel.py results/*.json
+    python benchmarks/data_parallel.py --run [--nproc 2]   # run the grid below first, then tabulate
+
+``--run`` launches ``torchrun --nproc-per-node N -m vit_graph_backend bench --data-parallel`` for
+each row of :data:`GRID` (the Qwen2.5-VL-3B tower and CLIP ViT-L/14-336 at 8, 16 and 32 items a
+call, a video stream, and calls of 1, 2 and 4 items: the crossover below which a call is better run
+whole), writing ``$OUT/dp_<model>_<workload>_<max-batch>.json``.
 
 throughput x: the one-GPU stream time over the data-parallel one (same stream, same run);
 imbalance: (busiest rank - idlest rank) / busiest rank, from each rank's busy seconds.
@@ -10,7 +16,37 @@ imbalance: (busiest rank - idlest rank) / busiest rank, from each rank's busy se
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
+
+#: (model, workload, max-batch, calls) of ``--run``
+GRID = [("qwen2.5-vl", "mixed-batch", n, 12) for n in (8, 16, 32)] + [
+    ("clip-l14-336", "fixed-batch", n, 12) for n in (8, 16, 32)] + [
+    ("qwen2.5-vl", "video", 4, 8)] + [
+    ("qwen2.5-vl", "fixed-batch", n, 16) for n in (1, 2, 4)] + [
+    ("clip-l14-336", "fixed-batch", n, 16) for n in (1, 2, 4)]
+
+
+def run_grid(nproc: int) -> list[str]:
+    """Run :data:`GRID` under torchrun; the JSON paths written."""
+    out = Path(os.environ.get("OUT", "/tmp/vitgraph_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for model, workload, batch, calls in GRID:
+        path = out / f"dp_{model}_{workload}_{batch}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "-m", "vit_graph_backend", "bench",
+               "--data-parallel", "--model", model, "--workload", workload, "--max-batch",
+               str(batch), "--calls", str(calls), "--modes", "eager,vitgraph", "--no-progress",
+               "--json", str(path)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{path.name}: exit {done.returncode}: {done.stderr[-400:]}", flush=True)
+        paths.append(str(path))
+        print(row(str(path)) if path.exists() else f"{path.name}: no JSON", flush=True)
+    return paths
 
 
 def row(path: str) -> str:
@@ -36,9 +72,13 @@ def _or_nan(value: float | None) -> float:
 
 
 def main() -> None:
+    paths = sys.argv[1:]
+    if paths[:1] == ["--run"]:
+        nproc = int(paths[2]) if paths[1:2] == ["--nproc"] else 2
+        paths = run_grid(nproc)
     print(f"{'run':46s} {'ws':>2}  {'eager s':>8} {'1 GPU s':>8} {'dp s':>8} {'thru':>7} "
           f"{'p50 1':>7} {'p50 dp':>7} {'p99 1':>7} {'p99 dp':>7} {'imbal':>8} {'dp err':>8}")
-    for path in sys.argv[1:]:
+    for path in paths:
         try:
             print(row(path))
         except (OSError, KeyError, ValueError) as exc:

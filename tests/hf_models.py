@@ -2,8 +2,13 @@
 tests on CPU (``tests/unit/integrations/test_hf_serve_vision.py``) and GPU (``tests/gpu/test_hf_gpu.py``).
 
 Each prompt holds two images and one video of two temporal patches, laid out as the family's
-processor lays them out (Qwen3-VL: one vision segment per temporal patch), with
-``mm_token_type_ids`` where the installed transformers asks for it.
+processor lays them out (Qwen3-VL: one vision segment per temporal patch; GLM-V: every temporal
+patch an image segment between begin/end-of-video tokens), with ``mm_token_type_ids`` where the
+installed transformers asks for it. :data:`PACKED` holds the Qwen-VL families (the GPU test runs
+these); :data:`PACKED_MORE` the other packed towers, tested on CPU: the Omni thinkers, EXAONE 4.5,
+Cohere Compass, Qwen4-Exp, ERNIE-4.5-VL, the GLM-V family (GLM-4.1V, 4.5V, 4.6V and OCR: images
+and the video in two prompts, see :data:`IMAGES_OR_VIDEO`), ColQwen2 (documents of one image, no
+``generate``) and Cosmos3-Omni. :data:`TOWER_CLASS` names each family's tower.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import inspect
 import torch
 
 IMG, VID, VS, VE = 290, 291, 292, 293
-PATCH_DIM = 3 * 2 * 2 * 2    # channels * temporal patch * patch**2 (patch_size=2 below)
 _TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 _TOKENS = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS,
@@ -133,38 +137,336 @@ def gemma3():
         mm_tokens_per_image=4, image_token_id=IMG, boi_token_index=VS, eoi_token_index=VE))
 
 
+# ---- the other packed towers (PACKED_MORE): token ids beyond Qwen's, shared sub-configs --------
+
+#: begin/end of an image and of a video (GLM-V's ``<|begin_of_image|>`` ..., ERNIE's start/end
+#: tokens), and the Omni thinkers' audio placeholder and audio start (never in a prompt here)
+BOI, EOI, BOV, EOV, AUDIO, AUDIO_START = 294, 295, 296, 297, 298, 299
+_QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2,
+                     out_hidden_size=64, patch_size=2, num_position_embeddings=16)
+_OMNI_AUDIO = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2,
+                   encoder_ffn_dim=16, d_model=16, output_dim=64, n_window=4,
+                   max_source_positions=16)
+_OMNI_TOKENS = dict(vision_start_token_id=VS, vision_end_token_id=VE,
+                    audio_start_token_id=AUDIO_START)
+# patch 2 and a 4x4 learned position table (image_size // patch_size): GLM-4.1V resamples it
+_GLM_VISION = dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2,
+                   out_hidden_size=64, patch_size=2, image_size=8)
+_GLM_TOKENS = dict(image_token_id=IMG, video_token_id=VID, image_start_token_id=BOI,
+                   image_end_token_id=EOI, video_start_token_id=BOV, video_end_token_id=EOV)
+
+
+def qwen2_5_omni():
+    """Qwen2.5-Omni's thinker (the talker and the token2wav model hold no vision tower)."""
+    import transformers as tr
+
+    return tr.Qwen2_5OmniThinkerForConditionalGeneration(tr.Qwen2_5OmniThinkerConfig(
+        text_config=dict(_TEXT, rope_parameters=_rope()),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2,
+                           out_hidden_size=64, patch_size=2, window_size=8,
+                           fullatt_block_indexes=[1]),
+        audio_config=_OMNI_AUDIO, image_token_index=IMG, video_token_index=VID,
+        audio_token_index=AUDIO, **_OMNI_TOKENS))
+
+
+def qwen3_omni_moe():
+    """Qwen3-Omni-MoE's thinker."""
+    import transformers as tr
+
+    return tr.Qwen3OmniMoeThinkerForConditionalGeneration(tr.Qwen3OmniMoeThinkerConfig(
+        text_config=dict(_TEXT, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32,
+                         rope_parameters=_rope(mrope_interleaved=True)),
+        vision_config=dict(_QWEN3_VISION, deepstack_visual_indexes=[0]),
+        audio_config=dict(_OMNI_AUDIO, downsample_hidden_size=8, conv_chunksize=8,
+                          n_window_infer=8),
+        image_token_id=IMG, video_token_id=VID, audio_token_id=AUDIO, **_OMNI_TOKENS))
+
+
+def exaone4_5():
+    import transformers as tr
+
+    # layer_types given: Exaone4Config derives them from sliding_window_pattern, which is 0
+    # (a modulo by zero) when sliding_window is None
+    return tr.Exaone4_5_ForConditionalGeneration(tr.Exaone4_5_Config(
+        text_config=dict(_TEXT, model_type="exaone4",
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=4,
+                           num_key_value_heads=2, out_hidden_size=64, patch_size=2,
+                           window_size=8, fullatt_block_indexes=[1]),
+        image_token_id=IMG, video_token_id=VID))
+
+
+def cohere_compass():
+    import transformers as tr
+
+    # rope parameters per layer type; its mrope_section is (h, w, t), ERNIE's order
+    return tr.CohereCompassForConditionalGeneration(tr.CohereCompassConfig(
+        text_config=dict(_TEXT, rope_parameters={"full_attention": {
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}}),
+        vision_config=dict(_QWEN3_VISION, deepstack_visual_indexes=[0]), **_TOKENS))
+
+
+def qwen4_exp():
+    import transformers as tr
+
+    text = {k: v for k, v in _TEXT.items() if k != "intermediate_size"}
+    return tr.Qwen4ExpForConditionalGeneration(tr.Qwen4ExpConfig(
+        text_config=dict(text, head_dim=16,
+                         layer_types=["linear_attention", "qwen_sparse_attention"],
+                         linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32, hc_count=2, hc_lowrank=8,
+                         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                         indexer_budget=16, indexer_compress_ratio=4,
+                         rope_parameters=_rope(mrope_interleaved=True,
+                                               partial_rotary_factor=1.0)),
+        vision_config=_QWEN3_VISION, **_TOKENS))
+
+
+def ernie4_5_vl_moe():
+    """ERNIE-4.5-VL: the tower returns its patches; the model's resampler merges them."""
+    import transformers as tr
+
+    return tr.Ernie4_5_VLMoeForConditionalGeneration(tr.Ernie4_5_VLMoeConfig(
+        text_config=dict(_TEXT, moe_intermediate_size=[32, 32], moe_k=2, moe_num_experts=4,
+                         moe_num_shared_experts=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [3, 3, 2]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           patch_size=2),
+        **_GLM_TOKENS))
+
+
+def glm4v():
+    import transformers as tr
+
+    return tr.Glm4vForConditionalGeneration(tr.Glm4vConfig(
+        text_config=dict(_TEXT, rope_parameters=_rope(partial_rotary_factor=1.0)),
+        vision_config=_GLM_VISION, **_GLM_TOKENS))
+
+
+def glm4v_moe():
+    import transformers as tr
+
+    return tr.Glm4vMoeForConditionalGeneration(tr.Glm4vMoeConfig(
+        text_config=dict(_TEXT, moe_intermediate_size=32, num_experts_per_tok=2,
+                         n_routed_experts=4, first_k_dense_replace=1,
+                         rope_parameters=_rope(partial_rotary_factor=1.0)),
+        vision_config=_GLM_VISION, **_GLM_TOKENS))
+
+
+def glm46v():
+    """GLM-4.6V: no tower class of its own; its vision config names GLM-4.1V's."""
+    import transformers as tr
+
+    return tr.Glm46VForConditionalGeneration(tr.Glm46VConfig(
+        text_config=dict(_TEXT, rope_parameters=_rope(partial_rotary_factor=1.0)),
+        vision_config=dict(_GLM_VISION, model_type="glm4v_vision"), **_GLM_TOKENS))
+
+
+def glm_ocr():
+    import transformers as tr
+
+    return tr.GlmOcrForConditionalGeneration(tr.GlmOcrConfig(
+        text_config=dict(_TEXT, rope_parameters=_rope(partial_rotary_factor=1.0)),
+        vision_config=_GLM_VISION, **_GLM_TOKENS))
+
+
+def glm5_next():
+    """GLM-5.3: 1-D positions in its text model; a swiglu_limit small enough that the clamps of
+    the tower's MLPs bite (about a fifth of the gates, a third of the up projections)."""
+    import transformers as tr
+
+    return tr.Glm5NextForConditionalGeneration(tr.Glm5NextConfig(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                         kv_lora_rank=16, q_lora_rank=32, v_head_dim=16, qk_nope_head_dim=16,
+                         index_topk=16, index_head_dim=16, index_n_heads=2, linear_head_dim=16,
+                         linear_num_heads=4, hc_mult=2, mlp_layer_types=["dense", "sparse"],
+                         layer_types=["linear_attention", "full_attention"], pad_token_id=0,
+                         max_position_embeddings=512),
+        vision_config=dict(_GLM_VISION, projection_intermediate_size=48, swiglu_limit=0.1),
+        **_GLM_TOKENS))
+
+
+def colqwen2():
+    """ColQwen2 (retrieval: no ``generate``) over a Qwen2-VL model, its tower at ``vlm.visual``."""
+    import transformers as tr
+
+    return tr.ColQwen2ForRetrieval(tr.ColQwen2Config(embedding_dim=16, vlm_config=dict(
+        model_type="qwen2_vl", text_config=dict(_TEXT, rope_parameters=_rope()),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+                           patch_size=2), **_TOKENS)))
+
+
+def cosmos3_omni():
+    """Cosmos3-Omni: Qwen3-VL's architecture and tower class."""
+    import transformers as tr
+
+    return tr.Cosmos3OmniForConditionalGeneration(tr.Cosmos3OmniConfig(
+        text_config=dict(_TEXT, head_dim=16, rope_parameters=_rope(mrope_interleaved=True)),
+        vision_config=dict(_QWEN3_VISION, deepstack_visual_indexes=[0]), **_TOKENS))
+
+
 PACKED = {"qwen2": qwen2, "qwen2_5": qwen2_5, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
           "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe}
-#: Families that write one vision segment per temporal patch of a video (Qwen3-VL's processor).
-SEGMENT_PER_FRAME = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+PACKED_MORE = {"qwen2_5_omni": qwen2_5_omni, "qwen3_omni_moe": qwen3_omni_moe,
+               "exaone4_5": exaone4_5, "cohere_compass": cohere_compass, "qwen4_exp": qwen4_exp,
+               "ernie4_5_vl_moe": ernie4_5_vl_moe, "glm4v": glm4v, "glm4v_moe": glm4v_moe,
+               "glm46v": glm46v, "glm_ocr": glm_ocr, "glm5_next": glm5_next,
+               "colqwen2": colqwen2, "cosmos3_omni": cosmos3_omni}
+ALL_PACKED = {**PACKED, **PACKED_MORE}
+
+#: The class of each family's vision tower (GLM-4.6V, ColQwen2 and Cosmos3-Omni build towers of
+#: other families); :func:`tower_name` finds it in a model.
+TOWER_CLASS = {
+    "qwen2": "Qwen2VisionTransformerPretrainedModel",
+    "qwen2_5": "Qwen2_5_VisionTransformerPretrainedModel",
+    "qwen3": "Qwen3VLVisionModel", "qwen3_moe": "Qwen3VLMoeVisionModel",
+    "qwen3_5": "Qwen3_5VisionModel", "qwen3_5_moe": "Qwen3_5MoeVisionModel",
+    "qwen2_5_omni": "Qwen2_5OmniVisionEncoder", "qwen3_omni_moe": "Qwen3OmniMoeVisionEncoder",
+    "exaone4_5": "Exaone4_5_VisionModel", "cohere_compass": "CohereCompassVisionModel",
+    "qwen4_exp": "Qwen4ExpVisionModel",
+    "ernie4_5_vl_moe": "Ernie4_5_VLMoeVisionTransformerPretrainedModel",
+    "glm4v": "Glm4vVisionModel", "glm4v_moe": "Glm4vMoeVisionModel", "glm46v": "Glm4vVisionModel",
+    "glm_ocr": "GlmOcrVisionModel", "glm5_next": "Glm5NextVisionModel",
+    "colqwen2": "Qwen2VisionTransformerPretrainedModel", "cosmos3_omni": "Qwen3VLVisionModel",
+}
+
+#: Families without ``generate()``: the field of their forward output compared instead of logits.
+NO_GENERATE = {"colqwen2": "embeddings"}
+
+#: Families that write one vision segment per temporal patch of a video, each after its
+#: timestamp (Qwen3-VL's processor and those copied from it).
+SEGMENT_PER_FRAME = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "cohere_compass",
+                     "qwen4_exp", "cosmos3_omni")
+#: GLM-V processors: an image between begin/end-of-image tokens; a video between
+#: begin/end-of-video tokens, each temporal patch an image segment (the image token, no video
+#: token) followed by its timestamp; ``mm_token_type_ids`` 2 inside the video.
+GLM_LAYOUT = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glm5_next")
+#: Families whose HF model takes images or a video in one prompt, not both: with ``input_ids``
+#: their ``get_placeholder_mask`` counts the image token for images and for videos alike
+#: (``special_video_mask = input_ids == image_token_id``, transformers 5.17 and 5.24), so a
+#: prompt with both fails its token count check. They get two prompts (GLM-5.3 tells the two
+#: apart by the video's begin/end tokens and takes one).
+IMAGES_OR_VIDEO = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 
 
-def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32):
-    """``generate()`` keyword arguments: text, two images (4x4 and 2x4 patches), a video."""
+def tower_name(family, model):
+    """The module name of ``family``'s vision tower in ``model`` (transformers 5.17's Omni
+    thinkers hold it as ``visual``, 5.24's as ``model.visual``)."""
+    (name,) = [n for n, m in model.named_modules()
+               if type(m).__name__ == TOWER_CLASS[family]]
+    return name
+
+
+def vision_config(model):
+    """The config of ``model``'s vision tower (ColQwen2: of its ``vlm``)."""
+    config = model.config
+    return getattr(config, "vlm_config", config).vision_config
+
+
+def _patch_dim(model):
+    """Width of a ``pixel_values`` row: ERNIE's rows are single frames (no temporal patch)."""
+    vision = vision_config(model)
+    return (vision.in_channels * getattr(vision, "temporal_patch_size", 1)
+            * vision.patch_size ** 2)
+
+
+def packed_prompts(name, model, device="cpu", dtype=torch.float32):
+    """The prompts ``name`` is tested with: one with two images and a video; images and the
+    video apart for :data:`IMAGES_OR_VIDEO`; ColQwen2's two documents of one image each."""
+    if name in IMAGES_OR_VIDEO:
+        return [packed_prompt(name, model, 0, device, dtype, video=False),
+                packed_prompt(name, model, 1, device, dtype, images=False)]
+    return [packed_prompt(name, model, 0, device, dtype)]
+
+
+def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32, images=True,
+                  video=True):
+    """``generate()`` keyword arguments: text, two images (4x4 and 2x4 patches) and a video of
+    two temporal patches (4x4), laid out as ``name``'s processor lays them out."""
+    if name == "colqwen2":
+        return _retrieval_prompt(model, seed, device, dtype)
     g = torch.Generator().manual_seed(seed)
     grid, vgrid = torch.tensor([[1, 4, 4], [1, 2, 4]]), torch.tensor([[2, 4, 4]])
-    ids = [1, 2, 3]
-    for t, h, w in grid.tolist():
-        ids += [VS] + [IMG] * (t * h * w // 4) + [VE, 5]
-    for t, h, w in vgrid.tolist():
+    ids, types, moe_types = [1, 2, 3], [0, 0, 0], [0, 0, 0]
+
+    def add(tokens, kind=0, span=False):
+        """``tokens`` of modality ``kind`` (0 text, 1 image, 2 video): its placeholders have
+        ``mm_token_type_ids`` ``kind``; ``span``: ERNIE's MoE types count every token."""
+        ids.extend(tokens)
+        types.extend(kind if t in (IMG, VID) else 0 for t in tokens)
+        moe_types.extend(kind if span else 0 for _ in tokens)
+
+    for t, h, w in grid.tolist() if images else []:
+        n = t * h * w // 4
+        if name in GLM_LAYOUT or name == "ernie4_5_vl_moe":
+            add([BOI] + [IMG] * n + [EOI], 1, span=True)
+        else:
+            add([VS] + [IMG] * n + [VE], 1)
+        add([5])
+    for t, h, w in vgrid.tolist() if video else []:
         if name in SEGMENT_PER_FRAME:
             for _ in range(t):
-                ids += [7, VS] + [VID] * (h * w // 4) + [VE]
+                add([7])   # the frame's timestamp
+                add([VS] + [VID] * (h * w // 4) + [VE], 2)
+        elif name in GLM_LAYOUT:
+            add([BOV])
+            for _ in range(t):
+                add([BOI] + [IMG] * (h * w // 4) + [EOI], 2)
+                add([7])   # the frame's timestamp
+            add([EOV, 6])
+        elif name == "ernie4_5_vl_moe":
+            # one row a frame; the resampler merges two frames, so t*h*w / (4*2) tokens
+            add([BOV] + [VID] * (t * h * w // 8) + [EOV], 2, span=True)
+            add([6])
         else:
-            ids += [VS] + [VID] * (t * h * w // 4) + [VE, 6]
+            # EXAONE 4.5's text model has 1-D positions: the tokens around a placeholder are
+            # text to it, as the chat template writes them
+            add([VS] + [VID] * (t * h * w // 4) + [VE, 6], 2)
     input_ids = torch.tensor([ids])
-    prompt = dict(
-        input_ids=input_ids.to(device),
-        pixel_values=torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g).to(
-            device, dtype),
-        image_grid_thw=grid.to(device),
-        pixel_values_videos=torch.randn(int(vgrid.prod(-1).sum()), PATCH_DIM, generator=g).to(
-            device, dtype),
-        video_grid_thw=vgrid.to(device))
-    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
-        types = (input_ids == IMG).long() + 2 * (input_ids == VID).long()
-        prompt["mm_token_type_ids"] = types.to(device)
+    dim = _patch_dim(model)
+    prompt = dict(input_ids=input_ids.to(device))
+    if images:
+        prompt.update(
+            pixel_values=torch.randn(int(grid.prod(-1).sum()), dim, generator=g).to(device, dtype),
+            image_grid_thw=grid.to(device))
+    if video:
+        prompt.update(
+            pixel_values_videos=torch.randn(int(vgrid.prod(-1).sum()), dim, generator=g).to(
+                device, dtype),
+            video_grid_thw=vgrid.to(device))
+    params = inspect.signature(type(model).forward).parameters
+    if "mm_token_type_ids" in params:
+        prompt["mm_token_type_ids"] = torch.tensor([types], device=device)
+    if "moe_mm_token_type_ids" in params:
+        prompt["moe_mm_token_type_ids"] = torch.tensor([moe_types], device=device)
+    if video and "video_second_per_grid" in params:
+        # the Omni processors': temporal_patch_size / fps (2 frames at the default 2 fps)
+        prompt["video_second_per_grid"] = torch.tensor([1.0], device=device)
     return prompt
+
+
+def _retrieval_prompt(model, seed, device, dtype):
+    """ColQwen2's document batch: one image a row (4x4 and 2x4 patches), rows padded on the
+    right, ``pixel_values`` padded per image to ``(images, max patches, patch_dim)`` as
+    ``ColQwen2Processor`` pads them (its forward drops the padding before the tower)."""
+    g = torch.Generator().manual_seed(seed)
+    grid, dim = torch.tensor([[1, 4, 4], [1, 2, 4]]), _patch_dim(model)
+    rows = [[1, VS] + [IMG] * (t * h * w // 4) + [VE, 5, 6] for t, h, w in grid.tolist()]
+    width = max(map(len, rows))
+    pixels = torch.zeros(len(rows), int(grid.prod(-1).max()), dim)
+    for i, patches in enumerate(grid.prod(-1).tolist()):
+        pixels[i, :patches] = torch.randn(patches, dim, generator=g)
+    return dict(
+        input_ids=torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device),
+        attention_mask=torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows],
+                                    device=device),
+        pixel_values=pixels.to(device, dtype), image_grid_thw=grid.to(device))
 
 
 BATCHED = {"llava": llava, "idefics3": idefics3, "gemma3": gemma3}

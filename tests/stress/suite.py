@@ -201,7 +201,7 @@ def _references(fn: Callable[..., Any], inputs: list[tuple[Any, ...]]) -> list[A
 
 
 def _poisoner(managers: Callable[[], list[Any]], cuda: bool) -> Callable[[], None]:
-    from .poison import PoolPoisoner, poison_static_buffers
+    from vit_graph_backend.testing.poison import PoolPoisoner, poison_static_buffers
 
     pool_poisoners: dict[int, Any] = {}
 

@@ -50,7 +50,7 @@ def test_poison_fills_every_kind_of_static_buffer():
     adapters' metadata, ``adapters/_staging.py``) all-ones bytes, which its int views read as -1
     and its float views as NaN."""
     from vit_graph_backend.adapters.staging import upload
-    from stress.poison import _fill_nan
+    from vit_graph_backend.testing.poison import _fill_nan
 
     static = upload({"lengths": torch.tensor([3, 4], dtype=torch.int32),
                      "weights": torch.ones(2)}, torch.device("cpu"), blocks=True)

@@ -220,10 +220,12 @@ def test_every_strategy_argument_is_documented():
 def test_public_surface():
     assert testing.__all__ == sorted(testing.__all__)
     assert strategies.__all__ == sorted(strategies.__all__)
-    assert testing.__all__ == strategies.__all__
-    for name in testing.__all__:
+    # the strategies, and the conformance check of a packed tower's adapter
+    assert testing.__all__ == sorted([*strategies.__all__, "AdapterCheckError", "check_adapter"])
+    for name in strategies.__all__:
         assert getattr(testing, name) is getattr(strategies, name)
         assert isinstance(getattr(strategies, name)(), st.SearchStrategy), "defaults build a strategy"
+    assert issubclass(testing.AdapterCheckError, AssertionError) and callable(testing.check_adapter)
 
 
 @given(st.integers(1, 4096), st.data())

@@ -100,15 +100,16 @@ class _QwenVisionAdapter(nn.Module):
         InvalidOptionError: for a model of another class, or ``min_budget > max_budget``.
     """
 
-    #: fully qualified name of the wrapped class (checked at construction).
-    wrapped_class: str = ""
+    #: fully qualified names of the classes it wraps (checked at construction): towers of the
+    #: same math under other names share one adapter
+    wrapped_class: tuple[str, ...] = ()
 
     def __init__(self, model: nn.Module, options: VitGraphOptions | None = None) -> None:
         super().__init__()
         names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
-        if self.wrapped_class not in names:
+        if names.isdisjoint(self.wrapped_class):
             raise InvalidOptionError(
-                f"{type(self).__name__} wraps {self.wrapped_class}, got "
+                f"{type(self).__name__} wraps {' or '.join(self.wrapped_class)}, got "
                 f"{type(model).__module__}.{type(model).__qualname__}; use "
                 "vit_graph_backend.adapters.adapt(model) to pick the adapter by class")
         self.tower = model
@@ -116,7 +117,9 @@ class _QwenVisionAdapter(nn.Module):
         cfg = model.config
         self.merge = int(cfg.spatial_merge_size)
         self.patch_size = int(cfg.patch_size)
-        patch_dim = int(cfg.in_channels) * int(cfg.temporal_patch_size) * self.patch_size ** 2
+        # towers without a temporal patch (ERNIE-4.5-VL) embed one frame a row
+        temporal = int(getattr(cfg, "temporal_patch_size", None) or 1)
+        patch_dim = int(cfg.in_channels) * temporal * self.patch_size ** 2
         self.patch_dim = patch_dim
         self.layout = QwenLayout(self.merge, self._window_tokens())
         self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
@@ -149,6 +152,10 @@ class _QwenVisionAdapter(nn.Module):
 
     def _is_full_attention(self, layer: int) -> bool:
         return True
+
+    def _qkv(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Queries, keys and values of ``x`` as ``(rows, 3, heads, head_dim)``."""
+        return attn.qkv(x).reshape(x.shape[0], 3, attn.num_heads, -1)
 
     def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
               features: list[torch.Tensor]) -> Any:
@@ -225,11 +232,18 @@ class _QwenVisionAdapter(nn.Module):
         if self._outside[1] is not None:
             pixels, grids = self.packer.rows(inputs, item_indices)
             grid = torch.tensor(grids, dtype=torch.int64, device=pixels.device)
-            # the class's forward: served in place (integrations.hf), the instance's is ours
-            return self._from_tower(type(self.tower).forward(self.tower, pixels, grid_thw=grid))
+            return self.encoder_reference_forward({"pixel_values": pixels, "grid_thw": grid})
         values, meta = self.packer.eager_values(inputs, item_indices)
         self.kernels.sync(values["pixel_values"].device)
         return self._run(values, meta)
+
+    def encoder_reference_forward(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        """The tower's own forward on ``inputs``, in this adapter's output layout (the reference
+        of ``vit_graph_backend.testing.check_adapter``)."""
+        # the class's forward: served in place (integrations.hf), the instance's is ours
+        out = type(self.tower).forward(self.tower, inputs["pixel_values"],
+                                       grid_thw=inputs["grid_thw"])
+        return self._from_tower(out)
 
     def forward(self, pixel_values: torch.Tensor,
                 grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Any:
@@ -292,7 +306,7 @@ class _QwenVisionAdapter(nn.Module):
     def _attention(self, fns: Ops, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, segments: Segments, full: bool) -> torch.Tensor:
         rows = x.shape[0]
-        qkv = attn.qkv(x).reshape(rows, 3, attn.num_heads, -1)
+        qkv = self._qkv(attn, x)
         if segments.dense:  # the rotary embedding and the widening in one fused kernel
             wide = fns.rotate_qk_wide(qkv, cos.unsqueeze(1), sin.unsqueeze(1),
                                       segments.offsets[1:2])

@@ -1,7 +1,8 @@
-"""The Qwen-VL family adapters: one class per HF vision tower, over ``qwen._QwenVisionAdapter``.
+"""The Qwen-VL family adapters: one class per tower math, over ``qwen._QwenVisionAdapter``.
 
-Each names the tower class it wraps and overrides only what its tower does differently. The MoE
-variants' towers differ from the dense ones only in class name and share their adapter body.
+Each names the HF tower classes it wraps and overrides only what its towers do differently.
+Towers of the same math under other class names (MoE variants, Omni thinkers, Cohere Compass,
+Qwen4-Exp) share an adapter; the registry (``adapters/__init__``) maps every name to one.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import torch
 
 from ..errors import InvalidOptionError
 from .metadata import Grid
-from .qwen import _patch_embed, _QwenVisionAdapter
+from .qwen import _norm, _patch_embed, _QwenVisionAdapter
 
-__all__ = ["Qwen2VLVisionAdapter", "Qwen2_5_VLVisionAdapter", "Qwen3VLMoeVisionAdapter",
+__all__ = ["Ernie4_5_VLVisionAdapter", "Exaone4_5_VisionAdapter", "Qwen2VLVisionAdapter",
+           "Qwen2_5OmniVisionAdapter", "Qwen2_5_VLVisionAdapter", "Qwen3VLMoeVisionAdapter",
            "Qwen3VLVisionAdapter", "Qwen3_5MoeVisionAdapter", "Qwen3_5VisionAdapter"]
+
+_HF = "transformers.models."
 
 
 class Qwen2VLVisionAdapter(_QwenVisionAdapter):
@@ -25,8 +29,7 @@ class Qwen2VLVisionAdapter(_QwenVisionAdapter):
     Output: the merged tokens (HF's ``pooler_output``), ``(tokens, hidden_size)``.
     """
 
-    wrapped_class = ("transformers.models.qwen2_vl.modeling_qwen2_vl."
-                     "Qwen2VisionTransformerPretrainedModel")
+    wrapped_class = (_HF + "qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel",)
 
 
 class Qwen2_5_VLVisionAdapter(_QwenVisionAdapter):
@@ -38,8 +41,8 @@ class Qwen2_5_VLVisionAdapter(_QwenVisionAdapter):
     ``(tokens, out_hidden_size)``.
     """
 
-    wrapped_class = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl."
-                     "Qwen2_5_VisionTransformerPretrainedModel")
+    wrapped_class = (_HF + "qwen2_5_vl.modeling_qwen2_5_vl."
+                     "Qwen2_5_VisionTransformerPretrainedModel",)
 
     def _window_tokens(self) -> int:
         cfg = self.tower.config
@@ -72,7 +75,8 @@ class Qwen3VLVisionAdapter(_QwenVisionAdapter):
     ``deepstack_features``), each ``(tokens, out_hidden_size)``.
     """
 
-    wrapped_class = "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel"
+    wrapped_class = (_HF + "qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel",
+                     _HF + "cohere_compass.modeling_cohere_compass.CohereCompassVisionModel")
 
     def _item_extras(self, grid: Grid) -> dict[str, torch.Tensor]:
         from transformers.vision_utils import get_vision_interpolation_indices_and_weights
@@ -104,10 +108,12 @@ class Qwen3VLVisionAdapter(_QwenVisionAdapter):
 
 
 class Qwen3VLMoeVisionAdapter(Qwen3VLVisionAdapter):
-    """Qwen3-VL-MoE's ``Qwen3VLMoeVisionModel``: Qwen3-VL's tower under another class name."""
+    """Qwen3-VL-MoE's ``Qwen3VLMoeVisionModel`` and Qwen3-Omni-MoE's ``Qwen3OmniMoeVisionEncoder``
+    (its deepstack mergers renamed, ``deepstack_merger_list`` kept as a property): Qwen3-VL's tower
+    under other class names."""
 
-    wrapped_class = ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe."
-                     "Qwen3VLMoeVisionModel")
+    wrapped_class = (_HF + "qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeVisionModel",
+                     _HF + "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeVisionEncoder")
 
 
 class Qwen3_5VisionAdapter(Qwen3VLVisionAdapter):
@@ -116,7 +122,7 @@ class Qwen3_5VisionAdapter(Qwen3VLVisionAdapter):
     Output: the merged tokens (HF's ``pooler_output``), ``(tokens, out_hidden_size)``.
     """
 
-    wrapped_class = "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel"
+    wrapped_class = (_HF + "qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel",)
 
     def _collect(self, layer: int, hidden: torch.Tensor, features: list[torch.Tensor]) -> None:
         return None
@@ -130,6 +136,59 @@ class Qwen3_5VisionAdapter(Qwen3VLVisionAdapter):
 
 
 class Qwen3_5MoeVisionAdapter(Qwen3_5VisionAdapter):
-    """Qwen3.5-MoE's ``Qwen3_5MoeVisionModel``: Qwen3.5's tower under another class name."""
+    """Qwen3.5-MoE's ``Qwen3_5MoeVisionModel`` and Qwen4-Exp's ``Qwen4ExpVisionModel``: Qwen3.5's
+    tower under other class names."""
 
-    wrapped_class = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeVisionModel"
+    wrapped_class = (_HF + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeVisionModel",
+                     _HF + "qwen4_exp.modeling_qwen4_exp.Qwen4ExpVisionModel")
+
+
+class Qwen2_5OmniVisionAdapter(Qwen2_5_VLVisionAdapter):
+    """Qwen2.5-Omni's ``Qwen2_5OmniVisionEncoder``: Qwen2.5-VL's tower with separate ``q``, ``k``
+    and ``v`` projections."""
+
+    wrapped_class = (_HF + "qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniVisionEncoder",)
+
+    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack((attn.q(x), attn.k(x), attn.v(x)), 1).view(x.shape[0], 3,
+                                                                      attn.num_heads, -1)
+
+
+class Exaone4_5_VisionAdapter(Qwen2_5_VLVisionAdapter):
+    """EXAONE-4.5's ``Exaone4_5_VisionModel``: Qwen2.5-VL's tower with grouped-query attention
+    (each key and value head repeated over its group of query heads, as HF's ``repeat_kv``)."""
+
+    wrapped_class = (_HF + "exaone4_5.modeling_exaone4_5.Exaone4_5_VisionModel",)
+
+    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows, dim = x.shape[0], attn.head_dim
+        q, k, v = attn.qkv(x).split([attn.q_dim, attn.kv_dim, attn.kv_dim], -1)
+        groups = attn.num_key_value_groups
+        k = k.view(rows, -1, dim).repeat_interleave(groups, 1)
+        v = v.view(rows, -1, dim).repeat_interleave(groups, 1)
+        return torch.stack((q.view(rows, -1, dim), k, v), 1)
+
+
+class Ernie4_5_VLVisionAdapter(_QwenVisionAdapter):
+    """ERNIE-4.5-VL's tower: Qwen2-VL's blocks over one-frame rows (a linear patch embedding),
+    a final LayerNorm, no merger; the model's resampler merges outside the tower.
+
+    Output: the normed patches, each ``merge x merge`` block as one row ``(tokens, m*m*hidden)``
+    (the resampler's own first view); HF's ``last_hidden_state`` is its ``(patches, hidden)`` view.
+    """
+
+    wrapped_class = (_HF + "ernie4_5_vl_moe.modeling_ernie4_5_vl_moe."
+                     "Ernie4_5_VLMoeVisionTransformerPretrainedModel",)
+
+    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
+              features: list[torch.Tensor]) -> Any:
+        out = _norm(self.tower.ln, hidden)
+        return out.view(-1, out.shape[-1] * self.merge ** 2)
+
+    def _from_tower(self, out: Any) -> Any:
+        hidden = out.last_hidden_state
+        return hidden.view(-1, hidden.shape[-1] * self.merge ** 2)
+
+    def hf_output_fields(self, out: torch.Tensor) -> dict[str, Any]:
+        """HF's output as the model reads it (``integrations.hf``): the patches, unmerged."""
+        return {"last_hidden_state": out.view(-1, out.shape[-1] // self.merge ** 2)}

@@ -3,10 +3,11 @@
 ``serve_vision_(model)`` serves each vision tower of the model from CUDA graphs **in place**, so
 ``generate()``, ``forward()`` and ``get_image_features`` run unchanged:
 
-- a **packed** tower (Qwen-VL) goes through :func:`vit_graph_backend.serve` and returns HF's
-  output class with ``pooler_output`` (and Qwen3-VL's ``deepstack_features``);
-  ``last_hidden_state`` is ``None``, and a call asking for hidden states or attentions runs the
-  tower's own forward;
+- a **packed** tower (Qwen-VL, GLM-V, ERNIE-4.5-VL, ...) goes through
+  :func:`vit_graph_backend.serve` and returns HF's output class with the fields the model reads
+  (the adapter's ``hf_output_fields``: ``pooler_output``, Qwen3-VL's ``deepstack_features``,
+  ERNIE's ``last_hidden_state``; the others ``None``); a call asking for hidden states or
+  attentions runs the tower's own forward;
 - a **batched** tower (CLIP, SigLIP, Idefics) runs through ``torch.compile(backend="vitgraph")``.
 
 Only the tower's ``forward`` is replaced, by an instance attribute: the module tree,
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import adapter_for, supported_classes
+from ..adapters import adapter_for, supported_classes, unserved_reason
 from ..errors import InvalidInputError, InvalidOptionError, UnsupportedModelError
 from ..options import PACKED_ONLY_OPTIONS, VitGraphOptions
 from ..adapters.serve import PackedGraphEncoder, serve
@@ -71,8 +72,11 @@ def serve_vision_(model: nn.Module, options: VitGraphOptions | None = None,
     """
     towers = list(_towers(model))
     if not towers:
+        known = next((f" ({type(m).__name__} at {name or 'the top'}: {why})"
+                      for name, m in model.named_modules()
+                      if (why := unserved_reason(m)) is not None), "")
         raise UnsupportedModelError(
-            f"{type(model).__name__} holds no vision tower vit_graph_backend serves. Packed "
+            f"{type(model).__name__} holds no vision tower vit_graph_backend serves{known}. Packed "
             f"towers: {', '.join(c.rsplit('.', 1)[-1] for c in supported_classes())}; batched "
             f"towers: {', '.join(BATCHED_TOWERS)}")
     has_packed = any(packed for _, _, packed in towers)
@@ -170,12 +174,18 @@ def _packed_forward(tower: nn.Module, served: PackedGraphEncoder, own_forward: A
         return own_forward(tower, hidden_states, grid_thw=grid_thw, return_dict=return_dict,
                            **kwargs)
     out = served(hidden_states, grid_thw)
-    merged, deepstack = (out, None) if isinstance(out, torch.Tensor) else (out[0], list(out[1:]))
-    fields: dict[str, Any] = {"last_hidden_state": None, "pooler_output": merged}
-    if deepstack is not None:
-        fields["deepstack_features"] = deepstack
-    result = _output_class(type(tower).__module__, deepstack is not None)(**fields)
+    fields: dict[str, Any] = {"last_hidden_state": None,
+                              **getattr(served.encoder, "hf_output_fields", _pooled)(out)}
+    result = _output_class(type(tower).__module__, "deepstack_features" in fields)(**fields)
     return result if return_dict is not False else result.to_tuple()
+
+
+def _pooled(out: Any) -> dict[str, Any]:
+    """HF output fields from an adapter's output, unless the adapter says otherwise with
+    ``hf_output_fields(out)``: the merged tokens, then Qwen3-VL's deepstack features."""
+    if isinstance(out, torch.Tensor):
+        return {"pooler_output": out}
+    return {"pooler_output": out[0], "deepstack_features": list(out[1:])}
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionCon
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel  # noqa: E402
 
 from toy_encoders import randomize_weights  # noqa: E402
+from vit_graph_backend import serve_vision_  # noqa: E402
 from vit_graph_backend.adapters import (  # noqa: E402
     adapt,
     adapter_for,
@@ -107,7 +108,12 @@ def test_unsupported_model_lists_supported_classes():
     assert "vit_graph_backend.protocol.SupportsEncoderCudaGraph" in str(info.value)
     for name in supported_classes():
         assert name in str(info.value)
-    assert len(supported_classes()) == 6
+    # one registered class per family tower of tests/family_towers.py, and no other
+    from family_towers import FAMILIES
+
+    built = {f"{type(m).__module__}.{type(m).__qualname__}"
+             for m in (build() for build, _, _ in FAMILIES.values())}
+    assert set(supported_classes()) == built
 
 
 def test_adapt_returns_protocol_models_unchanged(towers):
@@ -367,3 +373,15 @@ def test_capture_asks_for_a_window_kernel_only_for_towers_with_windows(towers, f
         assert window_rows == 16  # 2 x 2 merged tokens of 4 rows
         assert asked == [(rows, (window_rows, adapter.packer.captured_slots[16].windows))]
         assert adapter.attention.window_by_rows[rows] == "varlen"
+
+
+def test_a_known_unserved_tower_is_refused_with_its_reason():
+    # a class under the qualified name of transformers' MiniMax-M3-VL tower (no import needed)
+    fake = type("MiniMaxM3VLVisionModel", (torch.nn.Module,), {})
+    fake.__module__ = "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"
+    with pytest.raises(UnsupportedModelError, match="depends on its batch mates"):
+        adapt(fake())
+    model = torch.nn.Module()
+    model.visual = fake()
+    with pytest.raises(UnsupportedModelError, match=r"MiniMaxM3VLVisionModel at visual: .*batch"):
+        serve_vision_(model)

@@ -1,4 +1,4 @@
-"""Poisoning graph memory with NaN, for the stress suite (``vitgraph stress``).
+"""Poisoning graph memory with NaN, for the stress suite (`tests/stress`) and :func:`check_adapter`.
 
 A graph that reads memory nothing wrote in this call (a stale static-buffer tail, a pool
 intermediate another graph left) is right only while that memory holds harmless numbers; NaN
@@ -49,7 +49,7 @@ class PoolPoisoner:
     def __init__(self, manager: Any) -> None:
         import torch
 
-        from vit_graph_backend.runtime.launch import capture_stream
+        from ..runtime.launch import capture_stream
 
         self.manager = manager
         self.graph: Any = None
