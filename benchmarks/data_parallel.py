@@ -36,6 +36,7 @@ def run_grid(nproc: int) -> list[str]:
     paths = []
     for model, workload, batch, calls in GRID:
         path = out / f"dp_{model}_{workload}_{batch}.json"
+        path.unlink(missing_ok=True)  # a failed run must not show an older file's row
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                "-m", "vit_graph_backend", "bench",
                "--data-parallel", "--model", model, "--workload", workload, "--max-batch",
@@ -45,7 +46,6 @@ def run_grid(nproc: int) -> list[str]:
         if done.returncode != 0:
             print(f"{path.name}: exit {done.returncode}: {done.stderr[-400:]}", flush=True)
         paths.append(str(path))
-        print(row(str(path)) if path.exists() else f"{path.name}: no JSON", flush=True)
     return paths
 
 

@@ -1,8 +1,7 @@
 """Tiny random vision towers of every packed family the adapters serve (float32, CPU), by family
 name as transformers names its model folder: the six Qwen towers of ``qwen_towers`` and the
 families served on the same body (``adapters/qwen_families.py``, ``adapters/glm_families.py``).
-Each entry: ``(build, patch, max_frames)``; ``max_frames`` is 1 where the tower takes one frame
-a grid row (the GLM towers with a learned position table: their models split videos)."""
+Each entry: ``(build, patch, max_frames)``: the most temporal patches of a drawn video."""
 
 from __future__ import annotations
 
@@ -51,9 +50,9 @@ FAMILIES.update({
                             "Ernie4_5_VLMoeVisionTransformerPretrainedModel", depth=2,
                             hidden_size=64, num_heads=4, intermediate_size=128,
                             patch_size=PATCH), PATCH, 2),
-    "glm4v": (_hf("glm4v", "Glm4vVisionConfig", "Glm4vVisionModel", **_GLM), PATCH, 1),
+    "glm4v": (_hf("glm4v", "Glm4vVisionConfig", "Glm4vVisionModel", **_GLM), PATCH, 2),
     "glm4v_moe": (_hf("glm4v_moe", "Glm4vMoeVisionConfig", "Glm4vMoeVisionModel", **_GLM),
-                  PATCH, 1),
+                  PATCH, 2),
     "glm_ocr": (_hf("glm_ocr", "GlmOcrVisionConfig", "GlmOcrVisionModel", **_GLM), PATCH, 2),
     "glm5_next": (_hf("glm5_next", "Glm5NextVisionConfig", "Glm5NextVisionModel", **_GLM,
                       projection_intermediate_size=80, swiglu_limit=0.5), PATCH, 2),

@@ -9,7 +9,7 @@ tensor taking most free memory) and ``ordering`` (the stream ordering's host cos
 :mod:`.ordering_cost`).
 
 ``threads`` workers, odd ones on their own stream; every ``poison_every`` calls a worker writes NaN
-over static buffers and free pool memory (:mod:`.poison`). An output is wrong if it has NaN or
+over static buffers and free pool memory (``vit_graph_backend.testing.poison``). An output is wrong if it has NaN or
 differs from eager by more than ``tolerance`` of eager's largest magnitude.
 """
 

@@ -5,7 +5,8 @@ attention per frame) and end in a post-norm, a ``merge x merge`` convolution (ru
 is) and a merger. GLM-4.1V adds an RMSNorm and a bicubic-resampled learned position embedding
 after the patch embedding; GLM-OCR drops both and normalizes queries and keys per head; GLM-5.3
 clamps its SiLU-gated MLPs, which the padded-MLP and fused kernels do not, so its MLPs run as the
-tower's own modules.
+tower's own modules. Their models send a video as one grid row per frame; the adapters take a
+row of several frames too, attending per frame.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..options import VitGraphOptions
 from .metadata import Grid
 from .qwen import _norm, _patch_embed, _QwenVisionAdapter
 
@@ -36,13 +36,19 @@ class Glm4vVisionAdapter(_QwenVisionAdapter):
         from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
         table = self.tower.embeddings.position_embedding
-        t, h, w = grid
         indices, weights = get_vision_interpolation_indices_and_weights(
-            torch.tensor([[1, h, w]]), num_grid_per_side=int(table.num_embeddings ** 0.5),
+            torch.tensor([grid]), num_grid_per_side=int(table.num_embeddings ** 0.5),
             mode=self.tower.embeddings.interpolated_method, align_corners=False,
             spatial_merge_size=self.merge, padding="border")
-        # every frame of a video at the same positions (the model sends one frame a row)
-        return {"interp_indices": indices.repeat(t, 1), "interp_weights": weights.repeat(t, 1)}
+        return {"interp_indices": indices, "interp_weights": weights}
+
+    def encoder_reference_forward(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        """The tower's own forward, a video row given as one row per frame (as the GLM models
+        call it: the tower's position table takes one frame a grid row)."""
+        grid = inputs["grid_thw"]
+        frames = torch.cat([grid[:, :1].new_ones(1, 1).expand(int(t), 1) for t in grid[:, 0]])
+        rows = torch.cat([frames, grid[:, 1:].repeat_interleave(grid[:, 0], 0)], 1)
+        return super().encoder_reference_forward({**inputs, "grid_thw": rows})
 
     def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
         tower = self.tower
@@ -83,13 +89,6 @@ class GlmOcrVisionAdapter(Glm4vVisionAdapter):
 
 class Glm5NextVisionAdapter(GlmOcrVisionAdapter):
     """GLM-5.3's ``Glm5NextVisionModel``: GLM-OCR's tower with clamped SiLU-gated MLPs (run as the
-    tower's own modules: no padded copies or fused gate)."""
+    tower's own modules: ``kernel_choices`` leaves an MLP with a ``swiglu_limit`` alone)."""
 
     wrapped_class = (_HF + "glm5_next.modeling_glm5_next.Glm5NextVisionModel",)
-
-    def __init__(self, model: torch.nn.Module, options: VitGraphOptions | None = None) -> None:
-        import dataclasses
-
-        options = dataclasses.replace(options or VitGraphOptions(), align_mlp=False,
-                                      epilogue_fusion="off")
-        super().__init__(model, options)

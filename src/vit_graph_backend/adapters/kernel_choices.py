@@ -53,6 +53,9 @@ class KernelChoices:
         self.untracked: str | None = None
         self._fusion_reason: dict[str, str | None] = {}
         mlps = tuple(getattr(block, "mlp", None) for block in getattr(tower, "blocks", ()))
+        if any(getattr(m, "swiglu_limit", None) is not None for m in mlps):
+            # a clamped gate (GLM-5.3): the padded and fused kernels have no clamp
+            mlps, self.align_mlp = (), False
         kinds = ({_epilogue_of(m) for m in mlps} if mlps and epilogue_fusion == "auto"
                  else {None})
         self.epilogue = kinds.pop() if len(kinds) == 1 else None

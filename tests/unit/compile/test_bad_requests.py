@@ -52,6 +52,17 @@ def test_any_sequence_of_calls_of_a_compiled_encoder_matches_eager(batched, data
             expected = br.outcome(lambda: spec.call(model, pixels))
             br.assert_same_outcome(kind, expected, br.outcome(lambda: spec.call(compiled, pixels)),
                                    atol=1e-4, rtol=1e-4)
+        # whatever came before, the compiled encoder still serves (a frame Dynamo skipped after
+        # a bad call runs uncompiled: right numbers, but nothing served from graphs again)
+        good = torch.randn(2, 3, spec.sizes[0], spec.sizes[0])
+        spec.call(compiled, good)   # the first good call after a bad one may run its parts eagerly
+        before = _served_calls()
+        spec.call(compiled, good)
+        assert _served_calls() > before, "the compiled encoder no longer serves calls"
+
+
+def _served_calls() -> int:
+    return sum(e.stats.calls + sum(m.stats.calls for m in e.managers) for e in vitgraph.encoders)
 
 
 def test_a_bad_call_leaves_the_graphs_that_served_before_serving_after():
