@@ -46,9 +46,9 @@ class Glm4vVisionAdapter(_QwenVisionAdapter):
         """The tower's own forward, a video row given as one row per frame (as the GLM models
         call it: the tower's position table takes one frame a grid row)."""
         grid = inputs["grid_thw"]
-        frames = torch.cat([grid[:, :1].new_ones(1, 1).expand(int(t), 1) for t in grid[:, 0]])
-        rows = torch.cat([frames, grid[:, 1:].repeat_interleave(grid[:, 0], 0)], 1)
-        return super().encoder_reference_forward({**inputs, "grid_thw": rows})
+        rows = torch.cat([torch.ones_like(grid[:, :1]), grid[:, 1:]], 1)
+        return super().encoder_reference_forward(
+            {**inputs, "grid_thw": rows.repeat_interleave(grid[:, 0], 0)})
 
     def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
         tower = self.tower
