@@ -61,9 +61,11 @@ SHAPES = {
     "glm4v_moe": ("Glm4vMoeVisionConfig", "Glm4vMoeVisionModel", "GLM-4.5V", {}),
     "glm_ocr": ("GlmOcrVisionConfig", "GlmOcrVisionModel", "GLM-OCR", {}),
     "glm5_next": ("Glm5NextVisionConfig", "Glm5NextVisionModel", "GLM-5.3-Flash", {}),
+    "glm_image": ("GlmImageVisionConfig", "GlmImageVisionModel", "GLM-Image", {}),
 }
-#: towers that take one frame a grid row (their models split a video into frames)
-ONE_FRAME = ("glm4v", "glm4v_moe")
+#: towers whose HF forward takes one frame a grid row (their models split a video into frames;
+#: GLM-Image takes images only: its "video" is 16 separate images)
+ONE_FRAME = ("glm4v", "glm4v_moe", "glm_image")
 
 
 def build(family: str) -> tuple[torch.nn.Module, str]:

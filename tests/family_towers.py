@@ -54,6 +54,9 @@ FAMILIES.update({
     "glm4v_moe": (_hf("glm4v_moe", "Glm4vMoeVisionConfig", "Glm4vMoeVisionModel", **_GLM),
                   PATCH, 2),
     "glm_ocr": (_hf("glm_ocr", "GlmOcrVisionConfig", "GlmOcrVisionModel", **_GLM), PATCH, 2),
+    "glm_image": (_hf("glm_image", "GlmImageVisionConfig", "GlmImageVisionModel", depth=2,
+                      hidden_size=64, num_heads=4, intermediate_size=96, image_size=8 * PATCH,
+                      patch_size=PATCH), PATCH, 1),
     "glm5_next": (_hf("glm5_next", "Glm5NextVisionConfig", "Glm5NextVisionModel", **_GLM,
                       projection_intermediate_size=80, swiglu_limit=0.5), PATCH, 2),
 })

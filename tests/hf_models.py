@@ -4,11 +4,12 @@ tests on CPU (``tests/unit/integrations/test_hf_serve_vision.py``) and GPU (``te
 Each prompt holds two images and one video of two temporal patches, laid out as the family's
 processor lays them out (Qwen3-VL: one vision segment per temporal patch; GLM-V: every temporal
 patch an image segment between begin/end-of-video tokens), with ``mm_token_type_ids`` where the
-installed transformers asks for it. :data:`PACKED` holds the Qwen-VL families (the GPU test runs
-these); :data:`PACKED_MORE` the other packed towers, tested on CPU: the Omni thinkers, EXAONE 4.5,
+installed transformers asks for it. :data:`PACKED` holds the Qwen-VL families; :data:`PACKED_MORE`
+the other packed towers (both tested on CPU and, through :data:`ALL_PACKED`, on the GPU): the Omni thinkers, EXAONE 4.5,
 Cohere Compass, Qwen4-Exp, ERNIE-4.5-VL, the GLM-V family (GLM-4.1V, 4.5V, 4.6V and OCR: images
-and the video in two prompts, see :data:`IMAGES_OR_VIDEO`), ColQwen2 (documents of one image, no
-``generate``) and Cosmos3-Omni. :data:`TOWER_CLASS` names each family's tower.
+and the video in two prompts, see :data:`IMAGES_OR_VIDEO`), GLM-Image (an image-to-image prompt:
+two source images, which its tower reads for the VQ tokenizer), ColQwen2 (documents of one image,
+no ``generate``) and Cosmos3-Omni. :data:`TOWER_CLASS` names each family's tower.
 """
 
 from __future__ import annotations
@@ -292,6 +293,22 @@ def glm5_next():
         **_GLM_TOKENS))
 
 
+def glm_image():
+    """GLM-Image (image generation): its tower reads the source images of an image-to-image
+    prompt, a VQ codebook turns each patch into an image token id (< ``num_embeddings``, so
+    within the text vocabulary) written over the placeholders; ``lm_head`` scores the vision
+    vocabulary. ``spatial_merge_size`` 1: one token a patch."""
+    import transformers as tr
+
+    return tr.GlmImageForConditionalGeneration(tr.GlmImageConfig(
+        text_config=dict(_TEXT, vision_vocab_size=300, pad_token_id=0, eos_token_id=EOI,
+                         rope_parameters=_rope()),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=40, num_heads=2,
+                           patch_size=2, image_size=8),
+        vq_config=dict(embed_dim=16, num_embeddings=64, latent_channels=32),
+        image_token_id=IMG, image_start_token_id=BOI, image_end_token_id=EOI))
+
+
 def colqwen2():
     """ColQwen2 (retrieval: no ``generate``) over a Qwen2-VL model, its tower at ``vlm.visual``."""
     import transformers as tr
@@ -317,7 +334,7 @@ PACKED_MORE = {"qwen2_5_omni": qwen2_5_omni, "qwen3_omni_moe": qwen3_omni_moe,
                "exaone4_5": exaone4_5, "cohere_compass": cohere_compass, "qwen4_exp": qwen4_exp,
                "ernie4_5_vl_moe": ernie4_5_vl_moe, "glm4v": glm4v, "glm4v_moe": glm4v_moe,
                "glm46v": glm46v, "glm_ocr": glm_ocr, "glm5_next": glm5_next,
-               "colqwen2": colqwen2, "cosmos3_omni": cosmos3_omni}
+               "glm_image": glm_image, "colqwen2": colqwen2, "cosmos3_omni": cosmos3_omni}
 ALL_PACKED = {**PACKED, **PACKED_MORE}
 
 #: The class of each family's vision tower (GLM-4.6V, ColQwen2 and Cosmos3-Omni build towers of
@@ -333,11 +350,14 @@ TOWER_CLASS = {
     "ernie4_5_vl_moe": "Ernie4_5_VLMoeVisionTransformerPretrainedModel",
     "glm4v": "Glm4vVisionModel", "glm4v_moe": "Glm4vMoeVisionModel", "glm46v": "Glm4vVisionModel",
     "glm_ocr": "GlmOcrVisionModel", "glm5_next": "Glm5NextVisionModel",
+    "glm_image": "GlmImageVisionModel",
     "colqwen2": "Qwen2VisionTransformerPretrainedModel", "cosmos3_omni": "Qwen3VLVisionModel",
 }
 
 #: Families without ``generate()``: the field of their forward output compared instead of logits.
 NO_GENERATE = {"colqwen2": "embeddings"}
+#: The tower's ``spatial_merge_size`` where it is not 2 (GLM-Image: no merger, a token a patch).
+SPATIAL_MERGE = {"glm_image": 1}
 
 #: Families that write one vision segment per temporal patch of a video, each after its
 #: timestamp (Qwen3-VL's processor and those copied from it).
@@ -391,6 +411,8 @@ def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32, images
     two temporal patches (4x4), laid out as ``name``'s processor lays them out."""
     if name == "colqwen2":
         return _retrieval_prompt(model, seed, device, dtype)
+    if name == "glm_image":
+        return _image_to_image_prompt(model, seed, device, dtype)
     g = torch.Generator().manual_seed(seed)
     grid, vgrid = torch.tensor([[1, 4, 4], [1, 2, 4]]), torch.tensor([[2, 4, 4]])
     ids, types, moe_types = [1, 2, 3], [0, 0, 0], [0, 0, 0]
@@ -467,6 +489,28 @@ def _retrieval_prompt(model, seed, device, dtype):
         attention_mask=torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows],
                                     device=device),
         pixel_values=pixels.to(device, dtype), image_grid_thw=grid.to(device))
+
+
+def _image_to_image_prompt(model, seed, device, dtype):
+    """GLM-Image's image-to-image prompt, as ``GlmImageProcessor`` and its chat template write
+    it: two source images (4x4 and 2x4 patches, a placeholder a patch) between
+    begin/end-of-image tokens, the target's size as text (``<sop>2 4<eop>``), then the
+    begin-of-image token the generated image tokens follow. ``image_grid_thw`` holds the source
+    grids and then the target's (2x4: the decode positions of 8 tokens), ``images_per_sample``
+    their count; the model gives the tower the source grids alone."""
+    g = torch.Generator().manual_seed(seed)
+    grid, target = torch.tensor([[1, 4, 4], [1, 2, 4]]), torch.tensor([[1, 2, 4]])
+    ids = [1, 2, 3]
+    for t, h, w in grid.tolist():
+        ids += [BOI] + [IMG] * (t * h * w) + [EOI, 5]
+    ids += [8, 2, 4, 9, BOI]
+    grids = torch.cat([grid, target])
+    return dict(
+        input_ids=torch.tensor([ids], device=device),
+        pixel_values=torch.randn(int(grid.prod(-1).sum()), _patch_dim(model), generator=g).to(
+            device, dtype),
+        image_grid_thw=grids.to(device),
+        images_per_sample=torch.tensor([len(grids)], device=device))
 
 
 BATCHED = {"llava": llava, "idefics3": idefics3, "gemma3": gemma3}

@@ -86,3 +86,15 @@ def test_a_reference_is_needed_for_an_adapter_without_one():
 
     with pytest.raises(TypeError, match="reference="):
         check_adapter(tower, NoReference(tower))
+
+
+def test_a_clamped_mlp_keeps_the_towers_own_where_padded_copies_are_asked_for():
+    # GLM-5.3 clamps gate and up (swiglu_limit); padded copies and the fused gate have no clamp
+    from vit_graph_backend import VitGraphOptions
+
+    tower = family_tower("glm5_next")
+    for block in tower.blocks:
+        block.mlp.swiglu_limit = 0.05   # the clamp bites on most rows
+    adapter = adapt(tower, align_mlp=True)
+    assert adapter.kernels.aligned is None and adapter.align_mlp is False
+    check_adapter(tower, options=VitGraphOptions(align_mlp=True), **dict(SMALL, max_frames=1))

@@ -52,6 +52,7 @@ _REGISTRY: dict[str, str | Callable[..., Any]] = {
     _HF + "glm4v_moe.modeling_glm4v_moe.Glm4vMoeVisionModel": _GLM + "Glm4vVisionAdapter",
     _HF + "glm_ocr.modeling_glm_ocr.GlmOcrVisionModel": _GLM + "GlmOcrVisionAdapter",
     _HF + "glm5_next.modeling_glm5_next.Glm5NextVisionModel": _GLM + "Glm5NextVisionAdapter",
+    _HF + "glm_image.modeling_glm_image.GlmImageVisionModel": _GLM + "GlmImageVisionAdapter",
 }
 
 #: towers that take ``grid_thw`` but whose math the packed graphs cannot serve as they stand
@@ -59,8 +60,6 @@ _UNSERVED = {
     _HF + "cosmos3_edge.modeling_cosmos3_edge.Cosmos3EdgeVisionModel":
         "a SigLIP2-style tower (linear patch embedding, a learned position table resized per "
         "image, no rotary embedding) whose model reads per-patch last_hidden_state",
-    _HF + "glm_image.modeling_glm_image.GlmImageVisionModel":
-        "no rotary embedding, and per-patch outputs for GLM-Image's VQ tokenizer",
     _HF + "paddleocr_vl.modeling_paddleocr_vl.PaddleOCRVisionModel":
         "a SigLIP-style tower over 5-D raster-order patches; the merge runs in the model",
     _HF + "hunyuan_vl.modeling_hunyuan_vl.HunYuanVLVisionTransformer":

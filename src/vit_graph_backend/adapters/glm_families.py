@@ -1,4 +1,5 @@
-"""The GLM-V family adapters (GLM-4.1V / 4.5V / 4.6V, GLM-OCR, GLM-5.3), over the Qwen body.
+"""The GLM family adapters (GLM-4.1V / 4.5V / 4.6V, GLM-OCR, GLM-5.3, GLM-Image), over the Qwen
+body.
 
 The GLM towers run Qwen2.5-VL's blocks (RMSNorm, fused ``qkv``, SiLU-gated MLP, 2-D rotary,
 attention per frame) and end in a post-norm, a ``merge x merge`` convolution (run as the GEMM it
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 from .metadata import Grid
 from .qwen import _norm, _patch_embed, _QwenVisionAdapter
 
-__all__ = ["Glm4vVisionAdapter", "Glm5NextVisionAdapter", "GlmOcrVisionAdapter"]
+__all__ = ["Glm4vVisionAdapter", "Glm5NextVisionAdapter", "GlmImageVisionAdapter",
+           "GlmOcrVisionAdapter"]
 
 _HF = "transformers.models."
 
@@ -54,10 +56,13 @@ class Glm4vVisionAdapter(_QwenVisionAdapter):
         tower = self.tower
         hidden = _norm(tower.post_conv_layernorm,
                        _patch_embed(tower.patch_embed, values["pixel_values"]))
-        table = tower.embeddings.position_embedding.weight.float()  # HF resamples in float32
-        pos = F.embedding_bag(values["interp_indices"], table, mode="sum",
-                              per_sample_weights=values["interp_weights"].float())
-        return hidden + pos.to(hidden.dtype)
+        return hidden + self._table_positions(values).to(hidden.dtype)
+
+    def _table_positions(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Each row's learned position, resampled from the table (in float32, as HF does)."""
+        table = self.tower.embeddings.position_embedding.weight.float()
+        return F.embedding_bag(values["interp_indices"], table, mode="sum",
+                               per_sample_weights=values["interp_weights"].float())
 
     def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
               features: list[torch.Tensor]) -> Any:
@@ -67,6 +72,22 @@ class Glm4vVisionAdapter(_QwenVisionAdapter):
         blocks = x.view(-1, m, m, x.shape[-1]).permute(0, 3, 1, 2).reshape(-1, x.shape[-1] * m * m)
         down = tower.downsample
         return tower.merger(F.linear(blocks, down.weight.flatten(1), down.bias))
+
+
+class GlmImageVisionAdapter(Glm4vVisionAdapter):
+    """GLM-Image's ``GlmImageVisionModel``: no rotary embedding, a bilinear learned position table
+    added to the patch embedding, LayerNorm blocks and no head. Output: one row per patch
+    (``merge`` is 1), which its model's VQ tokenizer reads."""
+
+    wrapped_class = (_HF + "glm_image.modeling_glm_image.GlmImageVisionModel",)
+
+    def _embed(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        hidden = _patch_embed(self.tower.patch_embed, values["pixel_values"])
+        return hidden + self._table_positions(values).to(hidden.dtype)
+
+    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
+              features: list[torch.Tensor]) -> Any:
+        return hidden
 
 
 class GlmOcrVisionAdapter(Glm4vVisionAdapter):

@@ -31,7 +31,8 @@ from ..specs import EncoderItemSpec
 from ..runtime.weights import python_outside_graphs
 from ..kernels.attention_choice import AttentionChoice
 from ..kernels.fused_ops import Ops
-from ..kernels.packed_attention import Segments, dense_sdpa, packed_attention, varlen_supported
+from ..kernels.packed_attention import (Segments, dense_sdpa, packed_attention, varlen_supported,
+                                        widen_for_dense)
 from .inputs import grid_tensor
 from .kernel_choices import KernelChoices
 from .metadata import Grid, PackedMetadata, QwenLayout
@@ -74,11 +75,11 @@ def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _patch_embed(embed: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """HF's patch embedding (a Conv3d with stride == kernel over whole-window rows) as the GEMM
-    it is, in one cuBLAS call; other patch embeddings run as they are."""
+    """HF's patch embedding (a Conv3d, or GLM-Image's Conv2d, with stride == kernel over
+    whole-window rows) as the GEMM it is, in one cuBLAS call; others run as they are."""
     proj = getattr(embed, "proj", None)
-    if (isinstance(proj, nn.Conv3d) and tuple(proj.kernel_size) == tuple(proj.stride)
-            and tuple(proj.padding) == (0, 0, 0) and tuple(proj.dilation) == (1, 1, 1)
+    if (isinstance(proj, (nn.Conv2d, nn.Conv3d)) and tuple(proj.kernel_size) == tuple(proj.stride)
+            and not any(proj.padding) and set(proj.dilation) == {1}
             and proj.groups == 1 and pixels.dim() == 2
             and pixels.shape[1] == proj.weight[0].numel()):
         weight = proj.weight.flatten(1)
@@ -303,17 +304,22 @@ class _QwenVisionAdapter(nn.Module):
         return self.kernels.state
 
     # ------------------------------------------------------------------ the blocks
-    def _attention(self, fns: Ops, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, segments: Segments, full: bool) -> torch.Tensor:
+    def _attention(self, fns: Ops, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None, segments: Segments, full: bool) -> torch.Tensor:
         rows = x.shape[0]
         qkv = self._qkv(attn, x)
-        if segments.dense:  # the rotary embedding and the widening in one fused kernel
+        if cos is None:  # a tower without rotary embedding (GLM-Image)
+            q, k = qkv[:, 0], qkv[:, 1]
+            if segments.dense:
+                wide = widen_for_dense(q, k, qkv[:, 2], segments.offsets[1:2])
+                return attn.proj(dense_sdpa(wide, qkv.shape[-1], attn.scaling).reshape(rows, -1))
+        elif segments.dense:  # the rotary embedding and the widening in one fused kernel
             wide = fns.rotate_qk_wide(qkv, cos.unsqueeze(1), sin.unsqueeze(1),
                                       segments.offsets[1:2])
             out = dense_sdpa(wide, qkv.shape[-1], attn.scaling)
             return attn.proj(out.reshape(rows, -1))
-        # q and k rotated together: half the launches of rotating them one by one
-        q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
+        else:  # q and k rotated together: half the launches of rotating them one by one
+            q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
         v = qkv[:, 2]
         # the kernel chosen for this budget (kernels.attention_choice)
         kernel = (self.attention.graph_kernel(rows) if full
@@ -327,8 +333,10 @@ class _QwenVisionAdapter(nn.Module):
                       "pixel_values": values["pixel_values"].index_select(0, values[ROW_INDEX])}
         hidden = self._embed(values)
         fns = self.kernels.ops_for(hidden.device, graph=meta is None)
-        cos, sin = self.tower.rotary_pos_emb(hidden, values["position_ids"])
-        cos, sin = cos.unsqueeze(-2).float(), _signed_sin(sin.unsqueeze(-2).float())
+        cos = sin = None
+        if getattr(self.tower, "rotary_pos_emb", None) is not None:
+            cos, sin = self.tower.rotary_pos_emb(hidden, values["position_ids"])
+            cos, sin = cos.unsqueeze(-2).float(), _signed_sin(sin.unsqueeze(-2).float())
         full, window = self.packer.segments(values, meta)
         if meta is None and self.attention.dense(hidden.shape[0]):  # chosen at this capture
             full = dataclasses.replace(full, dense=True)

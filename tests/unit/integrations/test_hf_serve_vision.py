@@ -3,10 +3,11 @@
 Tiny random models, float32, CPU (``tests/hf_models.py``): Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 Qwen3-VL-MoE and Qwen3.5 (packed towers); the other packed towers (the Qwen2.5-Omni and
 Qwen3-Omni-MoE thinkers, EXAONE 4.5, Cohere Compass, Qwen4-Exp, ERNIE-4.5-VL, GLM-4.1V, GLM-4.5V,
-GLM-4.6V, GLM-OCR, GLM-5.3, ColQwen2, Cosmos3-Omni); LLaVA, Idefics3 and Gemma 3 (batched CLIP,
-Idefics3 and SigLIP towers). For each: greedy tokens identical to the unmodified model and logits
-within 1e-5 (two images and a video; GLM-V: images and the video in two prompts; ColQwen2, which
-has no ``generate``: its embeddings; LLaVA: 1, 3 and 2 images), every tower call served; the
+GLM-4.6V, GLM-OCR, GLM-5.3, GLM-Image, ColQwen2, Cosmos3-Omni); LLaVA, Idefics3 and Gemma 3
+(batched CLIP, Idefics3 and SigLIP towers). For each: greedy tokens identical to the unmodified
+model and logits within 1e-5 (two images and a video; GLM-V: images and the video in two prompts;
+GLM-Image: two source images of an image-to-image prompt; ColQwen2, which has no ``generate``: its
+embeddings; LLaVA: 1, 3 and 2 images), every tower call served; the
 tower keeps its attributes and its HF return type; ``state_dict()`` keys and ``save_pretrained``
 files are exactly as before; ``restore_vision_`` gives the tower its own forward back. Bad options
 fail at the call, before any tower is touched.
@@ -83,7 +84,8 @@ def test_packed_family_generates_the_same_tokens(family):
     assert list(model.state_dict()) == keys
 
     assert visual.dtype == torch.float32 and visual.device.type == "cpu"
-    assert visual.spatial_merge_size == 2 and visual.config is config
+    merge = hf_models.SPATIAL_MERGE.get(family, 2)
+    assert visual.spatial_merge_size == merge and visual.config is config
 
     vg.restore_vision_(model)
     assert "forward" not in visual.__dict__ and served_towers(model) == {}
