@@ -4,7 +4,6 @@ an adapter that breaks one fails naming it (``tests/gpu/test_conformance_gpu.py`
 from __future__ import annotations
 
 import pytest
-import torch
 
 from family_towers import FAMILIES  # skips without transformers
 from family_towers import tower as family_tower

@@ -10,7 +10,6 @@ announced with ``served.refresh()`` (``runtime.weights``).
 from __future__ import annotations
 
 import logging
-from itertools import chain
 from typing import Any
 
 import torch

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..adapters import adapter_for, supported_classes, unserved_reason
-from ..errors import InvalidInputError, InvalidOptionError, UnsupportedModelError
+from ..errors import InvalidInputError, UnsupportedModelError
 from ..options import PACKED_ONLY_OPTIONS, VitGraphOptions
 from ..adapters.serve import PackedGraphEncoder, serve
 
