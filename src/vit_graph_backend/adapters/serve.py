@@ -33,7 +33,7 @@ from ..options import VitGraphOptions
 from ..protocol import SupportsEncoderCudaGraph
 from ..runtime.manager import EncoderCudaGraphManager, infer_device_dtype
 
-__all__ = ["PackedGraphEncoder", "live_served", "serve"]
+__all__ = ["PackedGraphEncoder", "concat_items", "live_served", "serve"]
 
 _served: weakref.WeakSet[PackedGraphEncoder] = weakref.WeakSet()
 _served_lock = threading.Lock()
@@ -135,7 +135,7 @@ class PackedGraphEncoder(nn.Module):
         if not isinstance(grid_thw, torch.Tensor):
             grid_thw, rows = self._grid_of(grid_thw)
         outputs = self.manager.run(PackedCall(pixel_values, grid_thw, rows))
-        return _concat(outputs)
+        return concat_items(outputs)
 
     def _grid_of(self, rows: Any) -> tuple[torch.Tensor, list[tuple[int, int, int]] | None]:
         """``grid_tensor(rows)`` and the rows as ints (``None`` unless all ints); recent rows
@@ -182,7 +182,8 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
     return PackedGraphEncoder(adapt(model, options), options)
 
 
-def _concat(outputs: list[Any]) -> Any:
+def concat_items(outputs: list[Any]) -> Any:
+    """Per-item outputs (tensors, or tuples of tensors) joined along rows, as one packed call's."""
     first = outputs[0]
     if len(outputs) == 1:  # already the caller's own tensor(s), never a graph's static output
         return first

@@ -30,6 +30,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ..adapters.serve import concat_items
 from ..options import VitGraphOptions
 from ..runtime.manager import EncoderCudaGraphManager
 from ..errors import UnsupportedGraphError
@@ -181,7 +182,7 @@ def _check_call(adapter: Any, padding_adapter: Any, manager: EncoderCudaGraphMan
             poison_static_buffers(manager)
             PoolPoisoner(manager)()
         replays = manager.stats.graph_replays
-        served = _joined(manager.run(inputs))
+        served = concat_items(manager.run(inputs))
         _close("served", served, expected, tol, f"call {attempt + 1} through the runtime, {where}")
         if manager.device.type == "cuda" and not manager.uses_cuda_graphs:
             reason = manager.memory_report()["graphs_off_reason"]
@@ -247,9 +248,3 @@ def _rows(out: Any) -> int:
 
 def _slice(out: Any, lo: int, hi: int) -> Any:
     return map_output(out, lambda t: t[lo:hi])
-
-
-def _joined(items: list[Any]) -> Any:
-    if isinstance(items[0], torch.Tensor):
-        return torch.cat(items)
-    return tuple(torch.cat([item[i] for item in items]) for i in range(len(items[0])))
