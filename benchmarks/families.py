@@ -9,17 +9,24 @@ HF's largest magnitude, and the served tower's fraction of the bf16 matmul peak 
 ``FlopCounterMode`` on HF's forward; the peak measured in this run).
 
 The shapes are each family's vision config defaults (the reference checkpoint's, per
-transformers), except where noted in ``SHAPES``. Usage: python benchmarks/families.py
-[--families a,b] [--reps 10] [--profile]. Text to stdout and to ``$OUT/families.txt`` when ``$OUT`` is set.
+transformers), except where ``tests/hf_models.py: REAL_VISION`` says otherwise.
+
+``--ttft``: the whole model instead (``hf_models.at_real_shape``: the family's default text
+model, the checkpoint's where that fits in 20B parameters, else its first layers), eager against
+``serve_vision_``: time to first token at 4 document images and at the video, the tower's share
+of eager's, and whether 8 greedy tokens equal eager's.
+
+Usage: python benchmarks/families.py [--families a,b] [--reps 10] [--profile | --ttft]. Text to
+stdout and to ``$OUT/families.txt`` (``families_ttft.txt``) when ``$OUT`` is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,55 +34,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_out import emit  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+import hf_models  # noqa: E402  (the families' shapes and prompts, shared with the GPU tests)
+
 from vit_graph_backend import serve  # noqa: E402
 from vit_graph_backend.bench.roofline import count_stream_flops, matmul_peak_tflops  # noqa: E402
 from vit_graph_backend.bench.timing import CallTimer  # noqa: E402
 
-_QWEN25_7B = dict(hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, num_heads=16,
-                  depth=32)
-#: family -> (config class, tower class, the checkpoint it stands for, config overrides)
-SHAPES = {
-    "qwen2_vl": ("Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel",
-                 "Qwen2-VL-7B", {}),
-    "qwen2_5_vl": ("Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel",
-                   "Qwen2.5-VL-3B", dict(hidden_size=1280, out_hidden_size=2048)),
-    "qwen2_5_omni": ("Qwen2_5OmniVisionEncoderConfig", "Qwen2_5OmniVisionEncoder",
-                     "Qwen2.5-Omni-7B (Qwen2.5-VL-7B's tower)", _QWEN25_7B),
-    "exaone4_5": ("Exaone4_5_VisionConfig", "Exaone4_5_VisionModel",
-                  "EXAONE-4.5 (Qwen2.5-VL-7B's tower, 8 key-value heads)",
-                  dict(_QWEN25_7B, num_key_value_heads=8)),
-    "qwen3_vl": ("Qwen3VLVisionConfig", "Qwen3VLVisionModel", "Qwen3-VL-8B",
-                 dict(out_hidden_size=4096)),
-    "qwen3_vl_moe": ("Qwen3VLMoeVisionConfig", "Qwen3VLMoeVisionModel", "Qwen3-VL-30B-A3B", {}),
-    "qwen3_omni_moe": ("Qwen3OmniMoeVisionEncoderConfig", "Qwen3OmniMoeVisionEncoder",
-                       "Qwen3-Omni-30B-A3B", {}),
-    "cohere_compass": ("CohereCompassVisionConfig", "CohereCompassVisionModel",
-                       "Cohere Compass", {}),
-    "qwen3_5": ("Qwen3_5VisionConfig", "Qwen3_5VisionModel", "Qwen3.5", {}),
-    "qwen3_5_moe": ("Qwen3_5MoeVisionConfig", "Qwen3_5MoeVisionModel", "Qwen3.5-MoE", {}),
-    "qwen4_exp": ("Qwen4ExpVisionConfig", "Qwen4ExpVisionModel", "Qwen4-Exp", {}),
-    "ernie4_5_vl_moe": ("Ernie4_5_VLMoeVisionConfig",
-                        "Ernie4_5_VLMoeVisionTransformerPretrainedModel",
-                        "ERNIE-4.5-VL-28B-A3B", {}),
-    "glm4v": ("Glm4vVisionConfig", "Glm4vVisionModel", "GLM-4.1V-9B", {}),
-    "glm4v_moe": ("Glm4vMoeVisionConfig", "Glm4vMoeVisionModel", "GLM-4.5V", {}),
-    "glm_ocr": ("GlmOcrVisionConfig", "GlmOcrVisionModel", "GLM-OCR", {}),
-    "glm5_next": ("Glm5NextVisionConfig", "Glm5NextVisionModel", "GLM-5.3-Flash", {}),
-    "glm_image": ("GlmImageVisionConfig", "GlmImageVisionModel", "GLM-Image", {}),
-}
+#: the families measured (their towers' classes; GLM-4.6V, ColQwen2 and Cosmos3-Omni build
+#: towers of these classes at the same shapes)
+FAMILIES = ("qwen2", "qwen2_5", "qwen2_5_omni", "exaone4_5", "qwen3", "qwen3_moe",
+            "qwen3_omni_moe", "cohere_compass", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+            "ernie4_5_vl_moe", "glm4v", "glm4v_moe", "glm_ocr", "glm5_next", "glm_image")
 #: towers whose HF forward takes one frame a grid row (their models split a video into frames;
 #: GLM-Image takes images only: its "video" is 16 separate images)
 ONE_FRAME = ("glm4v", "glm4v_moe", "glm_image")
 
 
 def build(family: str) -> tuple[torch.nn.Module, str]:
-    config, model, name, overrides = SHAPES[family]
-    cfg_mod = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
-    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    cfg = getattr(cfg_mod, config)(**overrides)
-    with torch.device("cuda"):
-        tower = getattr(mod, model)(cfg)
-    return tower.to(torch.bfloat16).eval(), name
+    return hf_models.real_tower(family, device="cuda", dtype=torch.bfloat16)
 
 
 def workloads(tower: torch.nn.Module, family: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -158,13 +135,100 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(timer.wall(fn)[1] * 1e3 for _ in range(reps))
 
 
+def _wall_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _tower_ms(model: torch.nn.Module, tower: torch.nn.Module, call) -> float:
+    """GPU time of ``tower``'s forward inside one ``call`` of ``model`` (CUDA events around it)."""
+    events: list[torch.cuda.Event] = []
+    hooks = [tower.register_forward_pre_hook(lambda *_: events.append(_recorded())),
+             tower.register_forward_hook(lambda *_: events.append(_recorded()))]
+    try:
+        call()
+        torch.cuda.synchronize()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(a.elapsed_time(b) for a, b in zip(events[::2], events[1::2]))
+
+
+def _recorded() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def ttft_rows(family: str, reps: int) -> list[str]:
+    """Time to first token of ``family``'s model (the checkpoint's text model where it fits,
+    see ``hf_models.at_real_shape``), eager against ``serve_vision_``: 4 document images and a
+    16-frame video, in separate prompts; the tower's share of eager's; 8 greedy tokens each."""
+    import vit_graph_backend as vg
+
+    model, note = hf_models.at_real_shape(family, text="default", device="cuda")
+    tower = model.get_submodule(hf_models.tower_name(family, model))
+    grids = hf_models.real_grids(model)
+    prompts = {"4 images": hf_models.packed_prompt(family, model, 0, "cuda", torch.bfloat16,
+                                                   video=False, grids=grids)}
+    if family != "glm_image":
+        prompts["video"] = hf_models.packed_prompt(family, model, 1, "cuda", torch.bfloat16,
+                                                   images=False, grids=grids)
+    found: dict[str, dict] = {label: {} for label in prompts}
+
+    def measure(mode: str) -> None:
+        with torch.inference_mode():
+            for label, prompt in prompts.items():
+                row = found[label]
+                first = lambda: model.generate(**prompt, max_new_tokens=1, do_sample=False)  # noqa: E731
+                row[mode] = _wall_ms(first, reps)
+                row[mode + " vision"] = statistics.median(_tower_ms(model, tower, first)
+                                                          for _ in range(reps))
+                out = model.generate(**prompt, max_new_tokens=8, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+                row[mode + " tokens"] = out.sequences[0, -8:].tolist()
+                row[mode + " scores"] = [s[0].float() for s in out.scores]
+
+    measure("eager")
+    vg.serve_vision_(model)
+    measure("served")
+    lines = [f"{family:<16}{note}"]
+    for label, row in found.items():
+        ref, got = row["eager tokens"], row["served tokens"]
+        parted = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        if parted is None:
+            tokens = "8/8 equal"
+        else:
+            scores = row["eager scores"][parted]
+            gap = (scores[ref[parted]] - scores[got[parted]]).item()
+            tokens = f"part at {parted} (eager's gap {gap:.2g})"
+        lines.append(f"{'':<16}{label:<10}{row['eager']:>10.1f}{row['eager vision']:>9.1f}"
+                     f"{row['eager vision'] / row['eager']:>7.0%}{row['served']:>11.1f}"
+                     f"{row['served vision']:>9.1f}{row['eager'] / row['served']:>8.2f}x  {tokens}")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--families", default=",".join(SHAPES))
+    parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--profile", action="store_true",
                         help="add each family's kernel time by class at 4 images (profiler)")
+    parser.add_argument("--ttft", action="store_true",
+                        help="time to first token of the whole model instead of the tower")
+    parser.add_argument("--name", default=None, help="the $OUT file's name (default: families, "
+                        "families_ttft with --ttft)")
     args = parser.parse_args()
+    if args.ttft:
+        return main_ttft(args)
     peak = matmul_peak_tflops("cuda", torch.bfloat16)
     lines = [f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16, random "
              f"weights; bf16 matmul peak measured {peak:.0f} TFLOP/s",
@@ -207,7 +271,26 @@ def main() -> None:
             tower = served = None
             gc.collect()
             torch.cuda.empty_cache()
-    emit(lines, "families", echo=False)
+    emit(lines, args.name or "families", echo=False)
+
+
+def main_ttft(args: argparse.Namespace) -> None:
+    lines = [f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16, random "
+             f"weights; ttft = generate(max_new_tokens=1), median of {args.reps}; vision = the "
+             f"tower's GPU time inside eager's; tokens: 8 greedy tokens equal to eager's, or where they part and the gap between the two tokens' scores in eager's step",
+             f"{'family':<16}{'prompt':<10}{'eager ms':>10}{'vision':>9}{'share':>7}"
+             f"{'served ms':>11}{'vision':>9}{'gain':>9}  tokens"]
+    print("\n".join(lines), flush=True)
+    for family in args.families.split(","):
+        try:
+            lines += ttft_rows(family, args.reps)
+        except Exception as exc:  # one family's failure is reported, the others still run
+            lines.append(f"{family:<16}FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            print(lines[-1], flush=True)
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+    emit(lines, args.name or "families_ttft", echo=False)
 
 
 if __name__ == "__main__":

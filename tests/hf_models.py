@@ -373,6 +373,8 @@ GLM_LAYOUT = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glm5_next")
 #: prompt with both fails its token count check. They get two prompts (GLM-5.3 tells the two
 #: apart by the video's begin/end tokens and takes one).
 IMAGES_OR_VIDEO = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
+#: Families whose model hands its tower a video as one grid row per temporal patch.
+VIDEO_AS_FRAMES = ("glm4v", "glm4v_moe", "glm46v")
 
 
 def tower_name(family, model):
@@ -396,25 +398,197 @@ def _patch_dim(model):
             * vision.patch_size ** 2)
 
 
-def packed_prompts(name, model, device="cpu", dtype=torch.float32):
-    """The prompts ``name`` is tested with: one with two images and a video; images and the
-    video apart for :data:`IMAGES_OR_VIDEO`; ColQwen2's two documents of one image each."""
+# ---- the same models at a released checkpoint's shape (GPU tests and benchmarks/families.py) ----
+
+_QWEN25_7B = dict(hidden_size=1280, intermediate_size=3420, num_heads=16, depth=32)
+#: family -> (the checkpoint whose vision tower it is shaped as, overrides of the family's
+#: default vision config; the defaults are transformers' reference checkpoint's, except where
+#: overridden). The tower's output width is always the text model's (:func:`at_real_shape`).
+REAL_VISION = {
+    "qwen2": ("Qwen2-VL-7B", {}),
+    "qwen2_5": ("Qwen2.5-VL-3B", dict(hidden_size=1280)),
+    "qwen2_5_omni": ("Qwen2.5-Omni-7B", _QWEN25_7B),
+    "exaone4_5": ("EXAONE-4.5 (Qwen2.5-VL-7B's tower, 8 kv heads)",
+                  dict(_QWEN25_7B, num_key_value_heads=8)),
+    "qwen3": ("Qwen3-VL-8B", {}),
+    "qwen3_moe": ("Qwen3-VL-30B-A3B", {}),
+    "qwen3_omni_moe": ("Qwen3-Omni-30B-A3B", {}),
+    "cohere_compass": ("Cohere Compass", {}),
+    "qwen3_5": ("Qwen3.5", {}),
+    "qwen3_5_moe": ("Qwen3.5-MoE", {}),
+    "qwen4_exp": ("Qwen4-Exp", {}),
+    "cosmos3_omni": ("Cosmos3-Omni", {}),
+    "ernie4_5_vl_moe": ("ERNIE-4.5-VL-28B-A3B", {}),
+    "glm4v": ("GLM-4.1V-9B", {}),
+    "glm4v_moe": ("GLM-4.5V", {}),
+    "glm46v": ("GLM-4.6V", {}),
+    "glm_ocr": ("GLM-OCR", {}),
+    "glm5_next": ("GLM-5.3", {}),
+    "glm_image": ("GLM-Image", {}),
+    "colqwen2": ("ColQwen2 (Qwen2-VL-2B)", {}),
+}
+#: Text configs where the family's default is not a checkpoint that fits one GPU (Qwen2-VL's
+#: and Qwen2.5-VL's defaults are 72B): the published 7B and 3B text models.
+REAL_TEXT = {
+    "qwen2": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                  num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+    "qwen2_5": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                    num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2),
+}
+REAL_TEXT["colqwen2"] = dict(REAL_TEXT["qwen2"], hidden_size=1536, intermediate_size=8960,
+                             num_attention_heads=12, num_key_value_heads=2)
+# transformers 5.17's defaults leave out what the checkpoints set: GLM's half-rotary 3-D
+# positions, and the head width where it is not hidden_size / heads
+_GLM_ROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]})
+REAL_TEXT.update(
+    glm4v=_GLM_ROPE, glm46v=_GLM_ROPE, glm_image=_GLM_ROPE, glm4v_moe=dict(_GLM_ROPE, head_dim=128),
+    qwen3_omni_moe=dict(head_dim=128, rope_parameters={
+        "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True}))
+#: The tests' text model at a real tower's shape, where the longer prompts need more: GLM-5.3's
+#: sparse attention keeps every key (a top-k choice flips on bf16 rounding of the image tokens)
+TINY_TEXT_AT_REAL_SHAPE = {"glm5_next": dict(index_topk=16384)}
+#: Text models whose logits jump with bf16 rounding of long image runs even so (GLM-5.3's
+#: expert routing: 0.2 of the logits' scale on the H200 where its tower's output was within
+#: 3.6 % of HF's); the GPU test at a real shape checks their towers' outputs instead.
+TEXT_CHOOSES_DISCRETELY = ("glm5_next",)
+
+
+def _tiny_on_meta(family):
+    with torch.device("meta"):
+        return ALL_PACKED[family]()
+
+
+def real_vision(family, width=None):
+    """``(checkpoint, vision config dict)``: :data:`REAL_VISION`'s shape, the tower's output
+    ``width`` wide (default: the family's default text model's width, as in the checkpoint)."""
+    tiny = _tiny_on_meta(family)
+    checkpoint, overrides = REAL_VISION[family]
+    default = type(vision_config(tiny))().to_dict()
+    if width is None:
+        text_cls = type(getattr(tiny.config, "vlm_config", tiny.config).text_config)
+        width = REAL_TEXT.get(family, {}).get("hidden_size", text_cls().hidden_size)
+    # Qwen2-VL names the tower's output width hidden_size; GLM-Image's and ERNIE's towers have
+    # none (GLM-Image's feeds its VQ tokenizer, ERNIE's a resampler)
+    key = "hidden_size" if family in ("qwen2", "colqwen2") else "out_hidden_size"
+    return checkpoint, {**default, **overrides, **({key: width} if key in default else {})}
+
+
+def real_tower(family, device="cpu", dtype=torch.bfloat16):
+    """``family``'s vision tower alone at :data:`REAL_VISION`'s shape (eval) and its
+    checkpoint's name."""
+    tiny = _tiny_on_meta(family)
+    cls = next(type(m) for m in tiny.modules() if type(m).__name__ == TOWER_CLASS[family])
+    checkpoint, vision = real_vision(family)
+    with torch.device(device):
+        tower = cls._from_config(type(vision_config(tiny))(**vision), dtype=dtype)
+    return tower.eval(), checkpoint
+
+
+def at_real_shape(family, text="tiny", max_params=20e9, device="cpu", dtype=torch.bfloat16):
+    """``family``'s model with its vision tower at :data:`REAL_VISION`'s shape.
+
+    ``text="tiny"``: the tests' 64-wide text model (the tower's output projection 64 wide, so
+    everything before it is the checkpoint's); ``text="default"``: the family's default text
+    config (:data:`REAL_TEXT` where that is no checkpoint that fits), its layers cut, where
+    needed, so the model holds at most ``max_params`` parameters. The tests' token ids either
+    way, so :func:`packed_prompt` lays out its prompts. Returns the model (eval, on ``device``
+    in ``dtype``) and a line that says what it is."""
+    tiny = _tiny_on_meta(family)
+    config = tiny.config.to_dict()
+    outer = config.get("vlm_config", config)          # ColQwen2 nests its VLM's config
+    if text == "default":
+        text_cls = type(getattr(tiny.config, "vlm_config", tiny.config).text_config)
+        base = {k: v for k, v in outer["text_config"].items() if k.endswith("token_id")}
+        default = text_cls().to_dict()
+        published = REAL_TEXT.get(family, {})
+        default = _cut_layers(default, published.get("num_hidden_layers",
+                                                     default["num_hidden_layers"]))
+        outer["text_config"] = {**default, **published, **base}
+    else:
+        outer["text_config"].update(TINY_TEXT_AT_REAL_SHAPE.get(family, {}))
+    width = outer["text_config"]["hidden_size"]
+    checkpoint, outer["vision_config"] = real_vision(family, width)
+    if "vq_config" in outer:     # GLM-Image: its VQ tokenizer reads the tower's features
+        outer["vq_config"]["latent_channels"] = outer["vision_config"]["hidden_size"]
+        if text == "default":
+            outer["vq_config"]["num_embeddings"] = type(tiny.config.vq_config)().num_embeddings
+    model_cls, config_cls = type(tiny), type(tiny.config)
+    layers = total = outer["text_config"].get("num_hidden_layers")
+    while True:
+        cfg = config_cls.from_dict(config)
+        with torch.device("meta"):
+            probe = model_cls._from_config(cfg)
+        params = sum(p.numel() for p in probe.parameters())
+        cut = _cut_layers(outer["text_config"], max(1, int(layers * max_params / params)))
+        if text != "default" or params <= max_params or cut["num_hidden_layers"] >= layers:
+            break
+        outer["text_config"], layers = cut, cut["num_hidden_layers"]
+    with torch.device(device):
+        model = model_cls._from_config(cfg, dtype=dtype)
+    note = (f"tower of {checkpoint}; text model {text}, {width} wide, {layers} of {total} "
+            f"layers; {params / 1e9:.1f}B parameters")
+    return model.eval(), note
+
+
+def _cut_layers(text, layers):
+    """``text`` config dict with ``layers`` of its layers, spread evenly over the original ones
+    so every kind of layer stays (per-layer lists cut alike; a text model of linear-attention
+    layers alone cannot generate)."""
+    total = text["num_hidden_layers"]
+    lists = [v for v in text.values() if isinstance(v, list) and len(v) == total]
+    # the first layer of every kind in every per-layer list, then layers spread evenly
+    keep = {next(i for i, x in enumerate(v) if x == kind) for v in lists for kind in set(v)}
+    for i in range(layers):
+        if len(keep) >= layers:
+            break
+        keep.add(round(i * (total - 1) / max(layers - 1, 1)))
+    keep = sorted(keep)
+    layers = len(keep)
+    cut = {k: ([v[i] for i in keep] if isinstance(v, list) and len(v) == total else v)
+           for k, v in text.items()}
+    cut["num_hidden_layers"] = layers
+    return cut
+
+
+def real_grids(model, images=4):
+    """Document-sized images (980 x 1288 px) and a 16-frame video of 448 px, in patches of
+    ``model``'s tower (a frame a grid row where it has no temporal patch)."""
+    vision = vision_config(model)
+    patch, merge = vision.patch_size, getattr(vision, "spatial_merge_size", 2)
+    step = patch * merge
+    temporal = getattr(vision, "temporal_patch_size", None) or 1
+    doc = [1, 980 // step * merge, 1288 // step * merge]
+    return [doc] * images, [[16 // temporal, 448 // step * merge, 448 // step * merge]]
+
+
+#: The prompts' grids in patches (images, video): two small images and a video of two temporal
+#: patches; :func:`real_grids` gives document-sized ones.
+SMALL_GRIDS = ([[1, 4, 4], [1, 2, 4]], [[2, 4, 4]])
+
+
+def packed_prompts(name, model, device="cpu", dtype=torch.float32, grids=SMALL_GRIDS):
+    """The prompts ``name`` is tested with: one with the images and the video of ``grids``;
+    images and the video apart for :data:`IMAGES_OR_VIDEO`; ColQwen2's documents of one image
+    each."""
     if name in IMAGES_OR_VIDEO:
-        return [packed_prompt(name, model, 0, device, dtype, video=False),
-                packed_prompt(name, model, 1, device, dtype, images=False)]
-    return [packed_prompt(name, model, 0, device, dtype)]
+        return [packed_prompt(name, model, 0, device, dtype, video=False, grids=grids),
+                packed_prompt(name, model, 1, device, dtype, images=False, grids=grids)]
+    return [packed_prompt(name, model, 0, device, dtype, grids=grids)]
 
 
 def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32, images=True,
-                  video=True):
-    """``generate()`` keyword arguments: text, two images (4x4 and 2x4 patches) and a video of
-    two temporal patches (4x4), laid out as ``name``'s processor lays them out."""
+                  video=True, grids=SMALL_GRIDS):
+    """``generate()`` keyword arguments: text, the images and the video of ``grids`` (by
+    default two images of 4x4 and 2x4 patches, a video of two temporal patches of 4x4), laid
+    out as ``name``'s processor lays them out."""
     if name == "colqwen2":
-        return _retrieval_prompt(model, seed, device, dtype)
+        return _retrieval_prompt(model, seed, device, dtype, grids[0])
     if name == "glm_image":
-        return _image_to_image_prompt(model, seed, device, dtype)
+        return _image_to_image_prompt(model, seed, device, dtype, grids[0])
     g = torch.Generator().manual_seed(seed)
-    grid, vgrid = torch.tensor([[1, 4, 4], [1, 2, 4]]), torch.tensor([[2, 4, 4]])
+    grid, vgrid = torch.tensor(grids[0]), torch.tensor(grids[1])
     ids, types, moe_types = [1, 2, 3], [0, 0, 0], [0, 0, 0]
 
     def add(tokens, kind=0, span=False):
@@ -473,12 +647,12 @@ def packed_prompt(name, model, seed=0, device="cpu", dtype=torch.float32, images
     return prompt
 
 
-def _retrieval_prompt(model, seed, device, dtype):
-    """ColQwen2's document batch: one image a row (4x4 and 2x4 patches), rows padded on the
-    right, ``pixel_values`` padded per image to ``(images, max patches, patch_dim)`` as
+def _retrieval_prompt(model, seed, device, dtype, grid):
+    """ColQwen2's document batch: one image of ``grid`` a row, rows padded on the right,
+    ``pixel_values`` padded per image to ``(images, max patches, patch_dim)`` as
     ``ColQwen2Processor`` pads them (its forward drops the padding before the tower)."""
     g = torch.Generator().manual_seed(seed)
-    grid, dim = torch.tensor([[1, 4, 4], [1, 2, 4]]), _patch_dim(model)
+    grid, dim = torch.tensor(grid), _patch_dim(model)
     rows = [[1, VS] + [IMG] * (t * h * w // 4) + [VE, 5, 6] for t, h, w in grid.tolist()]
     width = max(map(len, rows))
     pixels = torch.zeros(len(rows), int(grid.prod(-1).max()), dim)
@@ -491,15 +665,15 @@ def _retrieval_prompt(model, seed, device, dtype):
         pixel_values=pixels.to(device, dtype), image_grid_thw=grid.to(device))
 
 
-def _image_to_image_prompt(model, seed, device, dtype):
+def _image_to_image_prompt(model, seed, device, dtype, grid):
     """GLM-Image's image-to-image prompt, as ``GlmImageProcessor`` and its chat template write
-    it: two source images (4x4 and 2x4 patches, a placeholder a patch) between
+    it: the source images of ``grid`` (a placeholder a patch) between
     begin/end-of-image tokens, the target's size as text (``<sop>2 4<eop>``), then the
     begin-of-image token the generated image tokens follow. ``image_grid_thw`` holds the source
     grids and then the target's (2x4: the decode positions of 8 tokens), ``images_per_sample``
     their count; the model gives the tower the source grids alone."""
     g = torch.Generator().manual_seed(seed)
-    grid, target = torch.tensor([[1, 4, 4], [1, 2, 4]]), torch.tensor([[1, 2, 4]])
+    grid, target = torch.tensor(grid), torch.tensor([[1, 2, 4]])
     ids = [1, 2, 3]
     for t, h, w in grid.tolist():
         ids += [BOI] + [IMG] * (t * h * w) + [EOI, 5]

@@ -22,6 +22,7 @@ __all__ = [
     "TORCH_VERSION",
     "buffer_table",
     "compile_cache_counts",
+    "compile_phase_seconds",
     "compiling_code",
     "compile_fx_without_cudagraphs",
     "current_raw_stream",
@@ -85,6 +86,24 @@ def compile_cache_counts() -> dict[str, int]:
 
     return {key: value for group in ("aot_autograd", "inductor")
             for key, value in counters[group].items() if "cache" in key}
+
+
+#: ``torch._dynamo.utils.compilation_time_metrics`` keys: Dynamo's whole compile of a frame, the
+#: backend's part of it, and Inductor's compile of one graph (torch/_dynamo/convert_frame.py,
+#: output_graph.py, torch/_inductor/compile_fx.py)
+_COMPILE_INNER, _USER_COMPILER, _INDUCTOR = ("_compile.compile_inner",
+                                             "OutputGraph.call_user_compiler", "compile_fx_inner")
+
+
+def compile_phase_seconds() -> dict[str, float]:
+    """This process's seconds so far in ``dynamo`` (tracing, guards: Dynamo's compile of a frame
+    less its backend call), ``backend`` (the backends' compiles, Inductor's included) and
+    ``inductor`` (Inductor's compiles, wherever called), from Dynamo's own timers."""
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+
+    total = {key: sum(metrics.get(key, ())) for key in (_COMPILE_INNER, _USER_COMPILER, _INDUCTOR)}
+    return {"dynamo": max(0.0, total[_COMPILE_INNER] - total[_USER_COMPILER]),
+            "backend": total[_USER_COMPILER], "inductor": total[_INDUCTOR]}
 
 
 def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:

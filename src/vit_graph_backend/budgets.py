@@ -71,7 +71,8 @@ def budget_ladder(start: int, stop: int, ladder_steps: int = 1) -> tuple[int, ..
     return tuple(sorted(ladder))
 
 
-#: The packed towers' default largest budget in output tokens (1792 x 1792 at patch 14, merge 2).
+#: The packed towers' default largest budget in output tokens at a 2 x 2 merge (1792 x 1792 px at
+#: patch 14); a tower that merges fewer patches a token gets as many patches (merge 1: 16384).
 DEFAULT_PACKED_MAX_BUDGET = 4096
 #: The packed towers' smallest default budget is the token count of a square image of this side.
 MIN_BUDGET_IMAGE_SIDE = 224
@@ -79,14 +80,16 @@ MIN_BUDGET_IMAGE_SIDE = 224
 
 def packed_budget_range(patch: int, merge: int) -> tuple[int, int]:
     """A packed tower's default ``(min_budget, max_budget)`` in output tokens: a square image of
-    :data:`MIN_BUDGET_IMAGE_SIDE` pixels, and :data:`DEFAULT_PACKED_MAX_BUDGET` (or the smallest).
+    :data:`MIN_BUDGET_IMAGE_SIDE` pixels, and the tokens of :data:`DEFAULT_PACKED_MAX_BUDGET`
+    2 x 2-merged tokens' patches (or the smallest, if larger).
 
-    >>> packed_budget_range(14, 2), packed_budget_range(4, 2)
-    ((64, 4096), (784, 4096))
+    >>> packed_budget_range(14, 2), packed_budget_range(4, 2), packed_budget_range(16, 1)
+    ((64, 4096), (784, 4096), (196, 16384))
     """
     side = max(1, MIN_BUDGET_IMAGE_SIDE // (check_positive_int("patch", patch)
                                             * check_positive_int("merge", merge)))
-    return side * side, max(DEFAULT_PACKED_MAX_BUDGET, side * side)
+    largest = DEFAULT_PACKED_MAX_BUDGET * 4 // merge ** 2
+    return side * side, max(largest, side * side, 1)
 
 
 def check_ladder_steps(name: str, value: object) -> int:

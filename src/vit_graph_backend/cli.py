@@ -145,6 +145,9 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write the latency distribution as a PNG")
     p.add_argument("--data-parallel", action="store_true", help="under torchrun: each vitgraph "
                    "mode also runs data-parallel over the ranks, as <mode>+dp (rank 0 reports)")
+    p.add_argument("--cold", action="store_true", help="start Inductor's and Triton's caches "
+                   "empty (a new machine's first pass); without it they are read as left by "
+                   "earlier runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--strict", action="store_true", help="exit 1 if any mode failed")
     p.add_argument("--list", action="store_true", help="list models, workloads and modes")
@@ -169,7 +172,8 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                    "image at --patch and --merge, as the packed adapters; 1 with --chunk; or "
                    "--max-budget when that is smaller)")
     p.add_argument("--max-budget", type=_positive_int,
-                   help=f"ladder end without --budgets (default {DEFAULT_PACKED_MAX_BUDGET}, "
+                   help=f"ladder end without --budgets (default {DEFAULT_PACKED_MAX_BUDGET} at --merge 2, "
+                   f"{DEFAULT_PACKED_MAX_BUDGET * 4} at --merge 1, "
                    f"{DEFAULT_BATCHED_MAX_BUDGET} with --chunk, or --min-budget when larger)")
     p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
                    help="split each doubling of the ladder into K steps, 1..16 (default 2, the "
@@ -325,6 +329,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         max_items_per_graph=args.max_items_per_graph,
         max_frames_per_batch=args.max_frames_per_batch, policy=args.policy, device=args.device,
         dtype=args.dtype, check_calls=args.check_calls, data_parallel=args.data_parallel,
+        cold=args.cold,
         progress=not args.no_progress and sys.stderr.isatty())
     try:
         run = resolve(config, cuda_available=torch.cuda.is_available())

@@ -61,6 +61,23 @@ def test_compile_cache_counts_count_an_inductor_compile(tmp_path, monkeypatch):
                                                           "autograd_cache_saved"}, changed
 
 
+def test_compile_phase_seconds_grow_with_a_compile(tmp_path, monkeypatch):
+    """Dynamo's timers still carry the three keys ``compile_phase_seconds`` reads."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._dynamo.utils import compilation_time_metrics
+
+    def backend(gm, example_inputs):
+        return _compat.compile_fx_without_cudagraphs(gm, example_inputs)
+
+    before = _compat.compile_phase_seconds()
+    torch._dynamo.reset()
+    torch.compile(lambda x: torch.cos(x) * 5, backend=backend)(torch.randn(6))
+    after = _compat.compile_phase_seconds()
+    assert {_compat._COMPILE_INNER, _compat._USER_COMPILER, _compat._INDUCTOR} <= set(
+        compilation_time_metrics), sorted(compilation_time_metrics)
+    assert all(after[k] > before[k] for k in ("dynamo", "backend", "inductor")), (before, after)
+
+
 def test_varlen_attention_is_present():
     assert _compat.varlen_attention_available()
     assert callable(_compat.get_varlen_attn())

@@ -94,7 +94,7 @@ class _QwenVisionAdapter(nn.Module):
         model: the HF vision tower.
         options: the :class:`~vit_graph_backend.options.VitGraphOptions` it is served with;
             the adapter reads ``min_budget``/``max_budget`` (default: a 224 px square image to
-            4096 tokens), ``align_mlp``, ``fuse`` (graphs only), ``packed_attention``,
+            4096 tokens, 16384 for a tower without a merger), ``align_mlp``, ``fuse`` (graphs only), ``packed_attention``,
             ``epilogue_fusion`` and ``batch_invariant`` (no choice made by timing).
 
     Raises:
@@ -180,7 +180,8 @@ class _QwenVisionAdapter(nn.Module):
         return self.packer.item_specs(inputs)
 
     def get_encoder_cudagraph_budget_range(self) -> tuple[int, int]:
-        """``(tokens of a 224 px square image, 4096)`` unless given to the constructor."""
+        """``budgets.packed_budget_range`` of the tower's patch and merge unless given to the
+        constructor."""
         return self._budget_range
 
     def prepare_encoder_cudagraph_capture_inputs(

@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "latency_figure", "validate",
            "write_json", "write_plot"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class Nullable:
@@ -68,7 +68,8 @@ MODE = {
     "latency_ms": Nullable({"p50": NUMBER, "p99": NUMBER, "mean": NUMBER, "min": NUMBER,
                             "max": NUMBER}),
     "per_call_ms": ListOf(NUMBER), "stream_total_s": Nullable(NUMBER),
-    "first_pass_s": Nullable(NUMBER), "peak_memory_bytes": Nullable(int),
+    "first_pass_s": Nullable(NUMBER), "first_pass_phases_s": Nullable(MapOf(NUMBER)),
+    "peak_memory_bytes": Nullable(int),
     "graphs_captured": Nullable(int), "compiles": Nullable(int), "hit_rate": Nullable(NUMBER),
     "padding_ratio": Nullable(NUMBER), "max_abs_error": Nullable(NUMBER),
     "speedup_vs_eager": Nullable(NUMBER), "backend_report": Nullable(dict),
@@ -91,7 +92,7 @@ RESULT_SCHEMA: dict[str, Any] = {
         "ladder_steps": Nullable(int),
         "max_items_per_graph": Nullable(int), "max_frames_per_batch": Nullable(int),
         "policy": str, "device": str, "dtype": str, "check_calls": int, "progress": bool,
-        "data_parallel": bool, "world_size": int,
+        "data_parallel": bool, "cold": bool, "world_size": int,
         "layout": OneOf("batched", "packed"), "family": str, "params": int, "items": int,
     },
     "routing": {
@@ -258,6 +259,12 @@ def _backend_lines(m: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _phase_line(p: Mapping[str, float]) -> str:
+    return (f"dynamo {p['dynamo']:.2f} + backend {p['backend']:.2f} (inductor "
+            f"{p['inductor']:.2f}) + capture {p['capture']:.2f} + other {p['other']:.2f}; "
+            f"kernel choices {p['kernel_choices']:.2f}")
+
+
 def _roofline_lines(doc: Mapping[str, Any]) -> list[str]:
     roof, ok = doc["roofline"], [m for m in doc["modes"] if m["status"] == "ok"]
     lines = []
@@ -299,6 +306,14 @@ def format_text(doc: Mapping[str, Any]) -> str:
     if failed:
         lines += ["", "failed modes (the run went on):"]
         lines += [f"  {m['mode']}: {m['error']}" for m in failed]
+    phased = [m for m in doc["modes"] if m["status"] == "ok" and m["mode"] != "eager"
+              and m.get("first_pass_phases_s")]
+    if phased:
+        lines += ["", "first pass by phase, s (dynamo: tracing and guards; backend: its compile, "
+                  "Inductor's included; capture: warm-up runs and captures; kernel choices run "
+                  "inside the backend or a capture):"]
+        lines += [f"  {m['mode']}: {m['first_pass_s']:.2f} = " + _phase_line(
+            m["first_pass_phases_s"]) for m in phased]
     reported = [m for m in doc["modes"] if m["backend_report"]]
     if reported:
         lines += ["", "vitgraph backend reports (counts cover the first and the timed pass):"]

@@ -77,6 +77,7 @@ class BenchConfig:
     check_calls: int = 3
     progress: bool = True
     data_parallel: bool = False  # under torchrun: each vitgraph mode also as <mode>+dp
+    cold: bool = False  # Inductor's and Triton's caches empty: a first pass as in a new machine
 
 
 @dataclass(frozen=True)
@@ -211,10 +212,45 @@ def _routing_section(run: Resolved) -> dict[str, Any]:
 def _mode_result(name: str) -> dict[str, Any]:
     return {"mode": name, "status": "failed", "error": None, "traceback": None,
             "latency_ms": None, "per_call_ms": [], "stream_total_s": None, "first_pass_s": None,
-            "peak_memory_bytes": None, "graphs_captured": None, "compiles": None,
+            "first_pass_phases_s": None, "peak_memory_bytes": None, "graphs_captured": None, "compiles": None,
             "hit_rate": None, "padding_ratio": None, "max_abs_error": None,
             "speedup_vs_eager": None, "backend_report": None, "rank_busy_s": None,
             "achieved_tflops": None, "fraction_of_peak": None, "notes": []}
+
+
+def _empty_compile_caches() -> str:
+    """Point Inductor's and Triton's on-disk caches at a new empty folder of this process (read
+    by them when they first compile; the caller runs before any compile)."""
+    import os
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="vitgraph-cold-")   # created readable by its owner only
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    return (f"cold: Inductor's and Triton's caches start empty in {folder} (a later run without "
+            "--cold reads the default caches, warm from earlier runs)")
+
+
+def _phase_counters() -> dict[str, float]:
+    from .. import _compat
+    from ..runtime.timing import kernel_timing_seconds
+
+    return {**_compat.compile_phase_seconds(), "kernel_choices": kernel_timing_seconds()}
+
+
+def _first_pass_phases(before: dict[str, float], total: float,
+                       report: dict[str, Any] | None) -> dict[str, float]:
+    """The first pass's seconds by phase, each from its own timer: ``dynamo`` (tracing and
+    guards), ``backend`` (the backend's compile, ``inductor``'s included), ``kernel_choices``
+    (kernel candidates timed, inside the backend's compile or a capture), ``capture`` (warm-up
+    runs and graph captures, kernel choices included) and ``other`` (the rest: eager runs,
+    planning, staging). A compile inside a capture counts in both."""
+    after = _phase_counters()
+    phases = {key: round(after[key] - before[key], 3) for key in after}
+    phases["capture"] = round(float((report or {}).get("capture_seconds") or 0.0), 3)
+    spent = phases["dynamo"] + phases["backend"] + phases["capture"]
+    phases["other"] = round(max(0.0, total - spent), 3)
+    return phases
 
 
 def _max_abs_error(out: Any, ref: Any) -> float | None:
@@ -247,7 +283,10 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
                 prepared.fn(*args)
 
         with torch.no_grad():
+            before = _phase_counters()
             _, result["first_pass_s"] = timer.wall(first_pass)
+            result["first_pass_phases_s"] = _first_pass_phases(
+                before, result["first_pass_s"], backend_report(prepared))
             if parallel is not None:
                 parallel.busy_seconds()  # the first pass's shares are not the timed pass's
             ms, errors = [], []
@@ -317,6 +356,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     reason = availability(entry)
     if reason is not None:
         raise RuntimeError(f"model {entry.name!r} is unavailable here: {reason}")
+    cold_note = _empty_compile_caches() if cfg.cold else None
     from .models import build_model
 
     world = 1
@@ -336,7 +376,8 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         refs = [primary_output(built.module(*args)).detach().float().cpu()
                 for args in inputs[: cfg.check_calls]]
 
-    notes = list(run.notes) + ([] if timer.cuda else [CPU_NOTE])
+    notes = list(run.notes) + ([] if timer.cuda else [CPU_NOTE]) + (
+        [cold_note] if cold_note else [])
     if sys.dont_write_bytecode:
         notes.append(BYTECODE_NOTE)
     if (getattr(torch.compiler.config, "job_id", None) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -20,7 +21,8 @@ import torch
 from .. import _compat
 from ..errors import error_line, out_of_memory
 
-__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "time_each", "timings_short_of_memory"]
+__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "kernel_timing_seconds", "time_each",
+           "timings_short_of_memory"]
 
 _T = TypeVar("_T")
 
@@ -48,6 +50,7 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     current. Raises what ``fn`` raises, with the capture closed.
     """
     caller = torch.cuda.current_stream()
+    start = time.perf_counter()
     with _lock:
         if caller.device.index not in _streams:
             _streams[caller.device.index] = (torch.cuda.Stream(device=caller.device),
@@ -75,7 +78,19 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
                 times = [_replay_ms(graph, side) / calls for _ in range(max(1, reps))]
         finally:
             caller.wait_stream(side)
+            _TIMED[0] += time.perf_counter() - start
     return statistics.median(times)
+
+
+#: Seconds this process spent timing kernel candidates (under :data:`_lock`).
+_TIMED = [0.0]
+
+
+def kernel_timing_seconds() -> float:
+    """Seconds this process spent in :func:`graph_ms` so far: its kernel choices (the first
+    pass's "kernel choices" phase in ``vitgraph bench``)."""
+    with _lock:
+        return _TIMED[0]
 
 
 def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int, reps: int,

@@ -36,20 +36,21 @@ TINY = [name for name in MODELS if name.endswith("-tiny") or name == "vit-micro"
 
 # -- JSON schema ---------------------------------------------------------------------------------
 
-#: Schema version 4, frozen here: changing the document's keys must bump SCHEMA_VERSION.
+#: Schema version 5, frozen here: changing the document's keys must bump SCHEMA_VERSION.
 #: (v2 = v1 plus config.ladder_steps; v3: the option names max_items_per_graph and
 #: max_frames_per_batch, and the stats of report()'s graph/no-graph counts; v4: the roofline,
-#: each mode's achieved TFLOP/s, fraction of peak and per-rank busy seconds, data parallelism.)
+#: each mode's achieved TFLOP/s, fraction of peak and per-rank busy seconds, data parallelism;
+#: v5: each mode's first pass by phase, config.cold.)
 V1_TOP = {"schema_version", "tool", "package_version", "created_utc", "environment", "config",
           "routing", "notes", "modes", "roofline"}
 V1_MODE = {"mode", "status", "error", "traceback", "latency_ms", "per_call_ms", "stream_total_s",
            "first_pass_s", "peak_memory_bytes", "graphs_captured", "compiles", "hit_rate",
            "padding_ratio", "max_abs_error", "speedup_vs_eager", "backend_report", "notes",
-           "rank_busy_s", "achieved_tflops", "fraction_of_peak"}
+           "rank_busy_s", "achieved_tflops", "fraction_of_peak", "first_pass_phases_s"}
 V1_CONFIG = {"model", "workload", "modality", "modes", "calls", "seed", "max_batch", "budgets",
              "max_budget", "ladder_steps", "max_items_per_graph", "max_frames_per_batch",
              "policy", "device", "dtype", "check_calls", "progress", "layout", "family",
-             "params", "items", "data_parallel", "world_size"}
+             "params", "items", "data_parallel", "cold", "world_size"}
 V1_ROUTING = {"unit", "budgets", "max_items_per_graph", "max_frames_per_batch", "policy",
               "planned", "sample_plans"}
 V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_graph_items",
@@ -58,8 +59,8 @@ V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_gra
             "fallback_reasons"}
 
 
-def test_schema_v4_is_pinned():
-    assert SCHEMA_VERSION == 4
+def test_schema_v5_is_pinned():
+    assert SCHEMA_VERSION == 5
     assert set(RESULT_SCHEMA["routing"]["planned"]) == V3_STATS
     assert set(RESULT_SCHEMA) == V1_TOP
     assert set(RESULT_SCHEMA["modes"].spec) == V1_MODE

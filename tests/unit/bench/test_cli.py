@@ -45,7 +45,7 @@ def test_bench_eager_writes_valid_json_and_a_png(tmp_path, capsys):
     assert "budgets (rows): 1 2 3 4" in out  # routing preview (batched default ladder)
     doc = json.loads(json_path.read_text())
     assert validate(doc) == []
-    assert doc["schema_version"] == SCHEMA_VERSION == 4
+    assert doc["schema_version"] == SCHEMA_VERSION == 5
     (eager,) = doc["modes"]
     assert eager["status"] == "ok" and len(eager["per_call_ms"]) == 4
     assert eager["max_abs_error"] == 0.0 and eager["speedup_vs_eager"] == pytest.approx(1.0)
@@ -91,6 +91,32 @@ def test_vitgraph_mode_runs_and_matches_eager(tmp_path, capsys):
     assert stats["calls"] == 2 * doc["config"]["calls"]  # first pass + timed pass
     assert vit["hit_rate"] == stats["hit_rate"]
     assert "vitgraph backend reports" in out
+
+
+def test_cold_first_pass_is_split_into_phases(tmp_path, capsys, monkeypatch):
+    """``--cold``: Inductor's and Triton's caches move to a new owner-only folder, and the
+    vitgraph mode's first pass is told by phase, each phase from its own timer."""
+    import os
+    import stat
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):   # restored after the test
+        monkeypatch.setenv(var, str(tmp_path / var))
+    path = tmp_path / "r.json"
+    code, out, _ = _run(capsys, "bench", *FAST, "--workload", "uniform-batch", "--cold",
+                        "--modes", "eager,vitgraph", "--json", str(path))
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert doc["config"]["cold"] is True
+    folder = os.path.dirname(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert folder != str(tmp_path) and any(folder in note for note in doc["notes"])
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    vit = doc["modes"][1]
+    phases = vit["first_pass_phases_s"]
+    assert set(phases) == {"dynamo", "backend", "inductor", "kernel_choices", "capture", "other"}
+    assert phases["dynamo"] > 0 and phases["backend"] > 0, phases   # vitgraph traced here
+    assert all(v >= 0 for v in phases.values()), phases
+    assert phases["dynamo"] + phases["backend"] <= vit["first_pass_s"] + 1e-3, phases
+    assert "first pass by phase" in out
 
 
 def test_enable_vit_cuda_graph_picks_the_single_mode(capsys):
