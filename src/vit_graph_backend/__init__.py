@@ -14,6 +14,7 @@ from typing import Any
 
 from ._version import __version__
 from .budgets import BudgetConfig, CaptureLayout, budget_ladder, capture_layout, ceil_div
+from .cache_dir import use_cache_dir
 from .adapters import adapt
 from .errors import (
     InvalidInputError,
@@ -59,6 +60,7 @@ __all__ = [
     "serve",
     "serve_vision_",
     "supports_encoder_cudagraph",
+    "use_cache_dir",
 ]
 
 _LAZY = {"PackedGraphEncoder": "adapters.serve", "serve": "adapters.serve",

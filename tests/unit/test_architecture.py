@@ -31,7 +31,7 @@ PACKAGE = "vit_graph_backend"
 #: The pure core: value types, budgets, the planner, options, the protocol; ``_compat`` is the
 #: one door to private PyTorch, which every layer above may use.
 _CORE = {"errors", "_version", "specs", "budgets", "stats", "planner", "plan_preview", "options",
-         "protocol", "_compat"}
+         "protocol", "_compat", "cache_dir"}
 
 #: Layer of a module (its file stem at the top, or its sub-package) -> layers it may import. The
 #: direction: core -> runtime -> kernels -> adapters -> compile -> integrations -> bench and cli.
@@ -48,6 +48,8 @@ LAYERS: dict[str, set[str]] = {
     "options": {"budgets", "specs", "planner", "errors"},
     "protocol": {"specs", "budgets"},
     "_compat": set(),
+    # Where compiled kernels are kept between processes: pure, no torch.
+    "cache_dir": set(),
     # The graph runtime: the manager and its parts, the weights contract, inner compilers.
     "runtime": _CORE,
     # The package's kernels and their choice per shape, timed with the runtime's timing.

@@ -1,0 +1,101 @@
+"""``use_cache_dir``: compiled kernels kept in a folder of the user's own, never one that others
+can write (they are code a later process runs)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import pytest
+
+import vit_graph_backend as vg
+from vit_graph_backend.cache_dir import CACHE_DIR_ENV, default_cache_dir, use_cache_dir
+
+VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@pytest.fixture(autouse=True)
+def _keep_env(monkeypatch, tmp_path):
+    """Each test starts from caches of its own and leaves the process's as they were."""
+    for var in VARS:
+        monkeypatch.setenv(var, str(tmp_path / "before" / var))
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_new_folder_is_the_owners_alone_and_both_caches_point_into_it(tmp_path):
+    root = tmp_path / "new" / "cache"
+    used = use_cache_dir(root)
+    assert used is not None and used.parent == root and used.name.startswith("torch-")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(used / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(used / "triton")
+    for folder in (root, used, used / "inductor", used / "triton"):
+        assert _mode(folder) == 0o700, (folder, oct(_mode(folder)))
+    assert vg.use_cache_dir is use_cache_dir
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_a_folder_others_can_write_is_refused_with_one_warning(tmp_path, caplog, mode):
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(mode)
+    before = {var: os.environ[var] for var in VARS}
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        assert use_cache_dir(root) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(root) in warnings[0] and "others can write" in warnings[0]
+    assert {var: os.environ[var] for var in VARS} == before
+    assert not any(root.iterdir())   # nothing made inside it
+
+
+def test_a_writable_folder_inside_a_safe_one_is_refused(tmp_path):
+    root = tmp_path / "cache"
+    used = use_cache_dir(root)
+    (used / "inductor").chmod(0o777)
+    assert use_cache_dir(root) is None
+
+
+def test_a_symbolic_link_is_refused(tmp_path, caplog):
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        assert use_cache_dir(link) is None
+    assert "symbolic link" in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
+                    reason="giving a folder to another user needs root")
+def test_a_folder_of_another_user_is_refused(tmp_path, caplog):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 12345, -1)
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        assert use_cache_dir(root) is None
+    assert "user id 12345" in caplog.text
+
+
+def test_the_default_folder_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "named"))
+    assert default_cache_dir() == tmp_path / "named"
+    monkeypatch.delenv(CACHE_DIR_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "vit_graph_backend"
+
+
+def test_inductor_writes_its_compiled_kernels_into_the_folder(tmp_path):
+    torch = pytest.importorskip("torch")
+    from vit_graph_backend import _compat
+
+    used = use_cache_dir(tmp_path / "cache")
+    torch._dynamo.reset()
+
+    def backend(gm, example_inputs):
+        return _compat.compile_fx_without_cudagraphs(gm, example_inputs)
+
+    torch.compile(lambda x: torch.tanh(x) * 7, backend=backend)(torch.randn(9))
+    assert any((used / "inductor").rglob("*")), list((used / "inductor").rglob("*"))
