@@ -50,7 +50,10 @@ def run_grid(nproc: int, rows: list[int] | None = None) -> list[str]:
         if done.returncode != 0:
             print(f"{path.name}: exit {done.returncode}: {done.stderr[-400:]}", flush=True)
         paths.append(str(path))
-        print(row(str(path)), flush=True)
+        try:
+            print(row(str(path)), flush=True)
+        except (OSError, KeyError, ValueError) as exc:   # the grid goes on
+            print(f"{path}: unreadable ({type(exc).__name__}: {exc})", flush=True)
     return paths
 
 

@@ -12,7 +12,8 @@ The shapes are each family's vision config defaults (the reference checkpoint's,
 transformers), except where ``tests/hf_models.py: REAL_VISION`` says otherwise.
 
 ``--ttft``: the whole model instead (``hf_models.at_real_shape``: the family's default text
-model, the checkpoint's where that fits in 20B parameters, else its first layers), eager against
+model, the checkpoint's where that fits in 20B parameters, else a subset of its layers holding
+every kind of layer), eager against
 ``serve_vision_``: time to first token at 4 document images and at the video, the tower's share
 of eager's, and whether 8 greedy tokens equal eager's.
 

@@ -533,9 +533,10 @@ def at_real_shape(family, text="tiny", max_params=20e9, device="cpu", dtype=torc
 
 
 def _cut_layers(text, layers):
-    """``text`` config dict with ``layers`` of its layers, spread evenly over the original ones
-    so every kind of layer stays (per-layer lists cut alike; a text model of linear-attention
-    layers alone cannot generate)."""
+    """``text`` config dict with about ``layers`` of its layers: the first of every kind in each
+    per-layer list (a text model of linear-attention layers alone cannot generate), then layers
+    spread over the depth up to the count (per-layer lists cut alike; settings that name layer
+    indices are left as they are)."""
     total = text["num_hidden_layers"]
     lists = [v for v in text.values() if isinstance(v, list) and len(v) == total]
     # the first layer of every kind in every per-layer list, then layers spread evenly

@@ -34,20 +34,23 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vit_graph_backend"
 
 
-def unsafe_reason(path: Path) -> str | None:
+def unsafe_reason(path: Path, *, parent: bool = False) -> str | None:
     """Why kernels must not be loaded from folder ``path``, or ``None`` if it is safe: a symbolic
-    link, not a folder, owned by another user, or writable by the group or others."""
+    link, not a folder, owned by another user, or writable by the group or others. ``parent``:
+    ``path`` holds the cache folder; it may also belong to root, and be writable by others if
+    sticky (``/tmp``: none can rename or remove what another made there)."""
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         return "it is a symbolic link"
     if not stat.S_ISDIR(info.st_mode):
         return "it is not a folder"
-    uid = getattr(os, "getuid", None)
-    if uid is not None and info.st_uid != uid():
-        return f"it belongs to user id {info.st_uid}, not to this process's ({uid()})"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (f"others can write it (mode {stat.S_IMODE(info.st_mode):o}; "
-                "chmod 700 makes it the owner's alone)")
+    getuid = getattr(os, "getuid", None)   # None on Windows: no owners to compare
+    if getuid is not None and info.st_uid not in {getuid(), *((0,) if parent else ())}:
+        return f"it belongs to user id {info.st_uid}, not to this process's ({getuid()})"
+    sticky = parent and info.st_mode & stat.S_ISVTX
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky:
+        return (f"others can write it (mode {stat.S_IMODE(info.st_mode):o}); remove it and let "
+                "it be made again, readable by its owner only")
     return None
 
 
@@ -57,24 +60,38 @@ def use_cache_dir(path: str | os.PathLike[str] | None = None) -> Path | None:
 
     Call it before the first compile: it sets ``TORCHINDUCTOR_CACHE_DIR`` and
     ``TRITON_CACHE_DIR``, which they read when they compile. Creates missing folders readable by
-    their owner only. Returns the folder used; ``None`` (after one warning naming the folder and
-    why) if ``path`` or a folder inside it is unsafe, leaving the environment as it was.
+    their owner only. Every folder from the root down to the caches is checked: a link, another
+    user's folder or one others can write (a sticky ``/tmp`` aside) is refused. Returns the
+    folder used; ``None`` (after one warning naming the folder and why) where a folder is unsafe
+    or cannot be made, leaving the environment as it was.
     """
-    root = Path(path).expanduser() if path is not None else default_cache_dir()
     try:
-        version = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    keyed = root / f"torch-{version}"
-    folders = {"TORCHINDUCTOR_CACHE_DIR": keyed / "inductor", "TRITON_CACHE_DIR": keyed / "triton"}
-    for folder in (root, keyed, *folders.values()):
-        if not folder.exists():
-            folder.mkdir(mode=0o700, parents=True)
-            folder.chmod(0o700)   # mkdir's mode passes through the umask
-        reason = unsafe_reason(folder)
-        if reason is not None:
-            log.warning("vitgraph: not keeping compiled kernels in %s: %s; compiling without "
-                        "that cache", folder, reason)
-            return None
+        root = Path(os.path.abspath(Path(path).expanduser() if path is not None
+                                    else default_cache_dir()))
+        try:
+            version = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        keyed = root / f"torch-{version}"
+        folders = {"TORCHINDUCTOR_CACHE_DIR": keyed / "inductor",
+                   "TRITON_CACHE_DIR": keyed / "triton"}
+        holders = list(reversed(root.parents))   # what holds the root: none may be swapped
+        for folder in (*holders, root, keyed, *folders.values()):
+            try:
+                folder.mkdir(mode=0o700)
+                folder.chmod(0o700)   # mkdir's mode passes through the umask
+            except FileExistsError:   # made before, or by another process starting alongside
+                pass
+            reason = unsafe_reason(folder, parent=folder in holders)
+            if reason is not None:
+                return _refused(folder, reason)
+    except (OSError, RuntimeError) as exc:   # no home folder, no permission, a full disk
+        return _refused(path if path is not None else CACHE_DIR_ENV, f"{type(exc).__name__}: {exc}")
     os.environ.update({name: str(folder) for name, folder in folders.items()})
     return keyed
+
+
+def _refused(folder: object, reason: str) -> None:
+    log.warning("vitgraph: not keeping compiled kernels in %s: %s; compiling without that cache",
+                folder, reason)
+    return None

@@ -146,8 +146,8 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--data-parallel", action="store_true", help="under torchrun: each vitgraph "
                    "mode also runs data-parallel over the ranks, as <mode>+dp (rank 0 reports)")
     p.add_argument("--cold", action="store_true", help="start Inductor's and Triton's caches "
-                   "empty (a new machine's first pass); without it they are read as left by "
-                   "earlier runs")
+                   "empty, in a folder removed at exit (Python's bytecode and CUDA's caches stay "
+                   "warm); without it they are read as earlier runs left them")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--strict", action="store_true", help="exit 1 if any mode failed")
     p.add_argument("--list", action="store_true", help="list models, workloads and modes")

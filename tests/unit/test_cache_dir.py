@@ -37,6 +37,30 @@ def test_a_new_folder_is_the_owners_alone_and_both_caches_point_into_it(tmp_path
     assert vg.use_cache_dir is use_cache_dir
 
 
+def test_a_folder_holding_the_cache_that_others_can_write_is_refused(tmp_path, caplog):
+    """Another user could swap the cache folder for theirs: a parent is checked too (a sticky
+    one, as /tmp, is not swappable and passes)."""
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    holder.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        assert use_cache_dir(holder / "cache") is None
+    assert str(holder) in caplog.text and not (holder / "cache").exists()
+    holder.chmod(0o777 | stat.S_ISVTX)
+    assert use_cache_dir(holder / "cache") is not None
+
+
+def test_two_processes_starting_together_share_the_folder(tmp_path):
+    first = use_cache_dir(tmp_path / "cache")
+    assert use_cache_dir(tmp_path / "cache") == first   # every folder exists now: no error
+
+
+def test_a_relative_path_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    used = use_cache_dir("rel")
+    assert used is not None and used.is_absolute() and used.parent == tmp_path / "rel"
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
 def test_a_folder_others_can_write_is_refused_with_one_warning(tmp_path, caplog, mode):
     root = tmp_path / "shared"

@@ -311,7 +311,8 @@ def format_text(doc: Mapping[str, Any]) -> str:
     if phased:
         lines += ["", "first pass by phase, s (dynamo: tracing and guards; backend: its compile, "
                   "Inductor's included; capture: warm-up runs and captures; kernel choices run "
-                  "inside the backend or a capture):"]
+                  "inside the backend or a capture, and a served tower's compiles inside its "
+                  "captures):"]
         lines += [f"  {m['mode']}: {m['first_pass_s']:.2f} = " + _phase_line(
             m["first_pass_phases_s"]) for m in phased]
     reported = [m for m in doc["modes"] if m["backend_report"]]

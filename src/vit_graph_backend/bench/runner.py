@@ -219,16 +219,20 @@ def _mode_result(name: str) -> dict[str, Any]:
 
 
 def _empty_compile_caches() -> str:
-    """Point Inductor's and Triton's on-disk caches at a new empty folder of this process (read
-    by them when they first compile; the caller runs before any compile)."""
+    """Point this process's Inductor and Triton caches at a new empty folder, removed when the
+    process ends (read by them when they first compile; the caller runs before any compile)."""
+    import atexit
     import os
+    import shutil
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="vitgraph-cold-")   # created readable by its owner only
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
-    return (f"cold: Inductor's and Triton's caches start empty in {folder} (a later run without "
-            "--cold reads the default caches, warm from earlier runs)")
+    return (f"cold: Inductor's and Triton's caches start empty in {folder}, removed at exit "
+            "(Python's bytecode and the CUDA driver's caches stay as they are); a run without "
+            "--cold uses the caches earlier runs without it filled")
 
 
 def _phase_counters() -> dict[str, float]:
@@ -244,7 +248,8 @@ def _first_pass_phases(before: dict[str, float], total: float,
     guards), ``backend`` (the backend's compile, ``inductor``'s included), ``kernel_choices``
     (kernel candidates timed, inside the backend's compile or a capture), ``capture`` (warm-up
     runs and graph captures, kernel choices included) and ``other`` (the rest: eager runs,
-    planning, staging). A compile inside a capture counts in both."""
+    planning, staging). A compile inside a capture (a served tower's fused ops: Dynamo and its
+    backend) counts in both."""
     after = _phase_counters()
     phases = {key: round(after[key] - before[key], 3) for key in after}
     phases["capture"] = round(float((report or {}).get("capture_seconds") or 0.0), 3)

@@ -50,8 +50,9 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     current. Raises what ``fn`` raises, with the capture closed.
     """
     caller = torch.cuda.current_stream()
-    start = time.perf_counter()
     with _lock:
+        start = time.perf_counter()   # not the wait for another thread's timing
+        _TIMED[1] += 1
         if caller.device.index not in _streams:
             _streams[caller.device.index] = (torch.cuda.Stream(device=caller.device),
                                              torch.zeros(1, device=caller.device))
@@ -78,12 +79,15 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
                 times = [_replay_ms(graph, side) / calls for _ in range(max(1, reps))]
         finally:
             caller.wait_stream(side)
-            _TIMED[0] += time.perf_counter() - start
+            _TIMED[1] -= 1
+            if not _TIMED[1]:   # a timing inside a timed fn is in the outer one's time
+                _TIMED[0] += time.perf_counter() - start
     return statistics.median(times)
 
 
-#: Seconds this process spent timing kernel candidates (under :data:`_lock`).
-_TIMED = [0.0]
+#: Seconds this process spent timing kernel candidates, and the depth of timings under way
+#: (both under :data:`_lock`).
+_TIMED: list[float] = [0.0, 0]
 
 
 def kernel_timing_seconds() -> float:
