@@ -27,7 +27,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -129,27 +128,31 @@ def kernel_shares(fn) -> list[str]:
     return lines
 
 
-def median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int, warmup: int = 2) -> float:
     timer = CallTimer("cuda")
-    for _ in range(2):
+    for _ in range(warmup):
         fn()
     return statistics.median(timer.wall(fn)[1] * 1e3 for _ in range(reps))
 
 
-def _wall_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def each_family(families: str, run_one) -> list[str]:
+    """``run_one(family)``'s lines for each family; a family's failure is a line, the others
+    still run, and each family's memory is freed before the next."""
+    lines: list[str] = []
+    for family in families.split(","):
+        try:
+            lines += run_one(family)
+        except Exception as exc:
+            lines.append(f"{family:<16}FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            print(lines[-1], flush=True)
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+    return lines
 
 
-def _tower_ms(model: torch.nn.Module, tower: torch.nn.Module, call) -> float:
-    """GPU time of ``tower``'s forward inside one ``call`` of ``model`` (CUDA events around it)."""
+def _tower_ms(tower: torch.nn.Module, call) -> float:
+    """GPU time of ``tower``'s forward inside one ``call`` of its model (CUDA events around it)."""
     events: list[torch.cuda.Event] = []
     hooks = [tower.register_forward_pre_hook(lambda *_: events.append(_recorded())),
              tower.register_forward_hook(lambda *_: events.append(_recorded()))]
@@ -189,8 +192,8 @@ def ttft_rows(family: str, reps: int) -> list[str]:
             for label, prompt in prompts.items():
                 row = found[label]
                 first = lambda: model.generate(**prompt, max_new_tokens=1, do_sample=False)  # noqa: E731
-                row[mode] = _wall_ms(first, reps)
-                row[mode + " vision"] = statistics.median(_tower_ms(model, tower, first)
+                row[mode] = median_ms(first, reps, warmup=1)
+                row[mode + " vision"] = statistics.median(_tower_ms(tower, first)
                                                           for _ in range(reps))
                 out = model.generate(**prompt, max_new_tokens=8, do_sample=False,
                                      output_scores=True, return_dict_in_generate=True)
@@ -236,42 +239,37 @@ def main() -> None:
              f"{'family':<16}{'shape of':<28}{'workload':<10}{'HF ms':>9}{'served ms':>11}"
              f"{'speed-up':>10}{'rel err':>9}{'of peak':>9}"]
     print("\n".join(lines), flush=True)
-    for family in args.families.split(","):
-        try:
-            tower, name = build(family)
-            served = serve(tower, max_frames_per_batch=32)
-            with torch.inference_mode():
-                for label, (pixels, grid) in workloads(tower, family).items():
-                    # the ERNIE tower's output is per patch; the adapter's is its merged view
-                    ref = first(tower(pixels, grid_thw=grid)).float()
-                    got = served(pixels, grid)
-                    got = (got if isinstance(got, torch.Tensor) else got[0]).float()
-                    err = ((got.reshape(ref.shape) - ref).abs().max()
-                           / ref.abs().max().clamp(min=1)).item()
-                    hf = median_ms(lambda: tower(pixels, grid_thw=grid), args.reps)
-                    ms = median_ms(lambda: served(pixels, grid), args.reps)
-                    flops = count_flops(tower, pixels, grid)
-                    frac = flops / (ms * 1e-3) / (peak * 1e12)
-                    line = (f"{family:<16}{name[:27]:<28}{label:<10}{hf:>9.2f}{ms:>11.2f}"
+    def tower_rows(family: str) -> list[str]:
+        rows = []
+        tower, name = build(family)
+        served = serve(tower, max_frames_per_batch=32)
+        with torch.inference_mode():
+            for label, (pixels, grid) in workloads(tower, family).items():
+                # the ERNIE tower's output is per patch; the adapter's is its merged view
+                ref = first(tower(pixels, grid_thw=grid)).float()
+                got = served(pixels, grid)
+                got = (got if isinstance(got, torch.Tensor) else got[0]).float()
+                err = ((got.reshape(ref.shape) - ref).abs().max()
+                       / ref.abs().max().clamp(min=1)).item()
+                hf = median_ms(lambda: tower(pixels, grid_thw=grid), args.reps)
+                ms = median_ms(lambda: served(pixels, grid), args.reps)
+                flops = count_flops(tower, pixels, grid)
+                frac = flops / (ms * 1e-3) / (peak * 1e12)
+                rows.append(f"{family:<16}{name[:27]:<28}{label:<10}{hf:>9.2f}{ms:>11.2f}"
                             f"{hf / ms:>9.2f}x{err:>9.1e}{frac:>9.2f}")
-                    lines.append(line)
-                    print(line, flush=True)
-                if args.profile:
-                    pixels, grid = workloads(tower, family)["4 images"]
-                    lines += kernel_shares(lambda: served(pixels, grid))
-            report = served.report()
-            lines.append(f"{'':<16}graphs {report['graphs_captured']} (budgets "
-                         f"{report['captured_budgets']}), graph replays "
-                         f"{report['stats']['graph_replays']}, eager batches "
-                         f"{report['stats']['eager_batches']}")
-            print(lines[-1], flush=True)
-        except Exception as exc:  # one family's failure is reported, the others still run
-            lines.append(f"{family:<16}FAILED: {type(exc).__name__}: {str(exc)[:300]}")
-            print(lines[-1], flush=True)
-        finally:
-            tower = served = None
-            gc.collect()
-            torch.cuda.empty_cache()
+                print(rows[-1], flush=True)
+            if args.profile:
+                pixels, grid = workloads(tower, family)["4 images"]
+                rows += kernel_shares(lambda: served(pixels, grid))
+        report = served.report()
+        rows.append(f"{'':<16}graphs {report['graphs_captured']} (budgets "
+                    f"{report['captured_budgets']}), graph replays "
+                    f"{report['stats']['graph_replays']}, eager batches "
+                    f"{report['stats']['eager_batches']}")
+        print(rows[-1], flush=True)
+        return rows
+
+    lines += each_family(args.families, tower_rows)
     emit(lines, args.name or "families", echo=False)
 
 
@@ -282,15 +280,7 @@ def main_ttft(args: argparse.Namespace) -> None:
              f"{'family':<16}{'prompt':<10}{'eager ms':>10}{'vision':>9}{'share':>7}"
              f"{'served ms':>11}{'vision':>9}{'gain':>9}  tokens"]
     print("\n".join(lines), flush=True)
-    for family in args.families.split(","):
-        try:
-            lines += ttft_rows(family, args.reps)
-        except Exception as exc:  # one family's failure is reported, the others still run
-            lines.append(f"{family:<16}FAILED: {type(exc).__name__}: {str(exc)[:300]}")
-            print(lines[-1], flush=True)
-        finally:
-            gc.collect()
-            torch.cuda.empty_cache()
+    lines += each_family(args.families, lambda family: ttft_rows(family, args.reps))
     emit(lines, args.name or "families_ttft", echo=False)
 
 

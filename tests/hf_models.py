@@ -14,6 +14,7 @@ no ``generate``) and Cosmos3-Omni. :data:`TOWER_CLASS` names each family's tower
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -455,7 +456,10 @@ TINY_TEXT_AT_REAL_SHAPE = {"glm5_next": dict(index_topk=16384)}
 TEXT_CHOOSES_DISCRETELY = ("glm5_next",)
 
 
+@functools.cache
 def _tiny_on_meta(family):
+    """``family``'s tiny model on the meta device: its classes and config, read, never changed
+    (built once for :func:`real_vision`, :func:`real_tower` and :func:`at_real_shape`)."""
     with torch.device("meta"):
         return ALL_PACKED[family]()
 

@@ -45,15 +45,18 @@ def test_compile_fx_wrapper_compiles():
     torch.testing.assert_close(f(x), torch.relu(x) + 1)
 
 
+def _inductor_compile(fn, x):
+    """``fn(x)`` compiled afresh by Dynamo and Inductor (through ``_compat``'s compile_fx)."""
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=lambda gm, inputs: _compat.compile_fx_without_cudagraphs(
+        gm, inputs))(x)
+
+
 def test_compile_cache_counts_count_an_inductor_compile(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
-    def backend(gm, example_inputs):
-        return _compat.compile_fx_without_cudagraphs(gm, example_inputs)
-
     before = _compat.compile_cache_counts()
-    torch._dynamo.reset()
-    torch.compile(lambda x: torch.sigmoid(x) * 3, backend=backend)(torch.randn(5))
+    _inductor_compile(lambda x: torch.sigmoid(x) * 3, torch.randn(5))
     after = _compat.compile_cache_counts()
     changed = {k for k in after if after[k] != before.get(k, 0)}
     # a fresh cache folder: Inductor's FX graph cache misses, AOTAutograd's saves or misses
@@ -66,12 +69,8 @@ def test_compile_phase_seconds_grow_with_a_compile(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     from torch._dynamo.utils import compilation_time_metrics
 
-    def backend(gm, example_inputs):
-        return _compat.compile_fx_without_cudagraphs(gm, example_inputs)
-
     before = _compat.compile_phase_seconds()
-    torch._dynamo.reset()
-    torch.compile(lambda x: torch.cos(x) * 5, backend=backend)(torch.randn(6))
+    _inductor_compile(lambda x: torch.cos(x) * 5, torch.randn(6))
     after = _compat.compile_phase_seconds()
     assert {_compat._COMPILE_INNER, _compat._USER_COMPILER, _compat._INDUCTOR} <= set(
         compilation_time_metrics), sorted(compilation_time_metrics)

@@ -219,18 +219,21 @@ def _mode_result(name: str) -> dict[str, Any]:
 
 
 def _empty_compile_caches() -> str:
-    """Point this process's Inductor and Triton caches at a new empty folder, removed when the
-    process ends (read by them when they first compile; the caller runs before any compile)."""
+    """Point this process's Inductor and Triton caches at a new empty folder
+    (:func:`~vit_graph_backend.cache_dir.use_cache_dir`), removed when the process ends; the
+    caller runs before any compile."""
     import atexit
-    import os
     import shutil
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="vitgraph-cold-")   # created readable by its owner only
+    from ..cache_dir import use_cache_dir
+
+    folder = tempfile.mkdtemp(prefix="vitgraph-cold-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
-    return (f"cold: Inductor's and Triton's caches start empty in {folder}, removed at exit "
+    used = use_cache_dir(folder)
+    if used is None:   # use_cache_dir warned why
+        return f"cold: the caches stay as they were: {folder} was refused"
+    return (f"cold: Inductor's and Triton's caches start empty in {used}, removed at exit "
             "(Python's bytecode and the CUDA driver's caches stay as they are); a run without "
             "--cold uses the caches earlier runs without it filled")
 
