@@ -61,10 +61,12 @@ __all__ = [
     "serve_vision_",
     "supports_encoder_cudagraph",
     "use_cache_dir",
+    "wait_prepared",
 ]
 
 _LAZY = {"PackedGraphEncoder": "adapters.serve", "serve": "adapters.serve",
-         "report": "compile.backend", "serve_vision_": "integrations.hf",
+         "report": "compile.backend", "wait_prepared": "compile.backend",
+         "serve_vision_": "integrations.hf",
          "restore_vision_": "integrations.hf", "data_parallel": "integrations.parallel"}
 
 

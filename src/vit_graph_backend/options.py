@@ -26,7 +26,7 @@ __all__ = ["DEFAULT_BATCHED_LADDER_STEPS", "DEFAULT_BATCHED_MAX_BUDGET", "DEFAUL
            "PACKED_ONLY_OPTIONS", "PATCH_EMBEDDINGS", "VitGraphOptions"]
 
 INNER_COMPILERS: tuple[str, ...] = ("auto", "eager", "inductor", "tensorrt")
-CAPTURE_MODES: tuple[str, ...] = ("all", "lazy")
+CAPTURE_MODES: tuple[str, ...] = ("all", "lazy", "background")
 EPILOGUE_FUSIONS: tuple[str, ...] = ("auto", "off")
 #: ``graph_launch``: device-launch instantiation where the driver allows, or ``CUDAGraph.replay()``.
 GRAPH_LAUNCHES: tuple[str, ...] = ("auto", "torch")
@@ -77,7 +77,9 @@ class VitGraphOptions:
         inner_compiler: what runs inside the graphs: ``"eager"``, ``"inductor"`` (its own CUDA
             graphs off), ``"tensorrt"`` or ``"auto"`` (default; :meth:`inner_compiler_for`).
         capture: ``"all"`` (default) captures every budget, largest first, at a shape's first
-            call; ``"lazy"`` captures a budget when a batch first needs it.
+            call; ``"lazy"`` captures a budget when a batch first needs it; ``"background"``
+            answers calls at once with the encoder's own forward while a thread captures every
+            budget, then replays them (not with ``batch_invariant``).
         warmup_iters: eager runs of each budget before its capture, for lazy set-up and the memory
             estimate (default 1).
         max_graph_sets: graph sets kept for other dynamic dims (e.g. image size), least recently
@@ -196,6 +198,11 @@ class VitGraphOptions:
                 "running process it ended an Inductor inner graph in an illegal memory access "
                 "on torch 2.11; 'auto' picks 'eager' with it)")
         if self.batch_invariant:
+            if self.capture == "background":
+                raise InvalidOptionError(
+                    "capture='background' is invalid with batch_invariant=True: the calls "
+                    "answered before the switch to graphs run other kernels; use capture='all' "
+                    "or 'lazy'")
             if self.inner_compiler not in ("auto", "eager"):
                 raise InvalidOptionError(
                     f"batch_invariant=True is invalid with inner_compiler="

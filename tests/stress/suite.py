@@ -4,9 +4,11 @@ memory, every output checked against eager.
 Parts, each a row of the closing table: ``batched`` (``torch.compile(vit, backend=vitgraph)``,
 batch sizes past the largest budget), ``packed`` (``serve()`` on a Qwen2.5-VL-shaped tower:
 images of many sizes, videos, items past the largest budget), ``clear`` (graphs dropped and
-captured again into the same pool between calls), and on CUDA ``memory`` (capture beside a filler
-tensor taking most free memory) and ``ordering`` (the stream ordering's host cost,
-:mod:`.ordering_cost`).
+captured again into the same pool between calls), ``switch`` (``capture="background"``: every
+thread calls from the first request on while graphs are prepared, the switch to them happens
+mid-stream, and graphs dropped between calls are prepared again), and on CUDA ``memory``
+(capture beside a filler tensor taking most free memory) and ``ordering`` (the stream
+ordering's host cost, :mod:`.ordering_cost`).
 
 ``threads`` workers, odd ones on their own stream; every ``poison_every`` calls a worker writes NaN
 over static buffers and free pool memory (``vit_graph_backend.testing.poison``). An output is wrong if it has NaN or
@@ -36,12 +38,13 @@ class StressConfig:
     seed: int = 0
     tolerance: float = 5e-2
     device: str = "cuda"
-    parts: tuple[str, ...] = ("batched", "packed", "clear", "memory", "ordering")
+    parts: tuple[str, ...] = ("batched", "packed", "clear", "switch", "memory", "ordering")
 
     @staticmethod
     def small(calls: int = 120) -> StressConfig:
         """A CPU run: tiny models, no streams, no memory part."""
-        return StressConfig(calls=calls, device="cpu", parts=("batched", "packed", "clear"))
+        return StressConfig(calls=calls, device="cpu", parts=("batched", "packed", "clear",
+                                                              "switch"))
 
 
 @dataclass
@@ -250,11 +253,15 @@ def _part_packed(cfg: StressConfig, tower: Any, inputs: list[Any], refs: list[An
                  ) -> PartResult:
     import torch
 
+    from vit_graph_backend.runtime.manager import PREPARING
+
     served = _served(cfg, tower, **extra)
     result = PartResult(name)
+    background = extra.get("capture") == "background"
     try:
-        with torch.inference_mode():
-            served(*inputs[0])
+        if not background:   # background: the threads' first calls start the preparation
+            with torch.inference_mode():
+                served(*inputs[0])
     except Exception as exc:  # counted: the table must still print
         result.exceptions.append(f"first call: {type(exc).__name__}: {exc}"[:300])
         return result
@@ -264,6 +271,10 @@ def _part_packed(cfg: StressConfig, tower: Any, inputs: list[Any], refs: list[An
     if clear_every:
         def between(k: int) -> None:
             if k and k % clear_every == 0:
+                if background:   # switched yet? then drop the graphs: the next call prepares
+                    switched = not manager.memory_report()["preparing"] and manager.num_graphs
+                    result.details["switches"] = result.details.get("switches", 0) + bool(
+                        switched)
                 manager.clear()
                 if pool is not None:
                     manager.capture(pool)   # the same pool handle, reused
@@ -275,6 +286,7 @@ def _part_packed(cfg: StressConfig, tower: Any, inputs: list[Any], refs: list[An
     result.details.update({
         "graphs": memory["graphs"], "replays": stats["graph_replays"] + stats["no_graph_batches"],
         "eager_batches": stats["eager_batches"], "fallback_reasons": stats["fallback_reasons"],
+        "while_preparing": stats["fallback_reasons"].get(PREPARING, 0),
         "captured_budgets": memory["captured_budgets"],
         "skipped_budgets": {b: why[:60] for b, why in memory["skipped_budgets"].items()},
         "graph_bytes": memory["total_bytes"]})
@@ -318,6 +330,9 @@ def run_stress(cfg: StressConfig) -> list[dict[str, Any]]:
     if "clear" in cfg.parts:
         results.append(_part_packed(cfg, tower, inputs, refs, name="clear",
                                     clear_every=max(10, cfg.calls // 8)))
+    if "switch" in cfg.parts:
+        results.append(_part_packed(cfg, tower, inputs, refs, name="switch",
+                                    clear_every=max(10, cfg.calls // 4), capture="background"))
     if cfg.device.startswith("cuda") and "memory" in cfg.parts:
         results.append(_part_memory(cfg, tower, inputs, refs))
     if cfg.device.startswith("cuda") and "ordering" in cfg.parts:

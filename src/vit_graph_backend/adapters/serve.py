@@ -114,6 +114,11 @@ class PackedGraphEncoder(nn.Module):
             refresh()
         self.manager.refresh()
 
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """With ``capture="background"``: wait until calls replay the prepared graphs; True once
+        no preparation runs, False if ``timeout`` seconds passed first."""
+        return self.manager.wait_prepared(timeout)
+
     def report(self) -> dict[str, Any]:
         """Graphs, graph memory, capture time and call counters (as ``vitgraph.report()``)."""
         return summarize([self.manager])

@@ -6,7 +6,7 @@
   packed: ``serve(tower, **options)``); ``vitgraph-eager``: ``inner_compiler="eager"``.
 - Not in the default list, each ``vitgraph`` with one option (:data:`VITGRAPH_MODES`):
   ``vitgraph-inductor``, ``vitgraph-epilogue-off``, ``vitgraph-batch-invariant``,
-  ``vitgraph-torch-launch``, ``vitgraph-patch-conv`` (batched models).
+  ``vitgraph-torch-launch``, ``vitgraph-patch-conv`` (batched models), ``vitgraph-background``.
 
 Packed towers go through :func:`vit_graph_backend.adapters.serve.serve`: Dynamo skips the router
 frame, so ``torch.compile`` options could not reach it. The backend object is passed directly, so
@@ -36,7 +36,7 @@ DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead",
 #: Every mode ``--modes`` accepts.
 MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor",
                           "vitgraph-epilogue-off", "vitgraph-batch-invariant",
-                          "vitgraph-torch-launch", "vitgraph-patch-conv")
+                          "vitgraph-torch-launch", "vitgraph-patch-conv", "vitgraph-background")
 
 #: The vitgraph modes and the backend options each one adds.
 VITGRAPH_MODES: dict[str, dict[str, Any]] = {
@@ -47,6 +47,7 @@ VITGRAPH_MODES: dict[str, dict[str, Any]] = {
     "vitgraph-batch-invariant": {"batch_invariant": True},
     "vitgraph-torch-launch": {"graph_launch": "torch"},
     "vitgraph-patch-conv": {"patch_embedding": "conv"},
+    "vitgraph-background": {"capture": "background"},
 }
 
 
@@ -59,6 +60,8 @@ class PreparedMode:
     report: Callable[[], dict[str, Any]] | None = None
     cleanup: Callable[[], None] | None = None
     options: dict[str, Any] | None = None
+    #: waits for a background preparation (``capture="background"``) to be served
+    wait: Callable[[], bool] | None = None
 
 
 def _packed_report(served: Any) -> dict[str, Any]:
@@ -94,11 +97,12 @@ def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> 
 
         served = serve(built.module, **options)
         return PreparedMode(name, served, lambda: _packed_report(served),
-                            served.manager.clear, options)
+                            served.manager.clear, options, served.wait_prepared)
     from ..compile.backend import vitgraph as backend
+    from ..compile.backend import wait_prepared
 
     fn = torch.compile(built.module, backend=backend, options=options)
-    return PreparedMode(name, fn, backend.report, backend.reset, options)
+    return PreparedMode(name, fn, backend.report, backend.reset, options, wait_prepared)
 
 
 def backend_report(mode: PreparedMode) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "latency_figure", "validate",
            "write_json", "write_plot"]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class Nullable:
@@ -69,6 +69,7 @@ MODE = {
                             "max": NUMBER}),
     "per_call_ms": ListOf(NUMBER), "stream_total_s": Nullable(NUMBER),
     "first_pass_s": Nullable(NUMBER), "first_pass_phases_s": Nullable(MapOf(NUMBER)),
+    "first_call_s": Nullable(NUMBER), "ready_s": Nullable(NUMBER),
     "peak_memory_bytes": Nullable(int),
     "graphs_captured": Nullable(int), "compiles": Nullable(int), "hit_rate": Nullable(NUMBER),
     "padding_ratio": Nullable(NUMBER), "max_abs_error": Nullable(NUMBER),
@@ -259,6 +260,12 @@ def _backend_lines(m: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _first_call(m: Mapping[str, Any]) -> str:
+    if m.get("first_call_s") is None or m.get("ready_s") is None:
+        return ""
+    return f"; first call {m['first_call_s']:.2f}, graphs serving after {m['ready_s']:.2f}"
+
+
 def _phase_line(p: Mapping[str, float]) -> str:
     return (f"dynamo {p['dynamo']:.2f} + backend {p['backend']:.2f} (inductor "
             f"{p['inductor']:.2f}) + capture {p['capture']:.2f} + other {p['other']:.2f}; "
@@ -314,7 +321,7 @@ def format_text(doc: Mapping[str, Any]) -> str:
                   "inside the backend or a capture, and a served tower's compiles inside its "
                   "captures):"]
         lines += [f"  {m['mode']}: {m['first_pass_s']:.2f} = " + _phase_line(
-            m["first_pass_phases_s"]) for m in phased]
+            m["first_pass_phases_s"]) + _first_call(m) for m in phased]
     reported = [m for m in doc["modes"] if m["backend_report"]]
     if reported:
         lines += ["", "vitgraph backend reports (counts cover the first and the timed pass):"]

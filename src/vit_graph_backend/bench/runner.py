@@ -212,6 +212,7 @@ def _routing_section(run: Resolved) -> dict[str, Any]:
 def _mode_result(name: str) -> dict[str, Any]:
     return {"mode": name, "status": "failed", "error": None, "traceback": None,
             "latency_ms": None, "per_call_ms": [], "stream_total_s": None, "first_pass_s": None,
+            "first_call_s": None, "ready_s": None,
             "first_pass_phases_s": None, "peak_memory_bytes": None, "graphs_captured": None, "compiles": None,
             "hit_rate": None, "padding_ratio": None, "max_abs_error": None,
             "speedup_vs_eager": None, "backend_report": None, "rank_busy_s": None,
@@ -286,15 +287,21 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
             parallel = prepared.fn = data_parallel(prepared.fn, record_busy=True)
 
         def first_pass() -> None:
-            for args in progress(inputs, desc=f"{name}: first pass (compile, capture)",
-                                 total=len(inputs), enabled=show):
-                prepared.fn(*args)
+            for i, args in enumerate(progress(inputs, desc=f"{name}: first pass (compile, "
+                                              "capture)", total=len(inputs), enabled=show)):
+                if i == 0:
+                    _, result["first_call_s"] = timer.wall(lambda: prepared.fn(*args))
+                else:
+                    prepared.fn(*args)
 
         with torch.no_grad():
             before = _phase_counters()
             _, result["first_pass_s"] = timer.wall(first_pass)
             result["first_pass_phases_s"] = _first_pass_phases(
                 before, result["first_pass_s"], backend_report(prepared))
+            # capture="background": the first pass may end before the graphs serve
+            waited = timer.wall(prepared.wait)[1] if prepared.wait is not None else 0.0
+            result["ready_s"] = result["first_pass_s"] + waited
             if parallel is not None:
                 parallel.busy_seconds()  # the first pass's shares are not the timed pass's
             ms, errors = [], []

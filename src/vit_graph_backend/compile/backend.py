@@ -32,7 +32,7 @@ from ..options import VitGraphOptions
 from ..adapters.serve import live_served
 from .patch_rewrite import patch_embeddings_as_gemm
 
-__all__ = ["VitGraphBackend", "register", "report", "vitgraph"]
+__all__ = ["VitGraphBackend", "register", "report", "vitgraph", "wait_prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,15 @@ def register() -> bool:
         return False
     _compat.register_dynamo_backend("vitgraph", vitgraph)
     return True
+
+
+def wait_prepared(timeout: float | None = None) -> bool:
+    """Wait until every compiled graph and served tower of this process replays the graphs a
+    background preparation (``capture="background"``) made; True once none runs, False if
+    ``timeout`` seconds (for each in turn) passed first."""
+    managers = [m for e in vitgraph.encoders for m in e.managers]
+    managers += [tower.manager for tower in live_served()]
+    return all([m.wait_prepared(timeout) for m in managers])
 
 
 def report() -> dict[str, Any]:

@@ -102,6 +102,10 @@ class _GraphSet:
     def encoder_eager_forward(self, args, item_indices):
         return self._outputs(self.fn(*args))
 
+    def encoder_reference_forward(self, args):
+        # the traced graph touches no static buffer: safe beside a background capture
+        return self._outputs(self.fn(*args))
+
     def encoder_eager_segments(self, args, segments: Sequence[Segment]):
         if self.static_shape or (len(segments) == 1 and segments[0].start == 0 and segments[0].stop
                                  == args[self.layout.batch_tensors[0]].shape[0]):

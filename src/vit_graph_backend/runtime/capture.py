@@ -10,6 +10,7 @@ pressure the small ones that fit are kept.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -21,8 +22,13 @@ from .. import _compat
 from ..errors import error_line, out_of_memory
 from .launch import capture_stream, device_index, launch_kind, make_launcher
 
-__all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
-           "mib", "storage_bytes"]
+__all__ = ["CAPTURE_LOCK", "BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory",
+           "capture_budget_graph", "mib", "storage_bytes"]
+
+#: One capture at a time in the process: every graph of a device is captured on one stream
+#: (``launch.capture_stream``), and a background preparation (``manager.py``) captures outside
+#: the stream order that serializes the captures made inside calls.
+CAPTURE_LOCK = threading.RLock()
 
 
 def mib(n: int | None) -> str:
@@ -289,11 +295,12 @@ class BudgetGraphs:
 
     def capture(self, budget: int) -> CaptureOutcome:
         """Capture ``budget`` into the shared pool, measured and bounded; skips go to :attr:`skipped`."""
-        start = time.perf_counter()
-        try:
-            outcome = self._capture(budget)
-        finally:
-            self.capture_seconds += time.perf_counter() - start
+        with CAPTURE_LOCK:
+            start = time.perf_counter()
+            try:
+                outcome = self._capture(budget)
+            finally:
+                self.capture_seconds += time.perf_counter() - start
         if outcome.failed:
             # the pool may be unusable for later captures
             self.graph_pool = torch.cuda.graph_pool_handle()
@@ -341,6 +348,12 @@ class BudgetGraphs:
                     f"max_graph_memory={self.memory.limit_option!r} ({mib(limit)})"))
             self._mark_aliases()
         return outcome
+
+    def fresh(self) -> BudgetGraphs:
+        """An empty set with the same settings and a pool of its own (a background preparation
+        fills it, then it replaces this one; a shared pool could lose its last graph before)."""
+        return BudgetGraphs(self.model, self.warmup_iters, self.memory.limit_option,
+                            *self.slots, self.device, self.dtype, self.graph_launch)
 
     def clear(self) -> None:
         """Drop graphs, buffers, pools and skips (the caller has ordered the GPU first)."""

@@ -9,10 +9,13 @@ stream gets what eager would give it. Without CUDA the same path runs without gr
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import threading
+import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +23,7 @@ import torch
 
 from ..budgets import BudgetConfig
 from ..errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError, error_line
-from .capture import BudgetGraphs, mib
+from .capture import BudgetGraphs, CaptureOutcome, mib
 from ..options import VitGraphOptions
 from ..planner import Batch, Segment
 from .replay_io import (assemble, head_copy, infer_device_dtype, map_output, max_rel_error,
@@ -35,6 +38,10 @@ from .weights import WeightSlots, python_outside_graphs
 __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
 
 log = logging.getLogger(__name__)
+
+#: The reason counted for a call answered while its graphs are prepared (``capture="background"``).
+PREPARING = "graphs being prepared in the background (capture='background')"
+
 
 class EncoderCudaGraphManager:
     """Serve an encoder's calls from one CUDA graph per token budget.
@@ -102,6 +109,12 @@ class EncoderCudaGraphManager:
         #: the encoder's optional weight-copy refresh, called once a call after its first launch
         self._refresh = getattr(model, "refresh_encoder_cudagraph_weights", None)
         self.order = order_for(self.device)
+        #: the background preparation (``capture="background"``), while it runs
+        self._preparer: threading.Thread | None = None
+        self._preparing = False
+        self._cancel = False
+        #: seconds from the first call to the switch to graphs, once prepared in the background
+        self.prepare_seconds: float | None = None
         if self.device.type != "cuda":
             _log_cpu_once()
         reason = getattr(model, "graph_unsupported_reason", lambda: None)()
@@ -150,6 +163,8 @@ class EncoderCudaGraphManager:
         report["budgets"] = list(self.token_budgets)
         report["disabled_budgets"] = dict(self.served.disabled)
         report["graphs_off_reason"] = self._off_reason
+        report["preparing"] = self._preparing
+        report["prepare_seconds"] = self.prepare_seconds
         return report
 
     def disable_graphs(self, reason: str) -> None:
@@ -165,6 +180,7 @@ class EncoderCudaGraphManager:
                 one shared with other graphs of the application); ``None`` creates one.
         """
         with self._lock:
+            self._stop_preparing()
             if not self.uses_cuda_graphs:  # off CUDA: logged once per process (_log_cpu_once)
                 return
             if graph_pool is not None:
@@ -180,6 +196,7 @@ class EncoderCudaGraphManager:
     def clear(self) -> None:
         """Drop graphs, static buffers and the pool; a later call captures again."""
         with self._lock:
+            self._stop_preparing()
             with self.order:  # no replay of these graphs may still run on any stream
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -199,6 +216,9 @@ class EncoderCudaGraphManager:
     def run(self, inputs: Any) -> list[Any]:
         """Run one call; returns one output per item, in the caller's order."""
         specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
+        if self._preparing:  # the tower's own forward, beside the preparation (no lock)
+            self.stats.record_call()
+            return self._whole(inputs, specs, PREPARING)
         with self._lock:
             if self._graphs and self.weights is not None and self.weights.moved():
                 self._follow_moved_weights()
@@ -207,25 +227,99 @@ class EncoderCudaGraphManager:
             pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
             stream = self.order.enter()
             try:
-                if (call.reason is None and self.options.capture == "all"
+                if (call.reason is None and self.options.capture != "lazy"
                         and self.uses_cuda_graphs
                         and any(b not in self._graphs for b in self.token_budgets)):
                     if not self._graphs:
                         self._python_outside()
+                    if self._off_reason is None and self._start_preparing():
+                        return self._whole(inputs, specs, PREPARING)
                     if self._off_reason is None:
                         self.capture()   # before planning: a skipped budget changes the plan
                     call.reason = self._off_reason
-                for batch in self.served.plan(specs).batches if call.reason is None else ():
+                if call.reason is not None:  # one batch of every item, as the model's call
+                    return self._whole(inputs, specs, call.reason)
+                for batch in self.served.plan(specs).batches:
                     for seg, out in zip(batch.segments, self._run_batch(inputs, batch, call)):
                         pieces[seg.item].append((seg.start, out))
-                if call.reason is not None:  # one batch of every item, as the model's call
-                    whole = Batch(tuple(Segment(i, 0, s.output_tokens)
-                                        for i, s in enumerate(specs)), None,
-                                  sum(s.frames for s in specs))
-                    pieces = [[(0, out)] for out in self._eager(inputs, whole, call.reason)]
                 return [assemble(p) for p in pieces]
             finally:
                 self.order.exit(stream)
+
+    def _whole(self, inputs: Any, specs: tuple[Any, ...], reason: str) -> list[Any]:
+        """Every item in one eager batch, as the model's own call would run them; while graphs
+        are prepared, through the encoder's reference forward, which shares no state with them."""
+        whole = Batch(tuple(Segment(i, 0, s.output_tokens) for i, s in enumerate(specs)), None,
+                      sum(s.frames for s in specs))
+        return [assemble([(0, out)]) for out in self._eager(inputs, whole, reason)]
+
+    def _start_preparing(self) -> bool:
+        """``capture="background"``: start preparing every budget's graph on a thread; False
+        where the encoder cannot answer beside it (no ``encoder_reference_forward``)."""
+        if self.options.capture != "background":
+            return False
+        if not hasattr(self.model, "encoder_reference_forward"):
+            self._log_once("vitgraph: capture='background' needs an encoder with "
+                           "encoder_reference_forward(inputs); capturing in the call instead")
+            return False
+        self._preparing, self._cancel = True, False
+        self._preparer = threading.Thread(target=self._prepare, args=(time.perf_counter(),),
+                                          name="vitgraph-prepare", daemon=True)
+        _PREPARING.add(self)
+        self._preparer.start()
+        return True
+
+    def _prepare(self, start: float) -> None:
+        """The background preparation: every budget captured, largest first, into a new set
+        that replaces the served one at the end; a failure turns graphs off, never a call."""
+        graphs = self.graphs.fresh()
+        outcomes: dict[int, CaptureOutcome] = {}
+        failure = None
+        try:
+            with torch.cuda.device(self.device):
+                for budget in sorted(self.token_budgets, reverse=True):
+                    if self._cancel:
+                        break
+                    outcomes[budget] = graphs.capture(budget)
+        except Exception as exc:  # a bug or the device: calls go on eagerly
+            failure = f"preparing graphs in the background failed: {error_line(exc)}"
+        while not self._lock.acquire(timeout=0.05):   # clear() may hold it, waiting for us
+            if self._cancel:
+                self._preparing = False
+                return
+        try:
+            if failure is not None:
+                self.disable_graphs(failure)
+            elif not self._cancel:
+                self.graphs, self._graphs = graphs, graphs.entries
+                for budget, outcome in outcomes.items():
+                    if outcome.skipped is not None:
+                        self._disable_budget(budget, outcome.skipped,
+                                             warn=outcome.failed and not outcome.oom)
+                self.prepare_seconds = time.perf_counter() - start
+                log.info("vitgraph: %d graphs prepared in the background in %.2f s; calls now "
+                         "replay them", graphs.num_graphs, self.prepare_seconds)
+        finally:
+            self._preparing = False
+            self._lock.release()
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Wait for a background preparation (``capture="background"``) to be served; True once
+        none runs (also when none was started), False if ``timeout`` seconds passed first."""
+        thread = self._preparer
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        return not self._preparing
+
+    def _stop_preparing(self) -> None:
+        """Cancel a background preparation and wait for its capture in progress (under the lock:
+        no other can start meanwhile; the preparation gives up waiting for the lock)."""
+        thread = self._preparer
+        if thread is None or thread is threading.current_thread():
+            return
+        self._cancel = True
+        thread.join()
+        self._preparer = None
 
     def _grad_reason(self, inputs: Any) -> str | None:
         if torch.is_grad_enabled() and needs_grad(self.model, inputs):
@@ -316,6 +410,13 @@ class EncoderCudaGraphManager:
         return split_rows(real, batch.segments)
 
     def _eager(self, inputs: Any, batch: Batch, reason: str) -> list[Any]:
+        if reason == PREPARING:  # expected, not a fallback: logged at INFO
+            out = self.model.encoder_reference_forward(inputs)  # type: ignore[attr-defined]
+            self.stats.record_eager(len(batch.segments), reason)
+            if reason not in self._logged:
+                self._logged.add(reason)
+                log.info("vitgraph: answering calls eagerly while %s", reason)
+            return split_rows(out, batch.segments)
         out = split_rows(self._eager_packed(inputs, batch), batch.segments)
         self.stats.record_eager(len(batch.segments), reason)
         # warn once per kind of reason (text before the first colon), then at DEBUG
@@ -394,6 +495,17 @@ class EncoderCudaGraphManager:
         if message not in self._logged:
             self._logged.add(message)
             log.warning(message)
+
+
+#: Managers preparing in the background: the interpreter's exit waits for their capture in
+#: progress (a thread cut off inside a capture can crash the exit).
+_PREPARING: weakref.WeakSet[EncoderCudaGraphManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_preparing() -> None:
+    for manager in list(_PREPARING):
+        manager._stop_preparing()
 
 
 class _Call:

@@ -19,7 +19,7 @@ __all__ = ["REPORT_FIELDS", "summarize"]
 #: The keys of :func:`summarize`'s answer, documented in the README's ``report()`` section.
 REPORT_FIELDS = ("cuda_graphs", "graphs_captured", "exact_shape_graphs", "device_launch_graphs",
                  "captured_budgets", "skipped_budgets", "out_of_memory", "graph_memory_bytes",
-                 "static_input_bytes", "capture_seconds", "stats")
+                 "static_input_bytes", "capture_seconds", "preparing", "prepare_seconds", "stats")
 
 
 def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -> dict[str, Any]:
@@ -29,6 +29,7 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         stats.merge(extra)
     graphs = exact = device_launch = memory = static = oom = 0
     seconds = 0.0
+    preparing, prepared = 0, []
     budgets: set[int] = set()
     skipped: dict[str, str] = {}
     cuda_graphs = False
@@ -40,6 +41,9 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         static += report["static_input_bytes"]
         seconds += report["capture_seconds"]
         oom += report["out_of_memory_skips"]
+        preparing += bool(report["preparing"])
+        if report["prepare_seconds"] is not None:
+            prepared.append(report["prepare_seconds"])
         device_launch += sum(kind == "device" for kind in report["graph_launch"].values())
         if manager.exact_rows is not None:
             exact += report["graphs"]
@@ -60,5 +64,8 @@ def summarize(managers: Iterable[Any], extra_stats: Iterable[GraphStats] = ()) -
         "graph_memory_bytes": memory,
         "static_input_bytes": static,
         "capture_seconds": round(seconds, 4),
+        # capture="background": preparations still running, the longest one that finished
+        "preparing": preparing,
+        "prepare_seconds": round(max(prepared), 4) if prepared else None,
         "stats": stats.as_dict(),
     }

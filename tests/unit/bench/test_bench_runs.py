@@ -36,17 +36,19 @@ TINY = [name for name in MODELS if name.endswith("-tiny") or name == "vit-micro"
 
 # -- JSON schema ---------------------------------------------------------------------------------
 
-#: Schema version 5, frozen here: changing the document's keys must bump SCHEMA_VERSION.
+#: Schema version 6, frozen here: changing the document's keys must bump SCHEMA_VERSION.
 #: (v2 = v1 plus config.ladder_steps; v3: the option names max_items_per_graph and
 #: max_frames_per_batch, and the stats of report()'s graph/no-graph counts; v4: the roofline,
 #: each mode's achieved TFLOP/s, fraction of peak and per-rank busy seconds, data parallelism;
-#: v5: each mode's first pass by phase, config.cold.)
+#: v5: each mode's first pass by phase, config.cold; v6: each mode's first call and the time
+#: until its graphs serve.)
 V1_TOP = {"schema_version", "tool", "package_version", "created_utc", "environment", "config",
           "routing", "notes", "modes", "roofline"}
 V1_MODE = {"mode", "status", "error", "traceback", "latency_ms", "per_call_ms", "stream_total_s",
            "first_pass_s", "peak_memory_bytes", "graphs_captured", "compiles", "hit_rate",
            "padding_ratio", "max_abs_error", "speedup_vs_eager", "backend_report", "notes",
-           "rank_busy_s", "achieved_tflops", "fraction_of_peak", "first_pass_phases_s"}
+           "rank_busy_s", "achieved_tflops", "fraction_of_peak", "first_pass_phases_s",
+           "first_call_s", "ready_s"}
 V1_CONFIG = {"model", "workload", "modality", "modes", "calls", "seed", "max_batch", "budgets",
              "max_budget", "ladder_steps", "max_items_per_graph", "max_frames_per_batch",
              "policy", "device", "dtype", "check_calls", "progress", "layout", "family",
@@ -59,8 +61,8 @@ V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_gra
             "fallback_reasons"}
 
 
-def test_schema_v5_is_pinned():
-    assert SCHEMA_VERSION == 5
+def test_schema_v6_is_pinned():
+    assert SCHEMA_VERSION == 6
     assert set(RESULT_SCHEMA["routing"]["planned"]) == V3_STATS
     assert set(RESULT_SCHEMA) == V1_TOP
     assert set(RESULT_SCHEMA["modes"].spec) == V1_MODE

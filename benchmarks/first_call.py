@@ -1,0 +1,86 @@
+"""The first call and the time until graphs serve, each in a new process, caches cold then warm.
+
+Per stream (ViT-B/16 uniform batches; CLIP ViT-L/14-336, 8 to 48 images a call; the
+Qwen2.5-VL-3B tower on mixed batches) and per mode (``vitgraph``: graphs captured inside the
+first calls; ``vitgraph-background``: calls answered by the model's own forward while a thread
+prepares the graphs), two new processes share one new folder of Inductor's and Triton's caches:
+the first finds it empty (cold), the second finds what the first kept (warm). Each process runs
+``vitgraph bench --modes MODE --json``; the table gives its first call, first pass (every call
+of the stream once), the time until graphs serve (the first pass plus the wait for a background
+preparation, ``ready_s``) and the steady p50.
+
+Usage: python benchmarks/first_call.py [--streams vit,clip,qwen] [--modes a,b] [--calls 24].
+Text to stdout and to ``$OUT/first_call.txt`` when ``$OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _bench_out import emit  # noqa: E402
+
+#: stream name -> ``vitgraph bench`` arguments
+STREAMS = {
+    "vit": ["--model", "vit-b16", "--workload", "uniform-batch"],
+    "clip": ["--model", "clip-l14-336", "--workload", "uniform-batch", "--max-batch", "48"],
+    "qwen": ["--model", "qwen2.5-vl", "--workload", "mixed-batch"],
+}
+
+
+def run_one(stream: str, mode: str, calls: int, caches: Path, out: Path) -> dict:
+    """One new process: ``vitgraph bench`` on ``stream`` in ``mode``, caches in ``caches``."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+           "TRITON_CACHE_DIR": str(caches / "triton")}
+    cmd = [sys.executable, "-m", "vit_graph_backend", "bench", *STREAMS[stream], "--modes",
+           mode, "--calls", str(calls), "--no-progress", "--json", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        return {"status": "failed", "error": (done.stderr or done.stdout)[-400:]}
+    return json.loads(out.read_text())["modes"][0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", default="vit,clip,qwen")
+    parser.add_argument("--modes", default="vitgraph,vitgraph-background")
+    parser.add_argument("--calls", type=int, default=24)
+    args = parser.parse_args()
+    import torch
+
+    lines = [f"# python benchmarks/first_call.py --streams {args.streams} --modes {args.modes} "
+             f"--calls {args.calls}",
+             f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16, random "
+             "weights; each row one new process; cold: a new empty Inductor/Triton cache "
+             "folder, warm: the same folder again in the next process",
+             f"{'stream':<6} {'mode':<20} {'caches':<6} {'first call s':>12} "
+             f"{'first pass s':>12} {'graphs serve s':>14} {'p50 ms':>8}  phases (s)"]
+    print("\n".join(lines), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for stream in args.streams.split(","):
+            for mode in args.modes.split(","):
+                caches = Path(tmp, f"{stream}-{mode}")
+                for state in ("cold", "warm"):
+                    m = run_one(stream, mode, args.calls, caches,
+                                Path(tmp, f"{stream}-{mode}-{state}.json"))
+                    if m.get("status") != "ok":
+                        line = f"{stream:<6} {mode:<20} {state:<6} FAILED {m.get('error')}"
+                    else:
+                        p = m["first_pass_phases_s"] or {}
+                        phases = " ".join(f"{k} {v:.2f}" for k, v in p.items())
+                        line = (f"{stream:<6} {mode:<20} {state:<6} {m['first_call_s']:>12.2f} "
+                                f"{m['first_pass_s']:>12.2f} {m['ready_s']:>14.2f} "
+                                f"{m['latency_ms']['p50']:>8.2f}  {phases}")
+                    lines.append(line)
+                    print(line, flush=True)
+    emit(lines, "first_call", echo=False)
+
+
+if __name__ == "__main__":
+    main()

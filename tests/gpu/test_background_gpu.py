@@ -1,0 +1,126 @@
+"""``capture="background"`` on CUDA: the first calls are answered by the model's own forward
+while a thread captures real graphs beside them, then calls replay those graphs; for a served
+Qwen-VL tower and for ``torch.compile(vit, backend="vitgraph")``. The stress suite's ``switch``
+part runs the same switch under four threads on two streams with poisoned memory."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from packed_towers import PATCH, _call, _hf, _tower
+from vit_graph_backend import serve
+from vit_graph_backend.runtime.manager import PREPARING
+
+pytestmark = pytest.mark.gpu
+
+
+def _error(got, ref) -> float:
+    got = got if isinstance(got, tuple) else (got,)
+    worst = 0.0
+    for g, r in zip(got, ref, strict=True):
+        assert g.shape == r.shape and torch.isfinite(g).all()
+        scale = max(r.float().abs().max().item(), 1.0)
+        worst = max(worst, (g.float() - r.float()).abs().max().item() / scale)
+    return worst
+
+
+@torch.no_grad()
+def test_served_tower_answers_first_calls_eagerly_then_replays_prepared_graphs():
+    tower = _tower("qwen2_5")
+    served = serve(tower, max_items_per_graph=4, max_budget=1024, capture="background")
+    rng = random.Random(0)
+    calls = [_call(rng, 1 + k % 4, PATCH) for k in range(8)]
+    refs = [_hf(tower, pv, grid) for pv, grid in calls]
+    first = served(*calls[0])
+    report = served.report()
+    # answered by the tower's own forward: HF's numbers exactly
+    assert _error(first, refs[0]) == 0.0
+    assert report["preparing"] == 1 and report["stats"]["fallback_reasons"] == {PREPARING: 1}
+    assert served.wait_prepared(timeout=300)
+    mgr = served.manager
+    assert mgr.num_graphs == len(mgr.token_budgets) == mgr.get_num_graphs_to_capture()
+    worst = max(_error(served(*c), r) for c, r in zip(calls, refs))
+    report = served.report()
+    print(f"background: prepared in {report['prepare_seconds']:.2f} s; max relative error vs "
+          f"HF after the switch {worst:.3g}; stats {report['stats']}")
+    assert worst < 5e-2
+    assert report["preparing"] == 0 and report["prepare_seconds"] > 0
+    assert report["stats"]["graph_replays"] > 0
+    assert report["stats"]["fallback_reasons"] == {PREPARING: 1}   # nothing else ran eagerly
+    served.manager.clear()            # graphs dropped: the next call prepares them again
+    assert _error(served(*calls[1]), refs[1]) == 0.0
+    assert served.report()["preparing"] == 1
+    served.manager.clear()            # cancelled while preparing: waits for its capture
+    assert served.report()["preparing"] == 0 and mgr.num_graphs == 0
+
+
+@torch.no_grad()
+def test_threads_on_two_streams_call_through_the_switch():
+    tower = _tower("qwen2_5")
+    served = serve(tower, max_items_per_graph=4, max_budget=1024, capture="background")
+    rng = random.Random(1)
+    calls = [_call(rng, 1 + k % 4, PATCH) for k in range(12)]
+    refs = [_hf(tower, pv, grid) for pv, grid in calls]
+    errors: list[str] = []
+    worst = [0.0]
+    done = threading.Event()
+
+    def worker(w: int) -> None:
+        stream = torch.cuda.Stream() if w % 2 else torch.cuda.current_stream()
+        with torch.cuda.stream(stream), torch.no_grad():
+            k = 0
+            while not done.is_set() or k < 20:
+                i = (w * 5 + k) % len(calls)
+                try:
+                    err = _error(served(*calls[i]), refs[i])
+                    worst[0] = max(worst[0], err)
+                    if err > 5e-2:
+                        errors.append(f"call {i}: error {err:.3g}")
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                k += 1
+            stream.synchronize()
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    assert served.wait_prepared(timeout=300)
+    done.set()
+    for t in threads:
+        t.join(120)
+    stats = served.report()["stats"]
+    print(f"threads: worst error {worst[0]:.3g}; stats {stats}")
+    assert not errors, errors[:5]
+    assert stats["fallback_reasons"].get(PREPARING, 0) > 0 and stats["graph_replays"] > 0
+
+
+@torch.no_grad()
+def test_compiled_vit_answers_with_its_traced_graph_while_graphs_are_prepared():
+    import vit_graph_backend
+    from vit_graph_backend.bench.models import MODELS, build_model
+    from vit_graph_backend.compile.backend import vitgraph
+
+    torch.compiler.reset()
+    built = build_model(MODELS["vit-s16"], device="cuda", dtype=torch.bfloat16,
+                        dynamic_size=False)
+    model = built.module
+    compiled = torch.compile(model, backend=vitgraph,
+                             options={"capture": "background", "inner_compiler": "eager"})
+    x = [torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.bfloat16) for b in (3, 8, 5)]
+    refs = [model(t) for t in x]
+    try:
+        outs = [compiled(t) for t in x]
+        assert vit_graph_backend.wait_prepared(timeout=300)
+        report = vit_graph_backend.report()
+        assert report["stats"]["fallback_reasons"].get(PREPARING, 0) >= 1
+        outs += [compiled(t) for t in x]
+        report = vit_graph_backend.report()
+        assert report["stats"]["graph_replays"] >= 3 and report["preparing"] == 0
+        for out, ref in zip(outs, refs + refs):
+            assert _error(out, (ref,)) < 5e-2
+    finally:
+        torch.compiler.reset()
