@@ -9,7 +9,11 @@ the first finds it empty (cold), the second finds what the first kept (warm). Ea
 of the stream once), the time until graphs serve (the first pass plus the wait for a background
 preparation, ``ready_s``) and the steady p50.
 
-Usage: python benchmarks/first_call.py [--streams vit,clip,qwen] [--modes a,b] [--calls 24].
+``--profile``: one more warm process per stream in mode ``vitgraph`` under cProfile, its 30
+functions of most cumulative time (what a warm first pass spends its time on).
+
+Usage: python benchmarks/first_call.py [--streams vit,clip,qwen] [--modes a,b] [--calls 24]
+[--profile].
 Text to stdout and to ``$OUT/first_call.txt`` when ``$OUT`` is set.
 """
 
@@ -34,12 +38,14 @@ STREAMS = {
 }
 
 
-def run_one(stream: str, mode: str, calls: int, caches: Path, out: Path) -> dict:
+def run_one(stream: str, mode: str, calls: int, caches: Path, out: Path,
+            profile: Path | None = None) -> dict:
     """One new process: ``vitgraph bench`` on ``stream`` in ``mode``, caches in ``caches``."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
            "TRITON_CACHE_DIR": str(caches / "triton")}
-    cmd = [sys.executable, "-m", "vit_graph_backend", "bench", *STREAMS[stream], "--modes",
-           mode, "--calls", str(calls), "--no-progress", "--json", str(out)]
+    prefix = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
+    cmd = [sys.executable, *prefix, "-m", "vit_graph_backend", "bench", *STREAMS[stream],
+           "--modes", mode, "--calls", str(calls), "--no-progress", "--json", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         return {"status": "failed", "error": (done.stderr or done.stdout)[-400:]}
@@ -51,6 +57,7 @@ def main() -> None:
     parser.add_argument("--streams", default="vit,clip,qwen")
     parser.add_argument("--modes", default="vitgraph,vitgraph-background")
     parser.add_argument("--calls", type=int, default=24)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     import torch
 
@@ -79,7 +86,26 @@ def main() -> None:
                                 f"{m['latency_ms']['p50']:>8.2f}  {phases}")
                     lines.append(line)
                     print(line, flush=True)
+            if args.profile:
+                lines += _profile(stream, args.calls, Path(tmp, f"{stream}-vitgraph"), Path(tmp))
     emit(lines, "first_call", echo=False)
+
+
+def _profile(stream: str, calls: int, caches: Path, tmp: Path) -> list[str]:
+    """A warm ``vitgraph`` process under cProfile: its top functions by cumulative time."""
+    import io
+    import pstats
+
+    stats_file = tmp / f"{stream}.prof"
+    m = run_one(stream, "vitgraph", calls, caches, tmp / f"{stream}-profile.json", stats_file)
+    lines = [f"# {stream}, vitgraph, warm, under cProfile: first pass "
+             f"{m.get('first_pass_s')} s (the profiler slows Python-heavy phases)"]
+    if stats_file.exists():
+        text = io.StringIO()
+        pstats.Stats(str(stats_file), stream=text).sort_stats("cumulative").print_stats(30)
+        lines += [line for line in text.getvalue().splitlines() if line.strip()][-32:]
+    print("\n".join(lines), flush=True)
+    return lines
 
 
 if __name__ == "__main__":
