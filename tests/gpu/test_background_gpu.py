@@ -72,8 +72,9 @@ def test_threads_on_two_streams_call_through_the_switch():
     def worker(w: int) -> None:
         stream = torch.cuda.Stream() if w % 2 else torch.cuda.current_stream()
         with torch.cuda.stream(stream), torch.no_grad():
-            k = 0
-            while not done.is_set() or k < 20:
+            k = after = 0
+            while not done.is_set() or k < 20 or after < 5:   # calls after the switch too
+                after += done.is_set()
                 i = (w * 5 + k) % len(calls)
                 try:
                     err = _error(served(*calls[i]), refs[i])

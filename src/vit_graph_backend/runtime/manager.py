@@ -294,8 +294,11 @@ class EncoderCudaGraphManager:
                 self.graphs, self._graphs = graphs, graphs.entries
                 for budget, outcome in outcomes.items():
                     if outcome.skipped is not None:
-                        self._disable_budget(budget, outcome.skipped,
-                                             warn=outcome.failed and not outcome.oom)
+                        try:   # warnings raised as errors (-W error) must not end the thread
+                            self._disable_budget(budget, outcome.skipped,
+                                                 warn=outcome.failed and not outcome.oom)
+                        except Warning as exc:
+                            log.warning("%s", exc)
                 self.prepare_seconds = time.perf_counter() - start
                 log.info("vitgraph: %d graphs prepared in the background in %.2f s; calls now "
                          "replay them", graphs.num_graphs, self.prepare_seconds)

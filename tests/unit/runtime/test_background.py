@@ -223,3 +223,29 @@ def test_the_interpreter_exit_waits_for_a_capture_in_progress(gate):
     manager_module._stop_all_preparing()          # the atexit hook
     assert not mgr._preparing and mgr._preparer is None
     assert gate.captured == [max(mgr.token_budgets)] and not mgr.graphs.entries
+
+
+@torch.no_grad()
+def test_a_failed_budget_is_logged_when_warnings_are_errors(gate, monkeypatch, caplog):
+    """``-W error`` turns the failed budget's RuntimeWarning into an exception: the prepared set
+    is served anyway and the warning is logged, not raised in the preparation's thread."""
+    import warnings
+
+    model, mgr = _manager()
+    smallest = min(mgr.token_budgets)
+
+    def capture(graphs, budget):
+        if budget == smallest:
+            return CaptureOutcome(skipped="capture failed: a host sync", failed=True)
+        return gate(graphs, budget)
+
+    monkeypatch.setattr(BudgetGraphs, "capture", capture)
+    gate.opened.set()
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING,
+                                                    logger=manager_module.__name__):
+        warnings.simplefilter("error")
+        _check(model, mgr, [3])
+        _finish(mgr)
+    assert smallest not in mgr.token_budgets and mgr.memory_report()["preparing"] is False
+    assert len(mgr.graphs.entries) == len(mgr.token_budgets)
+    assert f"budget {smallest} falls back to eager: capture failed: a host sync" in caplog.text
