@@ -248,7 +248,8 @@ def _phase_counters() -> dict[str, float]:
 
 def _first_pass_phases(before: dict[str, float], total: float,
                        report: dict[str, Any] | None) -> dict[str, float]:
-    """The first pass's seconds by phase, each from its own timer: ``dynamo`` (tracing and
+    """The first pass's seconds (until graphs serve: with ``capture="background"`` the wait for
+    the preparation too) by phase, each from its own timer: ``dynamo`` (tracing and
     guards), ``backend`` (the backend's compile, ``inductor``'s included), ``kernel_choices``
     (kernel candidates timed, inside the backend's compile or a capture), ``capture`` (warm-up
     runs and graph captures, kernel choices included) and ``other`` (the rest: eager runs,
@@ -297,11 +298,12 @@ def _run_mode(name: str, run: Resolved, built: Any, inputs: list[tuple[Any, ...]
         with torch.no_grad():
             before = _phase_counters()
             _, result["first_pass_s"] = timer.wall(first_pass)
-            result["first_pass_phases_s"] = _first_pass_phases(
-                before, result["first_pass_s"], backend_report(prepared))
             # capture="background": the first pass may end before the graphs serve
             waited = timer.wall(prepared.wait)[1] if prepared.wait is not None else 0.0
             result["ready_s"] = result["first_pass_s"] + waited
+            # phases until the graphs serve (a background preparation's included)
+            result["first_pass_phases_s"] = _first_pass_phases(
+                before, result["ready_s"], backend_report(prepared))
             if parallel is not None:
                 parallel.busy_seconds()  # the first pass's shares are not the timed pass's
             ms, errors = [], []

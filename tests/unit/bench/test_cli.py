@@ -116,7 +116,7 @@ def test_cold_first_pass_is_split_into_phases(tmp_path, capsys, monkeypatch):
     assert phases["dynamo"] > 0 and phases["backend"] > 0, phases   # vitgraph traced here
     assert all(v >= 0 for v in phases.values()), phases
     assert phases["dynamo"] + phases["backend"] <= vit["first_pass_s"] + 1e-3, phases
-    assert "first pass by phase" in out
+    assert "first pass until graphs serve, by phase" in out
     # the first call alone, and the wait for graphs (none here: captured in the calls)
     assert 0 < vit["first_call_s"] <= vit["first_pass_s"] <= vit["ready_s"], vit
     assert "first call" in out
