@@ -266,7 +266,13 @@ class EncoderCudaGraphManager:
         self._preparer = threading.Thread(target=self._prepare, args=(time.perf_counter(),),
                                           name="vitgraph-prepare", daemon=True)
         _PREPARING.add(self)
-        self._preparer.start()
+        try:
+            self._preparer.start()
+        except RuntimeError as exc:  # no thread to start (the interpreter is exiting)
+            self._preparing, self._preparer = False, None
+            self._log_once(f"vitgraph: capture='background' could not start its thread "
+                           f"({error_line(exc)}); capturing in the call instead")
+            return False
         return True
 
     def _prepare(self, start: float) -> None:

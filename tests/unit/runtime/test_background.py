@@ -249,3 +249,19 @@ def test_a_failed_budget_is_logged_when_warnings_are_errors(gate, monkeypatch, c
     assert smallest not in mgr.token_budgets and mgr.memory_report()["preparing"] is False
     assert len(mgr.graphs.entries) == len(mgr.token_budgets)
     assert f"budget {smallest} falls back to eager: capture failed: a host sync" in caplog.text
+
+
+@torch.no_grad()
+def test_a_thread_that_cannot_start_leaves_the_call_to_capture(gate, monkeypatch, caplog):
+    model, mgr = _manager()
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    gate.opened.set()
+    with caplog.at_level(logging.WARNING, logger=manager_module.__name__):
+        _check(model, mgr, [6, 2])
+    assert "could not start its thread" in caplog.text
+    assert not mgr._preparing and len(mgr.graphs.entries) == len(mgr.token_budgets)
+    assert mgr.stats.no_graph_items == 2 and not mgr.stats.fallback_reasons
