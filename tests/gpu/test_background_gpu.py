@@ -28,13 +28,18 @@ def _error(got, ref) -> float:
     return worst
 
 
-@torch.no_grad()
-def test_served_tower_answers_first_calls_eagerly_then_replays_prepared_graphs():
+def _served(seed: int, count: int):
+    """A Qwen2.5-VL tower served with ``capture="background"``, ``count`` calls and HF's outputs."""
     tower = _tower("qwen2_5")
     served = serve(tower, max_items_per_graph=4, max_budget=1024, capture="background")
-    rng = random.Random(0)
-    calls = [_call(rng, 1 + k % 4, PATCH) for k in range(8)]
-    refs = [_hf(tower, pv, grid) for pv, grid in calls]
+    rng = random.Random(seed)
+    calls = [_call(rng, 1 + k % 4, PATCH) for k in range(count)]
+    return served, calls, [_hf(tower, pv, grid) for pv, grid in calls]
+
+
+@torch.no_grad()
+def test_served_tower_answers_first_calls_eagerly_then_replays_prepared_graphs():
+    served, calls, refs = _served(0, 8)
     first = served(*calls[0])
     report = served.report()
     # answered by the tower's own forward: HF's numbers exactly
@@ -60,11 +65,7 @@ def test_served_tower_answers_first_calls_eagerly_then_replays_prepared_graphs()
 
 @torch.no_grad()
 def test_threads_on_two_streams_call_through_the_switch():
-    tower = _tower("qwen2_5")
-    served = serve(tower, max_items_per_graph=4, max_budget=1024, capture="background")
-    rng = random.Random(1)
-    calls = [_call(rng, 1 + k % 4, PATCH) for k in range(12)]
-    refs = [_hf(tower, pv, grid) for pv, grid in calls]
+    served, calls, refs = _served(1, 12)
     errors: list[str] = []
     worst = [0.0]
     done = threading.Event()

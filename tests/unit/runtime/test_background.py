@@ -84,6 +84,13 @@ def _check(model, mgr, lengths, seed=0):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _skipping(monkeypatch, gate, skipped_budget, outcome):
+    """Captures behind ``gate``, but ``skipped_budget`` comes back as ``outcome``."""
+    monkeypatch.setattr(BudgetGraphs, "capture", lambda graphs, budget: (
+        outcome if budget == skipped_budget else gate(graphs, budget)))
+    gate.opened.set()
+
+
 def _finish(mgr):
     mgr._preparer.join(10)
     assert not mgr._preparer.is_alive()
@@ -152,14 +159,8 @@ def test_a_failed_preparation_turns_graphs_off_and_calls_stay_right(gate, caplog
 def test_skipped_budgets_are_disabled_when_the_prepared_set_is_served(gate, monkeypatch):
     model, mgr = _manager()
     largest = max(mgr.token_budgets)
-
-    def capture(graphs, budget):
-        if budget == largest:
-            return CaptureOutcome(skipped="needs about 9 MiB, over max_graph_memory", oom=False)
-        return gate(graphs, budget)
-
-    monkeypatch.setattr(BudgetGraphs, "capture", capture)
-    gate.opened.set()
+    _skipping(monkeypatch, gate, largest,
+              CaptureOutcome(skipped="needs about 9 MiB, over max_graph_memory"))
     _check(model, mgr, [3])
     _finish(mgr)
     assert largest not in mgr.token_budgets
@@ -233,14 +234,8 @@ def test_a_failed_budget_is_logged_when_warnings_are_errors(gate, monkeypatch, c
 
     model, mgr = _manager()
     smallest = min(mgr.token_budgets)
-
-    def capture(graphs, budget):
-        if budget == smallest:
-            return CaptureOutcome(skipped="capture failed: a host sync", failed=True)
-        return gate(graphs, budget)
-
-    monkeypatch.setattr(BudgetGraphs, "capture", capture)
-    gate.opened.set()
+    _skipping(monkeypatch, gate, smallest,
+              CaptureOutcome(skipped="capture failed: a host sync", failed=True))
     with warnings.catch_warnings(), caplog.at_level(logging.WARNING,
                                                     logger=manager_module.__name__):
         warnings.simplefilter("error")
