@@ -78,8 +78,10 @@ class VitGraphOptions:
             graphs off), ``"tensorrt"`` or ``"auto"`` (default; :meth:`inner_compiler_for`).
         capture: ``"all"`` (default) captures every budget, largest first, at a shape's first
             call; ``"lazy"`` captures a budget when a batch first needs it; ``"background"``
-            answers calls at once with the encoder's own forward while a thread captures every
-            budget, then replays them (not with ``batch_invariant``).
+            answers calls at once with the encoder's ``encoder_reference_forward`` while a
+            thread captures every budget (without the caller's autocast or other thread
+            state), then replays them; CUDA only, not with ``batch_invariant``; an encoder
+            without that method captures inside the call.
         warmup_iters: eager runs of each budget before its capture, for lazy set-up and the memory
             estimate (default 1).
         max_graph_sets: graph sets kept for other dynamic dims (e.g. image size), least recently

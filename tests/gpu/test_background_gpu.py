@@ -60,7 +60,10 @@ def test_served_tower_answers_first_calls_eagerly_then_replays_prepared_graphs()
     assert _error(served(*calls[1]), refs[1]) == 0.0
     assert served.report()["preparing"] == 1
     served.manager.clear()            # cancelled while preparing: waits for its capture
-    assert served.report()["preparing"] == 0 and mgr.num_graphs == 0
+    report = served.report()
+    assert report["preparing"] == 0 and report["graphs_captured"] == 0
+    served(*calls[2])                 # and the next call prepares again
+    assert served.wait_prepared(timeout=300) and served.report()["graphs_captured"] > 0
 
 
 @torch.no_grad()
@@ -87,6 +90,8 @@ def test_threads_on_two_streams_call_through_the_switch():
                 k += 1
             stream.synchronize()
 
+    served(*calls[0])                       # the preparation runs before the threads start
+    assert served.report()["preparing"] == 1
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()

@@ -211,8 +211,9 @@ def _poisoner(managers: Callable[[], list[Any]], cuda: bool) -> Callable[[], Non
     def poison() -> None:
         for manager in managers():
             poison_static_buffers(manager)
-            if cuda:
-                key = id(manager)
+            if cuda and manager.graph_pool is not None:
+                # per pool: a background preparation's set comes with a pool of its own
+                key = (id(manager), manager.graph_pool)
                 if key not in pool_poisoners:
                     pool_poisoners[key] = PoolPoisoner(manager)
                 pool_poisoners[key]()
@@ -281,6 +282,12 @@ def _part_packed(cfg: StressConfig, tower: Any, inputs: list[Any], refs: list[An
                 result.details["recaptures"] = result.details.get("recaptures", 0) + 1
     _hammer(result, cfg, lambda i: served(*inputs[i]), refs,
             _poisoner(lambda: [manager], cfg.device.startswith("cuda")), between)
+    if background and cfg.device.startswith("cuda"):   # the switch must have happened
+        served.wait_prepared()
+        with torch.inference_mode():
+            served(*inputs[0])
+        if not manager.stats.graph_replays:
+            result.exceptions.append("no call was served from graphs after the preparation")
     stats = manager.stats.as_dict()
     memory = manager.memory_report()
     result.details.update({

@@ -115,8 +115,9 @@ class PackedGraphEncoder(nn.Module):
         self.manager.refresh()
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
-        """With ``capture="background"``: wait until calls replay the prepared graphs; True once
-        no preparation runs, False if ``timeout`` seconds passed first."""
+        """With ``capture="background"``: wait for the preparation to end (its graphs served,
+        or it failed: ``report()`` says); True once none runs, False if ``timeout`` seconds
+        passed first."""
         return self.manager.wait_prepared(timeout)
 
     def report(self) -> dict[str, Any]:

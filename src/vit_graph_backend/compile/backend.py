@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 import types
 import weakref
 from collections.abc import Sequence
@@ -194,12 +195,18 @@ def register() -> bool:
 
 
 def wait_prepared(timeout: float | None = None) -> bool:
-    """Wait until every compiled graph and served tower of this process replays the graphs a
-    background preparation (``capture="background"``) made; True once none runs, False if
-    ``timeout`` seconds (for each in turn) passed first."""
+    """Wait for every background preparation (``capture="background"``) of this process's
+    compiled graphs and served towers to end; True once none runs, False if ``timeout``
+    seconds passed first. ``report()`` says what they left (``graphs_captured``,
+    ``skipped_budgets``)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     managers = [m for e in vitgraph.encoders for m in e.managers]
     managers += [tower.manager for tower in live_served()]
-    return all([m.wait_prepared(timeout) for m in managers])
+    for manager in managers:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not manager.wait_prepared(left):
+            return False
+    return True
 
 
 def report() -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ..runtime.capture import capture_lock
 from ..runtime.timing import graph_ms, time_each
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
@@ -258,9 +259,13 @@ class LinearActChoices:
         with torch.cuda.device(x.device):  # Triton launches on the current device
             with self._lock:
                 choice = self.chosen.get(key)
-                if (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
-                        and not torch.cuda.is_current_stream_capturing()):
-                    choice = self.chosen[key] = self._time(rows, weight, bias, activation)
+                timed = (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
+                         and not torch.cuda.is_current_stream_capturing())
+            if timed:  # the device's capture lock first, as a capture's warm-up holds it
+                with capture_lock(x.device), self._lock:
+                    choice = self.chosen.get(key)
+                    if choice is None and len(self.chosen) < MAX_TIMED_SHAPES:
+                        choice = self.chosen[key] = self._time(rows, weight, bias, activation)
             out = self._launch(_UNFUSED if choice is None else choice, rows, weight, bias,
                                activation)
         return out.reshape(*x.shape[:-1], n)

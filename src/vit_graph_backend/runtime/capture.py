@@ -22,13 +22,22 @@ from .. import _compat
 from ..errors import error_line, out_of_memory
 from .launch import capture_stream, device_index, launch_kind, make_launcher
 
-__all__ = ["CAPTURE_LOCK", "BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory",
-           "capture_budget_graph", "mib", "storage_bytes"]
+__all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
+           "capture_lock", "mib", "storage_bytes"]
 
-#: One capture at a time in the process: every graph of a device is captured on one stream
-#: (``launch.capture_stream``), and a background preparation (``manager.py``) captures outside
-#: the stream order that serializes the captures made inside calls.
-CAPTURE_LOCK = threading.RLock()
+_capture_locks: dict[int, threading.RLock] = {}
+_capture_locks_lock = threading.Lock()
+
+
+def capture_lock(device: torch.device) -> threading.RLock:
+    """One capture at a time on ``device``, whichever thread: every graph of a device is
+    captured on one stream (``launch.capture_stream``), ``torch.cuda.graph`` synchronizes the
+    device as it begins (which CUDA refuses while another thread captures), and a background
+    preparation (``manager.py``) captures outside the stream order that serializes the
+    captures made inside calls. Kernel timings (``timing.graph_ms``) take it too."""
+    index = device_index(device) if torch.device(device).type == "cuda" else -1
+    with _capture_locks_lock:
+        return _capture_locks.setdefault(index, threading.RLock())
 
 
 def mib(n: int | None) -> str:
@@ -293,9 +302,12 @@ class BudgetGraphs:
         for budget, keys in _aliased(self.entries).items():
             self.entries[budget]._aliased = keys
 
-    def capture(self, budget: int) -> CaptureOutcome:
-        """Capture ``budget`` into the shared pool, measured and bounded; skips go to :attr:`skipped`."""
-        with CAPTURE_LOCK:
+    def capture(self, budget: int, wanted: Callable[[], bool] | None = None) -> CaptureOutcome:
+        """Capture ``budget`` into the shared pool, measured and bounded; skips go to :attr:`skipped`.
+        ``wanted``: asked once the device's capture lock is held; False skips the capture."""
+        with capture_lock(self.device):
+            if wanted is not None and not wanted():
+                return CaptureOutcome(skipped="cancelled")
             start = time.perf_counter()
             try:
                 outcome = self._capture(budget)

@@ -23,7 +23,7 @@ import torch
 
 from ..budgets import BudgetConfig
 from ..errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError, error_line
-from .capture import BudgetGraphs, CaptureOutcome, mib
+from .capture import BudgetGraphs, CaptureOutcome, capture_lock, mib
 from ..options import VitGraphOptions
 from ..planner import Batch, Segment
 from .replay_io import (assemble, head_copy, infer_device_dtype, map_output, max_rel_error,
@@ -112,7 +112,8 @@ class EncoderCudaGraphManager:
         #: the background preparation (``capture="background"``), while it runs
         self._preparer: threading.Thread | None = None
         self._preparing = False
-        self._cancel = False
+        #: bumped by each preparation and cancel: a preparation serves its set only while current
+        self._generation = 0
         #: seconds from the first call to the switch to graphs, once prepared in the background
         self.prepare_seconds: float | None = None
         if self.device.type != "cuda":
@@ -173,7 +174,8 @@ class EncoderCudaGraphManager:
         self._log_once(f"vitgraph: CUDA graphs disabled for this encoder: {reason}")
 
     def capture(self, graph_pool: Any = None) -> None:
-        """Capture every budget, largest first, into one pool.
+        """Capture every budget, largest first, into one pool (a background preparation is
+        cancelled first, after its capture in progress).
 
         Args:
             graph_pool: a ``torch.cuda.graph_pool_handle()`` to capture into (kept as given, e.g.
@@ -194,10 +196,13 @@ class EncoderCudaGraphManager:
                      mib(report["total_bytes"]), report["skipped_budgets"] or "none")
 
     def clear(self) -> None:
-        """Drop graphs, static buffers and the pool; a later call captures again."""
+        """Drop graphs, static buffers and the pool; a later call captures again. Waits for a
+        background preparation's capture in progress, which it cancels."""
         with self._lock:
             self._stop_preparing()
-            with self.order:  # no replay of these graphs may still run on any stream
+            # no replay of these graphs may still run on any stream; the device-wide sync and
+            # frees never while another thread captures (CUDA refuses both then)
+            with self.order, capture_lock(self.device):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self._reenable_skipped()
@@ -216,35 +221,39 @@ class EncoderCudaGraphManager:
     def run(self, inputs: Any) -> list[Any]:
         """Run one call; returns one output per item, in the caller's order."""
         specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
-        if self._preparing:  # the tower's own forward, beside the preparation (no lock)
-            self.stats.record_call()
-            return self._whole(inputs, specs, PREPARING)
-        with self._lock:
-            if self._graphs and self.weights is not None and self.weights.moved():
-                self._follow_moved_weights()
-            self.stats.record_call()
-            call = _Call(self._off_reason or self._grad_reason(inputs))
-            pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
-            stream = self.order.enter()
-            try:
-                if (call.reason is None and self.options.capture != "lazy"
-                        and self.uses_cuda_graphs
-                        and any(b not in self._graphs for b in self.token_budgets)):
-                    if not self._graphs:
-                        self._python_outside()
-                    if self._off_reason is None and self._start_preparing():
-                        return self._whole(inputs, specs, PREPARING)
-                    if self._off_reason is None:
-                        self.capture()   # before planning: a skipped budget changes the plan
-                    call.reason = self._off_reason
-                if call.reason is not None:  # one batch of every item, as the model's call
-                    return self._whole(inputs, specs, call.reason)
-                for batch in self.served.plan(specs).batches:
-                    for seg, out in zip(batch.segments, self._run_batch(inputs, batch, call)):
-                        pieces[seg.item].append((seg.start, out))
-                return [assemble(p) for p in pieces]
-            finally:
-                self.order.exit(stream)
+        if not self._preparing:
+            with self._lock:
+                if not self._preparing and not self._background(inputs):
+                    return self._run_locked(inputs, specs)
+        # capture="background": the model's own forward, beside the preparation, holding
+        # neither the manager's lock nor the device's stream order
+        self.stats.record_call()
+        return self._whole(inputs, specs, PREPARING)
+
+    def _run_locked(self, inputs: Any, specs: tuple[Any, ...]) -> list[Any]:
+        if self._graphs and self.weights is not None and self.weights.moved():
+            self._follow_moved_weights()
+        self.stats.record_call()
+        call = _Call(self._off_reason or self._grad_reason(inputs))
+        pieces: list[list[tuple[int, Any]]] = [[] for _ in specs]
+        stream = self.order.enter()
+        try:
+            if (call.reason is None and self.options.capture != "lazy"
+                    and self.uses_cuda_graphs
+                    and any(b not in self._graphs for b in self.token_budgets)):
+                if not self._graphs:
+                    self._python_outside()
+                if self._off_reason is None:
+                    self.capture()   # before planning: a skipped budget changes the plan
+                call.reason = self._off_reason
+            if call.reason is not None:  # one batch of every item, as the model's call
+                return self._whole(inputs, specs, call.reason)
+            for batch in self.served.plan(specs).batches:
+                for seg, out in zip(batch.segments, self._run_batch(inputs, batch, call)):
+                    pieces[seg.item].append((seg.start, out))
+            return [assemble(p) for p in pieces]
+        finally:
+            self.order.exit(stream)
 
     def _whole(self, inputs: Any, specs: tuple[Any, ...], reason: str) -> list[Any]:
         """Every item in one eager batch, as the model's own call would run them; while graphs
@@ -253,50 +262,65 @@ class EncoderCudaGraphManager:
                       sum(s.frames for s in specs))
         return [assemble([(0, out)]) for out in self._eager(inputs, whole, reason)]
 
-    def _start_preparing(self) -> bool:
-        """``capture="background"``: start preparing every budget's graph on a thread; False
-        where the encoder cannot answer beside it (no ``encoder_reference_forward``)."""
-        if self.options.capture != "background":
+    def _background(self, inputs: Any) -> bool:
+        """``capture="background"`` (under the lock): start preparing every budget's graphs on
+        a thread when none is held; True if this call is to be answered beside it. Otherwise
+        (graphs held, graphs off, grad, no ``encoder_reference_forward``, no thread) the call
+        goes the locked way, capturing inside it where graphs are missing."""
+        if (self.options.capture != "background" or self._graphs or not self.uses_cuda_graphs
+                or self._grad_reason(inputs) is not None or not self.token_budgets):
             return False
         if not hasattr(self.model, "encoder_reference_forward"):
             self._log_once("vitgraph: capture='background' needs an encoder with "
                            "encoder_reference_forward(inputs); capturing in the call instead")
             return False
-        self._preparing, self._cancel = True, False
-        self._preparer = threading.Thread(target=self._prepare, args=(time.perf_counter(),),
-                                          name="vitgraph-prepare", daemon=True)
-        _PREPARING.add(self)
+        if self._python_outside():
+            return False
+        self._generation += 1
+        thread = threading.Thread(target=self._prepare,
+                                  args=(self._generation, time.perf_counter()),
+                                  name="vitgraph-prepare", daemon=True)
         try:
-            self._preparer.start()
+            thread.start()
         except RuntimeError as exc:  # no thread to start (the interpreter is exiting)
-            self._preparing, self._preparer = False, None
             self._log_once(f"vitgraph: capture='background' could not start its thread "
                            f"({error_line(exc)}); capturing in the call instead")
             return False
+        self._preparer, self._preparing = thread, True
+        _PREPARING.add(self)
         return True
 
-    def _prepare(self, start: float) -> None:
-        """The background preparation: every budget captured, largest first, into a new set
-        that replaces the served one at the end; a failure turns graphs off, never a call."""
-        graphs = self.graphs.fresh()
+    def _prepare(self, generation: int, start: float) -> None:
+        """The background preparation: every budget captured, largest first, into a new set,
+        served under the lock once complete unless a later ``clear()`` cancelled it (its
+        ``generation`` passed). A failure turns graphs off with the reason, never a call."""
+        current = lambda: generation == self._generation  # noqa: E731
         outcomes: dict[int, CaptureOutcome] = {}
-        failure = None
+        failure = graphs = None
         try:
+            graphs = self.graphs.fresh()
             with torch.cuda.device(self.device):
                 for budget in sorted(self.token_budgets, reverse=True):
-                    if self._cancel:
-                        break
-                    outcomes[budget] = graphs.capture(budget)
+                    for _ in range(_CAPTURE_TRIES):
+                        if not current():
+                            break
+                        outcomes[budget] = graphs.capture(budget, current)
+                        if not _invalidated(outcomes[budget]):
+                            break
+                        log.info("vitgraph: budget %d's background capture was invalidated (%s; "
+                                 "a device-wide synchronize elsewhere?): capturing it again",
+                                 budget, outcomes[budget].skipped)
         except Exception as exc:  # a bug or the device: calls go on eagerly
             failure = f"preparing graphs in the background failed: {error_line(exc)}"
         while not self._lock.acquire(timeout=0.05):   # clear() may hold it, waiting for us
-            if self._cancel:
-                self._preparing = False
+            if not current():
                 return
         try:
+            if not current():
+                return
             if failure is not None:
                 self.disable_graphs(failure)
-            elif not self._cancel:
+            elif not self._python_outside():   # hooks or patches added meanwhile
                 self.graphs, self._graphs = graphs, graphs.entries
                 for budget, outcome in outcomes.items():
                     if outcome.skipped is not None:
@@ -309,26 +333,29 @@ class EncoderCudaGraphManager:
                 log.info("vitgraph: %d graphs prepared in the background in %.2f s; calls now "
                          "replay them", graphs.num_graphs, self.prepare_seconds)
         finally:
-            self._preparing = False
+            if current():   # a cancelled one leaves the flag to its canceller
+                self._preparing = False
             self._lock.release()
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
-        """Wait for a background preparation (``capture="background"``) to be served; True once
-        none runs (also when none was started), False if ``timeout`` seconds passed first."""
+        """Wait for a background preparation (``capture="background"``) to end; True once none
+        runs (none started, or it ended: served, cancelled or failed, as ``memory_report()``
+        says), False if ``timeout`` seconds passed first."""
         thread = self._preparer
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         return not self._preparing
 
-    def _stop_preparing(self) -> None:
+    def _stop_preparing(self, timeout: float | None = None) -> None:
         """Cancel a background preparation and wait for its capture in progress (under the lock:
-        no other can start meanwhile; the preparation gives up waiting for the lock)."""
+        none can start meanwhile, and the preparation gives up waiting for the lock)."""
         thread = self._preparer
         if thread is None or thread is threading.current_thread():
             return
-        self._cancel = True
-        thread.join()
-        self._preparer = None
+        self._generation += 1
+        thread.join(timeout)
+        if not thread.is_alive():
+            self._preparer, self._preparing = None, False
 
     def _grad_reason(self, inputs: Any) -> str | None:
         if torch.is_grad_enabled() and needs_grad(self.model, inputs):
@@ -514,7 +541,17 @@ _PREPARING: weakref.WeakSet[EncoderCudaGraphManager] = weakref.WeakSet()
 @atexit.register
 def _stop_all_preparing() -> None:
     for manager in list(_PREPARING):
-        manager._stop_preparing()
+        manager._stop_preparing(timeout=60.0)
+
+
+#: Tries of a budget whose background capture was invalidated from outside (a device-wide
+#: synchronize in another thread while it captured, which CUDA does not allow).
+_CAPTURE_TRIES = 3
+
+
+def _invalidated(outcome: CaptureOutcome) -> bool:
+    return bool(outcome.failed and outcome.skipped and (
+        "during capture" in outcome.skipped or "when stream is capturing" in outcome.skipped))
 
 
 class _Call:

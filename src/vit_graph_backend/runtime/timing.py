@@ -20,6 +20,7 @@ import torch
 
 from .. import _compat
 from ..errors import error_line, out_of_memory
+from .capture import capture_lock
 
 __all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "kernel_timing_seconds", "time_each",
            "timings_short_of_memory"]
@@ -50,7 +51,8 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
     current. Raises what ``fn`` raises, with the capture closed.
     """
     caller = torch.cuda.current_stream()
-    with _lock:
+    # its capture is one capture of the device: never beside a budget's (capture.capture_lock)
+    with capture_lock(caller.device), _lock:
         start = time.perf_counter()   # not the wait for another thread's timing
         _TIMED[1] += 1
         if caller.device.index not in _streams:

@@ -49,7 +49,7 @@ class PoolPoisoner:
     def __init__(self, manager: Any) -> None:
         import torch
 
-        from ..runtime.capture import CAPTURE_LOCK
+        from ..runtime.capture import capture_lock
         from ..runtime.launch import capture_stream
 
         self.manager = manager
@@ -65,7 +65,7 @@ class PoolPoisoner:
         graph = torch.cuda.CUDAGraph()
         # the graphs' capture stream: free pool blocks go only to the stream that freed them;
         # thread_local: other threads keep running meanwhile
-        with manager.order, CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool,
+        with manager.order, capture_lock(manager.device), torch.cuda.graph(graph, pool=pool,
                                              stream=capture_stream(manager.device),
                                              capture_error_mode="thread_local"):
             held = []

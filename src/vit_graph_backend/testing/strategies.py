@@ -318,7 +318,8 @@ def _options(draw: Any, max_value: int) -> VitGraphOptions:
         max_frames_per_batch=draw(st.none() | st.integers(1, 64)),
         policy=draw(st.sampled_from(POLICIES)),
         inner_compiler=draw(st.sampled_from(compilers)),
-        capture=draw(st.sampled_from(CAPTURE_MODES)),
+        # "background" answers on another thread's timing: not for reproducible properties
+        capture=draw(st.sampled_from([m for m in CAPTURE_MODES if m != "background"])),
         warmup_iters=draw(st.integers(0, 3)),
         max_graph_sets=draw(st.integers(1, 8)),
         static_graphs=draw(st.booleans()),

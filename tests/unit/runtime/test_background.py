@@ -61,7 +61,8 @@ def gate(monkeypatch):
     monkeypatch.setattr(EncoderCudaGraphManager, "uses_cuda_graphs",
                         property(lambda self: self._off_reason is None))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(BudgetGraphs, "capture", lambda graphs, budget: gate(graphs, budget))
+    monkeypatch.setattr(BudgetGraphs, "capture",
+                        lambda graphs, budget, wanted=None: gate(graphs, budget))
     return gate
 
 
@@ -86,7 +87,7 @@ def _check(model, mgr, lengths, seed=0):
 
 def _skipping(monkeypatch, gate, skipped_budget, outcome):
     """Captures behind ``gate``, but ``skipped_budget`` comes back as ``outcome``."""
-    monkeypatch.setattr(BudgetGraphs, "capture", lambda graphs, budget: (
+    monkeypatch.setattr(BudgetGraphs, "capture", lambda graphs, budget, wanted=None: (
         outcome if budget == skipped_budget else gate(graphs, budget)))
     gate.opened.set()
 
@@ -260,3 +261,62 @@ def test_a_thread_that_cannot_start_leaves_the_call_to_capture(gate, monkeypatch
     assert "could not start its thread" in caplog.text
     assert not mgr._preparing and len(mgr.graphs.entries) == len(mgr.token_budgets)
     assert mgr.stats.no_graph_items == 2 and not mgr.stats.fallback_reasons
+
+
+@torch.no_grad()
+def test_first_calls_arriving_together_start_one_preparation(gate):
+    model, mgr = _manager()
+    results: list[BaseException | None] = []
+
+    @torch.no_grad()
+    def call(seed: int) -> None:
+        try:
+            _check(model, mgr, [3 + seed, 5], seed=seed)
+            results.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results.append(exc)
+
+    with mgr._lock:   # both wait for the lock, having found no preparation
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        while sum(t.is_alive() for t in threads) < 3:
+            pass
+    for t in threads:
+        t.join(10)
+    assert results == [None, None, None]
+    assert mgr._generation == 1 and mgr.stats.fallback_reasons == {PREPARING: 3}
+    gate.opened.set()
+    assert mgr.wait_prepared(10)
+    assert len(mgr.graphs.entries) == len(mgr.token_budgets)
+
+
+@torch.no_grad()
+def test_wait_prepared_times_out_while_the_capture_waits(gate):
+    model, mgr = _manager()
+    assert mgr.wait_prepared(0.01)            # nothing started: nothing to wait for
+    _check(model, mgr, [8])
+    assert mgr.wait_prepared(0.05) is False and mgr.memory_report()["preparing"] is True
+    gate.opened.set()
+    assert mgr.wait_prepared(10) is True and mgr.num_graphs == 0
+    assert len(mgr.graphs.entries) == len(mgr.token_budgets)
+
+
+@torch.no_grad()
+def test_capture_while_preparing_cancels_it_and_captures_in_the_caller(gate):
+    model, mgr = _manager()
+    _check(model, mgr, [8])
+    preparer = mgr._preparer
+    capturing = threading.Thread(target=mgr.capture, name="capturer")
+    capturing.start()
+    capturing.join(0.2)
+    assert capturing.is_alive()      # waiting for the capture in progress
+    gate.opened.set()
+    capturing.join(10)
+    assert not capturing.is_alive() and not preparer.is_alive()
+    assert mgr._preparer is None and mgr.memory_report()["preparing"] is False
+    assert gate.threads == {"vitgraph-prepare", "capturer"}
+    assert len(mgr.graphs.entries) == len(mgr.token_budgets)
+    assert gate.captured.count(max(mgr.token_budgets)) == 2   # the cancelled one, then capture()
+    _check(model, mgr, [8], seed=1)
+    assert mgr.stats.no_graph_items == 1
