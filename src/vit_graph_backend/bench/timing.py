@@ -55,9 +55,13 @@ class CallTimer:
         self.device = torch.device(device)
 
     def sync(self) -> None:
-        """Wait for the device (a no-op on CPU)."""
+        """Wait for the device (a no-op on CPU); never while a capture runs in another thread
+        (``capture="background"``), which a device-wide synchronize would invalidate."""
         if self.cuda:
-            self._torch.cuda.synchronize(self.device)
+            from ..runtime.capture import capture_lock
+
+            with capture_lock(self.device):
+                self._torch.cuda.synchronize(self.device)
 
     def time_call(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, float]:
         """Run ``fn(*args)`` once; return its output and the milliseconds it took."""

@@ -314,7 +314,7 @@ class BatchedGraphEncoder:
     @property
     def managers(self) -> list[EncoderCudaGraphManager]:
         """Live graph sets' managers, least recently used first."""
-        return [m for _, m in self._sets.values()]
+        return [m for _, m in list(self._sets.values())]   # one C-level copy: no lock needed
 
     def clear(self) -> None:
         """Free every graph set (graphs, buffers, pool)."""

@@ -261,11 +261,18 @@ class LinearActChoices:
                 choice = self.chosen.get(key)
                 timed = (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
                          and not torch.cuda.is_current_stream_capturing())
-            if timed:  # the device's capture lock first, as a capture's warm-up holds it
-                with capture_lock(x.device), self._lock:
-                    choice = self.chosen.get(key)
-                    if choice is None and len(self.chosen) < MAX_TIMED_SHAPES:
-                        choice = self.chosen[key] = self._time(rows, weight, bias, activation)
+            # the capture lock first, as a capture's warm-up holds it; busy (another thread
+            # captures): cuBLAS + activation this time, timed at a later call
+            lock = capture_lock(x.device)
+            if timed and lock.acquire(blocking=False):
+                try:
+                    with self._lock:
+                        choice = self.chosen.get(key)
+                        if choice is None and len(self.chosen) < MAX_TIMED_SHAPES:
+                            choice = self.chosen[key] = self._time(rows, weight, bias,
+                                                                   activation)
+                finally:
+                    lock.release()
             out = self._launch(_UNFUSED if choice is None else choice, rows, weight, bias,
                                activation)
         return out.reshape(*x.shape[:-1], n)

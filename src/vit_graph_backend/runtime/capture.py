@@ -25,19 +25,18 @@ from .launch import capture_stream, device_index, launch_kind, make_launcher
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
            "capture_lock", "mib", "storage_bytes"]
 
-_capture_locks: dict[int, threading.RLock] = {}
-_capture_locks_lock = threading.Lock()
+_CAPTURE_LOCK = threading.RLock()
 
 
 def capture_lock(device: torch.device) -> threading.RLock:
-    """One capture at a time on ``device``, whichever thread: every graph of a device is
-    captured on one stream (``launch.capture_stream``), ``torch.cuda.graph`` synchronizes the
-    device as it begins (which CUDA refuses while another thread captures), and a background
-    preparation (``manager.py``) captures outside the stream order that serializes the
-    captures made inside calls. Kernel timings (``timing.graph_ms``) take it too."""
-    index = device_index(device) if torch.device(device).type == "cuda" else -1
-    with _capture_locks_lock:
-        return _capture_locks.setdefault(index, threading.RLock())
+    """The lock a capture on ``device`` holds, and whatever must not run beside one: every graph
+    of a device is captured on one stream (``launch.capture_stream``); ``torch.cuda.graph``
+    synchronizes the device and empties the allocator's caches as it begins, which CUDA and
+    PyTorch refuse while another thread captures; a background preparation (``manager.py``)
+    captures outside the stream order that serializes the captures made inside calls. Kernel
+    timings (``timing.graph_ms``) and ``clear()``'s synchronize take it too. One lock for every
+    device: emptying the caches acts on all of them."""
+    return _CAPTURE_LOCK
 
 
 def mib(n: int | None) -> str:

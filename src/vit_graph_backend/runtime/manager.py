@@ -344,7 +344,8 @@ class EncoderCudaGraphManager:
         thread = self._preparer
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-        return not self._preparing
+        with self._lock:   # a canceller resets the flag under it, after its own join
+            return not self._preparing
 
     def _stop_preparing(self, timeout: float | None = None) -> None:
         """Cancel a background preparation and wait for its capture in progress (under the lock:

@@ -103,21 +103,31 @@ def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int,
               timer: Callable[..., float] = graph_ms
               ) -> tuple[dict[_T, float], dict[_T, tuple[str, bool]]]:
     """Each candidate's GPU ms per ``run(candidate)`` (``timer``: :func:`graph_ms` or a test
-    stand-in), and for each that raised, the reason in one line and whether memory ran out (so
-    the caller may try it again later rather than refuse it)."""
+    stand-in), and for each that raised, the reason in one line and whether the failure was the
+    moment's (memory ran out, or CUDA broke the timing's capture from outside), so that the
+    caller may try it again later rather than refuse it."""
     times: dict[_T, float] = {}
     failures: dict[_T, tuple[str, bool]] = {}
+    short = 0
     for candidate in candidates:
         try:
             times[candidate] = timer(lambda candidate=candidate: run(candidate), calls=calls,
                                      reps=reps)
         except Exception as exc:  # a kernel this GPU or Triton cannot build, or memory
-            failures[candidate] = (error_line(exc), out_of_memory(exc))
-    short = sum(memory for _, memory in failures.values())
+            short += out_of_memory(exc)
+            # a timing capture broken from outside (a device-wide synchronize in another
+            # thread) is, like memory, the moment's: tried again later, never refused
+            failures[candidate] = (error_line(exc), out_of_memory(exc) or capture_broken(exc))
     if short:
         with _SHORT_LOCK:
             _SHORT[0] += short
     return times, failures
+
+
+def capture_broken(exc: BaseException) -> bool:
+    """Whether ``exc`` is CUDA refusing or invalidating a capture (not the kernel's fault)."""
+    text = str(exc)
+    return "when stream is capturing" in text or "during capture" in text
 
 
 _SHORT = [0]

@@ -320,3 +320,31 @@ def test_capture_while_preparing_cancels_it_and_captures_in_the_caller(gate):
     assert gate.captured.count(max(mgr.token_budgets)) == 2   # the cancelled one, then capture()
     _check(model, mgr, [8], seed=1)
     assert mgr.stats.no_graph_items == 1
+
+
+def test_a_timing_capture_broken_from_outside_is_not_held_against_the_kernel():
+    """CUDA refuses a device-wide synchronize while another thread captures; a kernel timing
+    broken that way is reported as the moment's failure (tried again later), like memory."""
+    from vit_graph_backend.runtime.timing import time_each
+
+    def timer(fn, calls, reps):
+        fn()
+        return 1.0
+
+    def run(candidate):
+        if candidate == "broken":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        if candidate == "bad":
+            raise RuntimeError("triton: out of resources: shared memory")
+
+    times, failures = time_each(["ok", "broken", "bad"], run, calls=1, reps=1, timer=timer)
+    assert times == {"ok": 1.0}
+    assert failures["broken"][1] is True and failures["bad"][1] is False
+
+
+def test_the_capture_lock_is_one_for_every_device():
+    """Emptying the allocator's caches acts on every device: no device captures beside it."""
+    from vit_graph_backend.runtime.capture import capture_lock
+
+    assert capture_lock(torch.device("cuda", 0)) is capture_lock(torch.device("cuda", 1))
+    assert capture_lock(torch.device("cpu")) is capture_lock(torch.device("cuda", 0))
