@@ -16,13 +16,14 @@ pytest.importorskip("transformers")
 @pytest.mark.slow
 def test_cpu_stress_has_no_wrong_outputs():
     rows = run_stress(StressConfig.small(calls=120))
-    assert [r["part"] for r in rows] == ["batched", "packed", "clear"]
+    # "switch" (capture="background") runs here too; without CUDA nothing is prepared
+    assert [r["part"] for r in rows] == ["batched", "packed", "clear", "switch"]
     for r in rows:
         assert r["calls"] == 120, r
         assert (r["wrong"], r["nan"], r["exceptions"]) == (0, 0, 0), r
     assert rows[0]["replays"] > 0                     # the batched plan/pad path ran
     assert rows[1]["eager_batches"] > 0               # items past the largest budget
-    assert rows[2]["recaptures"] >= 1
+    assert rows[2]["recaptures"] >= 1 and rows[3]["recaptures"] >= 1
     assert "packed" in format_stress(rows)
 
 
