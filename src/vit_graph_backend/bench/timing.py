@@ -55,13 +55,11 @@ class CallTimer:
         self.device = torch.device(device)
 
     def sync(self) -> None:
-        """Wait for the device (a no-op on CPU); never while a capture runs in another thread
-        (``capture="background"``), which a device-wide synchronize would invalidate."""
+        """Wait for the work of the calls (a no-op on CPU): the current stream's, where every
+        call's work ends. Not the whole device: that would wait for, and invalidate, a capture
+        another thread runs (``capture="background"``)."""
         if self.cuda:
-            from ..runtime.capture import capture_lock
-
-            with capture_lock(self.device):
-                self._torch.cuda.synchronize(self.device)
+            self._torch.cuda.current_stream(self.device).synchronize()
 
     def time_call(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, float]:
         """Run ``fn(*args)`` once; return its output and the milliseconds it took."""
