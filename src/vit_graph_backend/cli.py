@@ -172,8 +172,8 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                    "image at --patch and --merge, as the packed adapters; 1 with --chunk; or "
                    "--max-budget when that is smaller)")
     p.add_argument("--max-budget", type=_positive_int,
-                   help=f"ladder end without --budgets (default {DEFAULT_PACKED_MAX_BUDGET} at --merge 2, "
-                   f"{DEFAULT_PACKED_MAX_BUDGET * 4} at --merge 1, "
+                   help=f"ladder end without --budgets (default {DEFAULT_PACKED_MAX_BUDGET} at "
+                   f"--merge 2, {DEFAULT_PACKED_MAX_BUDGET * 4} at --merge 1, "
                    f"{DEFAULT_BATCHED_MAX_BUDGET} with --chunk, or --min-budget when larger)")
     p.add_argument("--ladder-steps", type=_ladder_steps, metavar="K",
                    help="split each doubling of the ladder into K steps, 1..16 (default 2, the "

@@ -94,8 +94,9 @@ class _QwenVisionAdapter(nn.Module):
         model: the HF vision tower.
         options: the :class:`~vit_graph_backend.options.VitGraphOptions` it is served with;
             the adapter reads ``min_budget``/``max_budget`` (default: a 224 px square image to
-            4096 tokens, 16384 for a tower without a merger), ``align_mlp``, ``fuse`` (graphs only), ``packed_attention``,
-            ``epilogue_fusion`` and ``batch_invariant`` (no choice made by timing).
+            4096 tokens, 16384 for a tower without a merger), ``align_mlp``, ``fuse`` (graphs
+            only), ``packed_attention``, ``epilogue_fusion`` and ``batch_invariant`` (no
+            choice made by timing).
 
     Raises:
         InvalidOptionError: for a model of another class, or ``min_budget > max_budget``.

@@ -316,10 +316,10 @@ def format_text(doc: Mapping[str, Any]) -> str:
     phased = [m for m in doc["modes"] if m["status"] == "ok" and m["mode"] != "eager"
               and m.get("first_pass_phases_s")]
     if phased:
-        lines += ["", "first pass until graphs serve, by phase, s (dynamo: tracing and guards; backend: its compile, "
-                  "Inductor's included; capture: warm-up runs and captures; kernel choices run "
-                  "inside the backend or a capture, and a served tower's compiles inside its "
-                  "captures):"]
+        lines += ["", "first pass until graphs serve, by phase, s (dynamo: tracing and guards; "
+                  "backend: its compile, Inductor's included; capture: warm-up runs and "
+                  "captures; kernel choices run inside the backend or a capture, and a served "
+                  "tower's compiles inside its captures):"]
         lines += [f"  {m['mode']}: {m.get('ready_s') or m['first_pass_s']:.2f} = " + _phase_line(
             m["first_pass_phases_s"]) + _first_call(m) for m in phased]
     reported = [m for m in doc["modes"] if m["backend_report"]]

@@ -212,8 +212,8 @@ def _routing_section(run: Resolved) -> dict[str, Any]:
 def _mode_result(name: str) -> dict[str, Any]:
     return {"mode": name, "status": "failed", "error": None, "traceback": None,
             "latency_ms": None, "per_call_ms": [], "stream_total_s": None, "first_pass_s": None,
-            "first_call_s": None, "ready_s": None,
-            "first_pass_phases_s": None, "peak_memory_bytes": None, "graphs_captured": None, "compiles": None,
+            "first_call_s": None, "ready_s": None, "first_pass_phases_s": None,
+            "peak_memory_bytes": None, "graphs_captured": None, "compiles": None,
             "hit_rate": None, "padding_ratio": None, "max_abs_error": None,
             "speedup_vs_eager": None, "backend_report": None, "rank_busy_s": None,
             "achieved_tflops": None, "fraction_of_peak": None, "notes": []}

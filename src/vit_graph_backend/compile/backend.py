@@ -138,10 +138,13 @@ class VitGraphBackend:
         with self._lock:
             encoders = list(self._encoders)
             compiles, fused = self.compiles, self.fused_linear_activations
-        managers = [m for encoder in encoders for m in encoder.managers]
-        managers += [tower.manager for tower in served]
         return {"compiles": compiles, "fused_linear_activations": fused,
-                **summarize(managers, [encoder.stats for encoder in encoders])}
+                **summarize(self.managers(served), [encoder.stats for encoder in encoders])}
+
+    def managers(self, served: Sequence[Any] = ()) -> list[Any]:
+        """The live compiled graphs' managers (one per graph set), then the ``served`` towers'."""
+        return ([m for encoder in self.encoders for m in encoder.managers]
+                + [tower.manager for tower in served])
 
 
 def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner: str,
@@ -200,9 +203,7 @@ def wait_prepared(timeout: float | None = None) -> bool:
     seconds passed first. ``report()`` says what they left (``graphs_captured``,
     ``skipped_budgets``)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    managers = [m for e in vitgraph.encoders for m in e.managers]
-    managers += [tower.manager for tower in live_served()]
-    for manager in managers:
+    for manager in vitgraph.managers(live_served()):
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not manager.wait_prepared(left):
             return False

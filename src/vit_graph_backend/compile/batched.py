@@ -104,7 +104,7 @@ class _GraphSet:
 
     def encoder_reference_forward(self, args):
         # the traced graph touches no static buffer: safe beside a background capture
-        return self._outputs(self.fn(*args))
+        return self.encoder_eager_forward(args, None)
 
     def encoder_eager_segments(self, args, segments: Sequence[Segment]):
         if self.static_shape or (len(segments) == 1 and segments[0].start == 0 and segments[0].stop

@@ -302,8 +302,8 @@ class BudgetGraphs:
             self.entries[budget]._aliased = keys
 
     def capture(self, budget: int, wanted: Callable[[], bool] | None = None) -> CaptureOutcome:
-        """Capture ``budget`` into the shared pool, measured and bounded; skips go to :attr:`skipped`.
-        ``wanted``: asked once the device's capture lock is held; False skips the capture."""
+        """Capture ``budget`` into the shared pool, measured and bounded; skips go to
+        :attr:`skipped`. ``wanted``: asked once the device's capture lock is held; False skips the capture."""
         with capture_lock(self.device):
             if wanted is not None and not wanted():
                 return CaptureOutcome(skipped="cancelled")

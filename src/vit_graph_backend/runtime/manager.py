@@ -33,6 +33,7 @@ from ..protocol import SupportsEncoderCudaGraph
 from .served_budgets import ServedBudgets
 from ..stats import GraphStats
 from .stream_order import order_for
+from .timing import capture_broken
 from .weights import WeightSlots, python_outside_graphs
 
 __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
@@ -114,6 +115,7 @@ class EncoderCudaGraphManager:
         self._preparing = False
         #: bumped by each preparation and cancel: a preparation serves its set only while current
         self._generation = 0
+        self._background_mode = self.options.capture == "background"
         #: seconds from the first call to the switch to graphs, once prepared in the background
         self.prepare_seconds: float | None = None
         if self.device.type != "cuda":
@@ -223,7 +225,8 @@ class EncoderCudaGraphManager:
         specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
         if not self._preparing:
             with self._lock:
-                if not self._preparing and not self._background(inputs):
+                if not self._preparing and not (self._background_mode
+                                                and self._background(inputs)):
                     return self._run_locked(inputs, specs)
         # capture="background": the model's own forward, beside the preparation, holding
         # neither the manager's lock nor the device's stream order
@@ -260,15 +263,24 @@ class EncoderCudaGraphManager:
         are prepared, through the encoder's reference forward, which shares no state with them."""
         whole = Batch(tuple(Segment(i, 0, s.output_tokens) for i, s in enumerate(specs)), None,
                       sum(s.frames for s in specs))
-        return [assemble([(0, out)]) for out in self._eager(inputs, whole, reason)]
+        if reason == PREPARING:  # expected, not a fallback: counted, logged once at INFO
+            outs = split_rows(self.model.encoder_reference_forward(inputs),  # type: ignore
+                              whole.segments)
+            self.stats.record_eager(len(specs), reason)
+            if reason not in self._logged:
+                self._logged.add(reason)
+                log.info("vitgraph: answering calls eagerly while %s", reason)
+        else:
+            outs = self._eager(inputs, whole, reason)
+        return [assemble([(0, out)]) for out in outs]
 
     def _background(self, inputs: Any) -> bool:
         """``capture="background"`` (under the lock): start preparing every budget's graphs on
         a thread when none is held; True if this call is to be answered beside it. Otherwise
         (graphs held, graphs off, grad, no ``encoder_reference_forward``, no thread) the call
         goes the locked way, capturing inside it where graphs are missing."""
-        if (self.options.capture != "background" or self._graphs or not self.uses_cuda_graphs
-                or self._grad_reason(inputs) is not None or not self.token_budgets):
+        if (self._graphs or not self.uses_cuda_graphs or self._grad_reason(inputs) is not None
+                or not self.token_budgets):
             return False
         if not hasattr(self.model, "encoder_reference_forward"):
             self._log_once("vitgraph: capture='background' needs an encoder with "
@@ -447,13 +459,6 @@ class EncoderCudaGraphManager:
         return split_rows(real, batch.segments)
 
     def _eager(self, inputs: Any, batch: Batch, reason: str) -> list[Any]:
-        if reason == PREPARING:  # expected, not a fallback: logged at INFO
-            out = self.model.encoder_reference_forward(inputs)  # type: ignore[attr-defined]
-            self.stats.record_eager(len(batch.segments), reason)
-            if reason not in self._logged:
-                self._logged.add(reason)
-                log.info("vitgraph: answering calls eagerly while %s", reason)
-            return split_rows(out, batch.segments)
         out = split_rows(self._eager_packed(inputs, batch), batch.segments)
         self.stats.record_eager(len(batch.segments), reason)
         # warn once per kind of reason (text before the first colon), then at DEBUG
@@ -551,8 +556,7 @@ _CAPTURE_TRIES = 3
 
 
 def _invalidated(outcome: CaptureOutcome) -> bool:
-    return bool(outcome.failed and outcome.skipped and (
-        "during capture" in outcome.skipped or "when stream is capturing" in outcome.skipped))
+    return bool(outcome.failed and outcome.skipped and capture_broken(outcome.skipped))
 
 
 class _Call:

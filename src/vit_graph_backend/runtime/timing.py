@@ -117,16 +117,17 @@ def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int,
             short += out_of_memory(exc)
             # a timing capture broken from outside (a device-wide synchronize in another
             # thread) is, like memory, the moment's: tried again later, never refused
-            failures[candidate] = (error_line(exc), out_of_memory(exc) or capture_broken(exc))
+            failures[candidate] = (error_line(exc),
+                                   out_of_memory(exc) or capture_broken(str(exc)))
     if short:
         with _SHORT_LOCK:
             _SHORT[0] += short
     return times, failures
 
 
-def capture_broken(exc: BaseException) -> bool:
-    """Whether ``exc`` is CUDA refusing or invalidating a capture (not the kernel's fault)."""
-    text = str(exc)
+def capture_broken(text: str) -> bool:
+    """Whether an error's ``text`` is CUDA refusing or invalidating a capture (not the fault of
+    what was captured)."""
     return "when stream is capturing" in text or "during capture" in text
 
 
