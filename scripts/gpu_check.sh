@@ -5,7 +5,8 @@
 #   bash scripts/gpu_check.sh
 #
 # Environment (all optional):
-#   VITGRAPH_TESTS    GPU test files or folders      (default tests/gpu; "none" skips them)
+#   VITGRAPH_TESTS    GPU test files or folders      (default tests/gpu; "none" skips them;
+#                     a folder on a machine of several GPUs runs as one pytest per GPU)
 #   VITGRAPH_STRESS   checked calls per stress part  (default 2500, 4 threads; 0 skips it)
 #   VITGRAPH_BENCHES  benchmark commands, separated by ";", each run as `python3 benchmarks/...`
 #                     (default: none; e.g. "batch_invariance.py;ab_trees.py --baseline .baseline")
@@ -31,7 +32,21 @@ print("torch", torch.__version__, "| cuda", torch.version.cuda, "|",
       "| vitgraph registered:", "vitgraph" in torch.compiler.list_backends(exclude_tags=()))
 PY
 tests=${VITGRAPH_TESTS:-tests/gpu}
-if [ "$tests" != "none" ]; then
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$tests" != "none" ] && [ -d "$tests" ] && [ "$gpus" -gt 1 ]; then
+  # One pytest per GPU, the test files dealt largest first; each lane sees every GPU with its own
+  # first, so the tests that need two GPUs still run.
+  echo "== GPU tests: $tests in $gpus lanes"
+  mapfile -t files < <(ls -S "$tests"/test_*.py)
+  for ((lane = 0; lane < gpus; lane++)); do
+    mine=(); for ((i = lane; i < ${#files[@]}; i += gpus)); do mine+=("${files[i]}"); done
+    order=$(python3 -c "print(','.join(map(str, [$lane] + [g for g in range($gpus) if g != $lane])))")
+    CUDA_VISIBLE_DEVICES=$order python3 -m pytest "${mine[@]}" -m gpu -q -p no:cacheprovider \
+      --hypothesis-profile=gpu >"$OUT/gpu_tests_$lane.log" 2>&1 &
+  done
+  wait
+  for log in "$OUT"/gpu_tests_*.log; do grep -E "passed|failed|error|Error" "$log" | tail -8; done
+elif [ "$tests" != "none" ]; then
   echo "== GPU tests: $tests"
   python3 -m pytest $tests -m gpu -q -p no:cacheprovider --hypothesis-profile=gpu 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|Error" | tail -15
@@ -53,6 +68,6 @@ for bench in "${benches[@]}"; do
 done
 echo "== summary"
 cat "$OUT/versions.txt"
-[ -f "$OUT/gpu_tests.log" ] && tail -1 "$OUT/gpu_tests.log"
+for log in "$OUT"/gpu_tests*.log; do [ -f "$log" ] && tail -1 "$log"; done
 [ -f "$OUT/stress.log" ] && sed -n '/^part /,$p' "$OUT/stress.log" | cut -c1-160
 exit 0
