@@ -95,8 +95,9 @@ def _segment_attention(q0_desc, q1_desc, k0_desc, k1_desc, v0_desc, v1_desc, o_p
     rows = first + tl.arange(0, BLOCK_M)
     live = (rows < seg_end)[:, None]
     at = o_ptr + rows.to(tl.int64)[:, None] * o_row + head * HEAD_DIM
-    cols0 = tl.arange(0, HEAD)
-    tl.store(at + cols0[None, :], (acc0 * norm[:, None]).to(o_ptr.dtype.element_ty), mask=live)
+    cols0 = tl.arange(0, HEAD)  # wider than a head of 8 (the part is at least 16 wide)
+    tl.store(at + cols0[None, :], (acc0 * norm[:, None]).to(o_ptr.dtype.element_ty),
+             mask=live & (cols0[None, :] < HEAD_DIM))
     if TAIL > 0:
         cols1 = HEAD + tl.arange(0, TAIL)
         tl.store(at + cols1[None, :], (acc1 * norm[:, None]).to(o_ptr.dtype.element_ty),
