@@ -6,7 +6,8 @@
 #
 # Environment (all optional):
 #   VITGRAPH_TESTS    GPU test files or folders      (default tests/gpu; "none" skips them;
-#                     a folder on a machine of several GPUs runs as one pytest per GPU)
+#                     a folder on a machine of several GPUs runs as one pytest per GPU,
+#                     its tests dealt in turn)
 #   VITGRAPH_STRESS   checked calls per stress part  (default 2500, 4 threads; 0 skips it)
 #   VITGRAPH_BENCHES  benchmark commands, separated by ";", each run as `python3 benchmarks/...`
 #                     (default: none; e.g. "batch_invariance.py;ab_trees.py --baseline .baseline")
@@ -34,12 +35,13 @@ PY
 tests=${VITGRAPH_TESTS:-tests/gpu}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$tests" != "none" ] && [ -d "$tests" ] && [ "$gpus" -gt 1 ]; then
-  # One pytest per GPU, the test files dealt largest first; each lane sees every GPU with its own
-  # first, so the tests that need two GPUs still run.
+  # One pytest per GPU, the collected tests dealt in turn (a heavy file's cases spread over
+  # every lane); each lane sees every GPU with its own first, so tests needing two still run.
   echo "== GPU tests: $tests in $gpus lanes"
-  mapfile -t files < <(ls -S "$tests"/test_*.py)
+  mapfile -t cases < <(python3 -m pytest "$tests" -m gpu --collect-only -q -p no:cacheprovider \
+    2>/dev/null | grep "::")
   for ((lane = 0; lane < gpus; lane++)); do
-    mine=(); for ((i = lane; i < ${#files[@]}; i += gpus)); do mine+=("${files[i]}"); done
+    mine=(); for ((i = lane; i < ${#cases[@]}; i += gpus)); do mine+=("${cases[i]}"); done
     order=$(python3 -c "print(','.join(map(str, [$lane] + [g for g in range($gpus) if g != $lane])))")
     CUDA_VISIBLE_DEVICES=$order python3 -m pytest "${mine[@]}" -m gpu -q -p no:cacheprovider \
       --hypothesis-profile=gpu >"$OUT/gpu_tests_$lane.log" 2>&1 &
