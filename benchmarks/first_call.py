@@ -48,7 +48,8 @@ def run_one(stream: str, mode: str, calls: int, caches: Path, out: Path,
            "--modes", mode, "--calls", str(calls), "--no-progress", "--json", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
-        return {"status": "failed", "error": (done.stderr or done.stdout)[-400:]}
+        text = done.stderr or done.stdout
+        return {"status": "failed", "error": text[max(0, text.rfind("Traceback")):][-2000:]}
     return json.loads(out.read_text())["modes"][0]
 
 

@@ -131,3 +131,36 @@ def test_compiled_vit_answers_with_its_traced_graph_while_graphs_are_prepared():
             assert _error(out, (ref,)) < 5e-2
     finally:
         torch.compiler.reset()
+
+
+@torch.no_grad()
+def test_calls_beside_the_preparation_may_synchronize_and_draw_random_numbers():
+    """A device-wide synchronize or random numbers on the device raise while another thread
+    captures; the calls answered beside the preparation never overlap its captures
+    (``capture._Gate``), so neither the calls nor the captures fail."""
+    served, calls, refs = _served(2, 6)
+    tower = served.encoder
+    reference = tower.encoder_reference_forward
+
+    def noisy(inputs):
+        torch.cuda.synchronize()
+        torch.randn(16, device="cuda")
+        return reference(inputs)
+
+    tower.encoder_reference_forward = noisy
+    try:
+        answered = 0
+        while True:
+            for c, r in zip(calls, refs):
+                assert _error(served(*c), r) < 5e-2
+            answered += len(calls)
+            if not served.report()["preparing"] or answered > 5000:
+                break
+    finally:
+        del tower.encoder_reference_forward
+    assert served.wait_prepared(timeout=300)
+    report = served.report()
+    print(f"calls beside the preparation: {report['stats']['fallback_reasons']}; "
+          f"skipped {report['skipped_budgets']}")
+    assert served.manager.num_graphs == len(served.manager.token_budgets)
+    assert report["stats"]["fallback_reasons"].get(PREPARING, 0) > 1

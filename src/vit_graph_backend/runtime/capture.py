@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +24,9 @@ from .. import _compat
 from ..errors import error_line, out_of_memory
 from .launch import capture_stream, device_index, launch_kind, make_launcher
 
-__all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "capture_budget_graph",
-           "capture_lock", "mib", "storage_bytes"]
+__all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "beside_captures",
+           "capture_budget_graph", "capture_lock", "capturing", "mib", "settle_generator",
+           "storage_bytes"]
 
 _CAPTURE_LOCK = threading.RLock()
 
@@ -37,6 +40,79 @@ def capture_lock(device: torch.device) -> threading.RLock:
     timings (``timing.graph_ms``) and ``clear()``'s synchronize take it too. One lock for every
     device: emptying the caches acts on all of them."""
     return _CAPTURE_LOCK
+
+
+class _Gate:
+    """Stream captures and the calls answered beside a background preparation, kept apart.
+
+    While a thread captures, CUDA refuses a device-wide synchronize from any other thread, and
+    PyTorch puts the device's default random generator in capture mode, so another thread's
+    random numbers on it raise. A call answered by the model's own forward beside a background
+    preparation (``manager.py``) can do either (an allocator emptying its cache, a compile that
+    times kernels): such calls wait while a capture runs, and a capture waits for other threads'
+    calls in flight (a call's own kernel timings capture inside it); waiting captures go first,
+    so a stream of calls cannot starve them.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._captures = self._waiting = self._calls = 0
+        self._mine = threading.local()
+
+    def _own(self) -> int:
+        return getattr(self._mine, "calls", 0)
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        own = self._own()
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: self._calls == own)
+            self._waiting -= 1
+            self._captures += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._captures -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._captures == 0 and self._waiting == 0)
+            self._calls += 1
+        self._mine.calls = self._own() + 1
+        try:
+            yield
+        finally:
+            self._mine.calls -= 1
+            with self._cond:
+                self._calls -= 1
+                self._cond.notify_all()
+
+
+_GATE = _Gate()
+#: Held around a stream capture (``torch.cuda.graph``, ``capture_begin``..``capture_end``).
+capturing = _GATE.capture
+#: Held by a call answered beside a background preparation (:class:`_Gate`).
+beside_captures = _GATE.call
+
+
+def settle_generator(device: torch.device) -> None:
+    """Take the device's default random generator out of capture mode after a capture that
+    raised: ``CUDAGraph.capture_end`` raises before it closes the generator's side, and every
+    later random number on the device would raise ("Offset increment outside graph capture").
+    An empty capture opens and closes it again."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "The CUDA Graph is empty"
+        try:
+            with torch.cuda.graph(graph, stream=capture_stream(device),
+                                  capture_error_mode="thread_local"):
+                pass
+        except RuntimeError:  # nothing more to do: the next capture settles it
+            pass
 
 
 def mib(n: int | None) -> str:
@@ -159,12 +235,13 @@ def capture_budget_graph(
     stream_before = torch.cuda.current_stream(device)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     try:
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
-                                               capture_error_mode="thread_local"):
+        with capturing(), torch.no_grad(), torch.cuda.graph(
+                graph, pool=pool, stream=capture_stream(device), capture_error_mode="thread_local"):
             output = forward(static)
     except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
         torch.cuda.set_stream(stream_before)
         _compat.end_failed_capture(pool, device)
+        settle_generator(device)
         del graph
         torch.cuda.empty_cache()
         oom = out_of_memory(exc)

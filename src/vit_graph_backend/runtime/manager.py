@@ -23,7 +23,7 @@ import torch
 
 from ..budgets import BudgetConfig
 from ..errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError, error_line
-from .capture import BudgetGraphs, CaptureOutcome, capture_lock, mib
+from .capture import BudgetGraphs, CaptureOutcome, beside_captures, capture_lock, mib
 from ..options import VitGraphOptions
 from ..planner import Batch, Segment
 from .replay_io import (assemble, head_copy, infer_device_dtype, map_output, max_rel_error,
@@ -264,8 +264,9 @@ class EncoderCudaGraphManager:
         whole = Batch(tuple(Segment(i, 0, s.output_tokens) for i, s in enumerate(specs)), None,
                       sum(s.frames for s in specs))
         if reason == PREPARING:  # expected, not a fallback: counted, logged once at INFO
-            outs = split_rows(self.model.encoder_reference_forward(inputs),  # type: ignore
-                              whole.segments)
+            with beside_captures():   # never while the preparation captures (capture._Gate)
+                outs = split_rows(self.model.encoder_reference_forward(inputs),  # type: ignore
+                                  whole.segments)
             self.stats.record_eager(len(specs), reason)
             if reason not in self._logged:
                 self._logged.add(reason)

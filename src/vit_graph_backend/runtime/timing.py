@@ -20,7 +20,7 @@ import torch
 
 from .. import _compat
 from ..errors import error_line, out_of_memory
-from .capture import capture_lock
+from .capture import capture_lock, capturing, settle_generator
 
 __all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "kernel_timing_seconds", "time_each",
            "timings_short_of_memory"]
@@ -64,18 +64,20 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
             with torch.cuda.stream(side):
                 fn()
                 graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    for _ in range(calls):
-                        fn()
-                except BaseException:
-                    _write_in_capture(mark)
+                with capturing():
+                    graph.capture_begin(capture_error_mode="thread_local")
                     try:
-                        graph.capture_end()
-                    except RuntimeError:  # invalidated: close the allocator's side too
-                        _compat.end_failed_capture(graph.pool(), caller.device)
-                    raise
-                graph.capture_end()
+                        for _ in range(calls):
+                            fn()
+                    except BaseException:
+                        _write_in_capture(mark)
+                        try:
+                            graph.capture_end()
+                        except RuntimeError:  # invalidated: close the allocator's side too
+                            _compat.end_failed_capture(graph.pool(), caller.device)
+                            settle_generator(caller.device)
+                        raise
+                    graph.capture_end()
                 if _replay_ms(graph, side) >= LONG_REPLAY_MS:
                     reps = min(reps, LONG_REPS)
                 times = [_replay_ms(graph, side) / calls for _ in range(max(1, reps))]

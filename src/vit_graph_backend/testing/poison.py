@@ -49,7 +49,7 @@ class PoolPoisoner:
     def __init__(self, manager: Any) -> None:
         import torch
 
-        from ..runtime.capture import capture_lock
+        from ..runtime.capture import capture_lock, capturing
         from ..runtime.launch import capture_stream
 
         self.manager = manager
@@ -65,9 +65,9 @@ class PoolPoisoner:
         graph = torch.cuda.CUDAGraph()
         # the graphs' capture stream: free pool blocks go only to the stream that freed them;
         # thread_local: other threads keep running meanwhile
-        with manager.order, capture_lock(manager.device), torch.cuda.graph(graph, pool=pool,
-                                             stream=capture_stream(manager.device),
-                                             capture_error_mode="thread_local"):
+        with manager.order, capture_lock(manager.device), capturing(), torch.cuda.graph(
+                graph, pool=pool, stream=capture_stream(manager.device),
+                capture_error_mode="thread_local"):
             held = []
             for size in sorted(sizes, reverse=True):
                 block = torch.empty(size, dtype=torch.uint8, device=manager.device)

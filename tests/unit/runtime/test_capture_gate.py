@@ -1,0 +1,65 @@
+"""``capture._Gate``: stream captures and the calls answered beside a background preparation never
+overlap (another thread's synchronize or random numbers would raise during a capture)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from vit_graph_backend.runtime.capture import _Gate
+
+
+def _started(target):
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_call_waits_for_a_running_capture_and_a_capture_for_a_call_in_flight():
+    gate, events = _Gate(), []
+    with gate.capture():
+        caller = _started(lambda: _record(gate.call, events, "call"))
+        time.sleep(0.1)
+        events.append("capture ends")
+    caller.join(5)
+    assert events == ["capture ends", "call"]
+
+    events.clear()
+    with gate.call():
+        capturer = _started(lambda: _record(gate.capture, events, "capture"))
+        time.sleep(0.1)
+        events.append("call ends")
+    capturer.join(5)
+    assert events == ["call ends", "capture"]
+
+
+def test_a_waiting_capture_goes_before_new_calls():
+    gate, events = _Gate(), []
+    first = gate.call()
+    first.__enter__()
+    capturer = _started(lambda: _record(gate.capture, events, "capture"))
+    time.sleep(0.1)
+    caller = _started(lambda: _record(gate.call, events, "second call"))
+    time.sleep(0.1)
+    assert events == []          # the capture waits for the first call, the second for it
+    first.__exit__(None, None, None)
+    capturer.join(5)
+    caller.join(5)
+    assert events == ["capture", "second call"]
+
+
+def test_a_capture_inside_the_threads_own_call_does_not_wait_for_it():
+    gate, done = _Gate(), []
+
+    def nested():
+        with gate.call(), gate.capture():   # a kernel timing inside a call's compile
+            done.append(True)
+
+    thread = _started(nested)
+    thread.join(5)
+    assert done == [True]
+
+
+def _record(context, events, name):
+    with context():
+        events.append(name)
