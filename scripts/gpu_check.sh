@@ -6,8 +6,8 @@
 #
 # Environment (all optional):
 #   VITGRAPH_TESTS    GPU test files or folders      (default tests/gpu; "none" skips them;
-#                     a folder on a machine of several GPUs runs as one pytest per GPU,
-#                     its tests dealt in turn)
+#                     on a machine of several GPUs, one pytest per GPU, the tests dealt in
+#                     turn)
 #   VITGRAPH_STRESS   checked calls per stress part  (default 2500, 4 threads; 0 skips it)
 #   VITGRAPH_BENCHES  benchmark commands, separated by ";", each run as `python3 benchmarks/...`
 #                     (default: none; e.g. "batch_invariance.py;ab_trees.py --baseline .baseline")
@@ -34,11 +34,12 @@ print("torch", torch.__version__, "| cuda", torch.version.cuda, "|",
 PY
 tests=${VITGRAPH_TESTS:-tests/gpu}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ "$tests" != "none" ] && [ -d "$tests" ] && [ "$gpus" -gt 1 ]; then
+if [ "$tests" != "none" ] && [ "$gpus" -gt 1 ]; then
   # One pytest per GPU, the collected tests dealt in turn (a heavy file's cases spread over
   # every lane); each lane sees every GPU with its own first, so tests needing two still run.
   echo "== GPU tests: $tests in $gpus lanes"
-  mapfile -t cases < <(python3 -m pytest "$tests" -m gpu --collect-only -q -p no:cacheprovider \
+  # shellcheck disable=SC2086
+  mapfile -t cases < <(python3 -m pytest $tests -m gpu --collect-only -q -p no:cacheprovider \
     2>/dev/null | grep "::")
   for ((lane = 0; lane < gpus; lane++)); do
     mine=(); for ((i = lane; i < ${#cases[@]}; i += gpus)); do mine+=("${cases[i]}"); done
