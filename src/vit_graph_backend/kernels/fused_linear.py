@@ -265,12 +265,15 @@ class LinearActChoices:
             # captures): cuBLAS + activation this time, timed at a later call
             lock = capture_lock(x.device)
             if timed and lock.acquire(blocking=False):
-                try:
+                try:   # timed without self._lock: a timing's capture waits for other threads'
+                    # calls beside a background preparation (capture._Gate), which take it
                     with self._lock:
                         choice = self.chosen.get(key)
-                        if choice is None and len(self.chosen) < MAX_TIMED_SHAPES:
-                            choice = self.chosen[key] = self._time(rows, weight, bias,
-                                                                   activation)
+                        timed = choice is None and len(self.chosen) < MAX_TIMED_SHAPES
+                    if timed:  # one thread at a time: the capture lock is held
+                        choice = self._time(rows, weight, bias, activation)
+                        with self._lock:
+                            choice = self.chosen.setdefault(key, choice)
                 finally:
                     lock.release()
             out = self._launch(_UNFUSED if choice is None else choice, rows, weight, bias,
@@ -334,7 +337,8 @@ class LinearActChoices:
                 log.warning("vitgraph: the %s kernel after cuBLAS failed at %d x %d -> %d "
                             "(%s)", activation, *rows.shape, weight.shape[0], reason)
             else:
-                self.refused[(gated, choice)] = reason
+                with self._lock:
+                    self.refused[(gated, choice)] = reason
                 log.warning("vitgraph: linear+%s: %s refused (%s); not tried again",
                             activation, _name(choice), reason)
         if not times:  # out of memory: cuBLAS + activation, as for a shape met in a capture

@@ -10,6 +10,7 @@ pressure the small ones that fit are kept.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -28,6 +29,8 @@ __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "besi
            "capture_budget_graph", "capture_lock", "capturing", "mib", "settle_generator",
            "storage_bytes"]
 
+log = logging.getLogger(__name__)
+
 _CAPTURE_LOCK = threading.RLock()
 
 
@@ -42,6 +45,10 @@ def capture_lock(device: torch.device) -> threading.RLock:
     return _CAPTURE_LOCK
 
 
+#: Seconds a capture waits for the calls answered beside a background preparation.
+GATE_WAIT_S = 60.0
+
+
 class _Gate:
     """Stream captures and the calls answered beside a background preparation, kept apart.
 
@@ -51,7 +58,8 @@ class _Gate:
     preparation (``manager.py``) can do either (an allocator emptying its cache, a compile that
     times kernels): such calls wait while a capture runs, and a capture waits for other threads'
     calls in flight (a call's own kernel timings capture inside it); waiting captures go first,
-    so a stream of calls cannot starve them.
+    so a stream of calls cannot starve them. A capture waits at most :data:`GATE_WAIT_S` for the
+    calls, so a call that waits on something the capturing thread holds delays it, never hangs.
     """
 
     def __init__(self) -> None:
@@ -67,9 +75,12 @@ class _Gate:
         own = self._own()
         with self._cond:
             self._waiting += 1
-            self._cond.wait_for(lambda: self._calls == own)
+            drained = self._cond.wait_for(lambda: self._calls == own, timeout=GATE_WAIT_S)
             self._waiting -= 1
             self._captures += 1
+        if not drained:
+            log.warning("vitgraph: capturing beside a call answered during the background "
+                        "preparation that has not returned in %.0f s", GATE_WAIT_S)
         try:
             yield
         finally:

@@ -344,3 +344,46 @@ def test_prefetch_without_a_thread_to_start_leaves_the_compiles_to_the_timing(mo
     monkeypatch.setattr(fused_linear, "ThreadPoolExecutor", NoThreads)
     choices.prefetch(torch.ones(16, 8, dtype=DT), None, "gelu")  # returns; raises nothing
     assert kernels.calls == [] and choices._builds == {}
+
+
+def test_a_timing_waiting_for_calls_beside_a_preparation_does_not_hold_the_choices(monkeypatch):
+    """A kernel timing captures, so it waits for the calls answered beside a background
+    preparation (``capture._Gate``); such a call's own fused layers read the choices. The timing
+    therefore runs without the choices' lock, or the two would wait for each other forever."""
+    import contextlib
+    import threading
+
+    from vit_graph_backend.kernels import fused_linear
+    from vit_graph_backend.runtime.capture import beside_captures, capturing
+
+    timing, call_done = threading.Event(), threading.Event()
+
+    def time_(self, rows, weight, bias, activation):
+        timing.set()
+        with capturing():   # waits for the call below to leave the gate
+            return "cublas+activation"
+
+    monkeypatch.setattr(fused_linear.LinearActChoices, "_fusable", staticmethod(lambda *a: True))
+    monkeypatch.setattr(fused_linear.LinearActChoices, "_launch",
+                        staticmethod(lambda choice, rows, weight, bias, act: rows @ weight.T))
+    monkeypatch.setattr(fused_linear.LinearActChoices, "_time", time_)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    choices = fused_linear.LinearActChoices()
+    w = torch.ones(8, 8)
+
+    def call_beside():
+        with beside_captures():
+            timer.start()
+            assert timing.wait(5)
+            choices.run(torch.ones(3, 8), w, None, "gelu")   # another shape: reads the choices
+        call_done.set()
+
+    timer = threading.Thread(target=choices.run, args=(torch.ones(5, 8), w, None, "gelu"),
+                             daemon=True)
+    caller = threading.Thread(target=call_beside, daemon=True)
+    caller.start()
+    caller.join(10)
+    timer.join(10)
+    assert call_done.is_set() and not timer.is_alive()
+    assert len(choices.chosen) == 1   # the call beside the timing ran cuBLAS, untimed

@@ -63,3 +63,18 @@ def test_a_capture_inside_the_threads_own_call_does_not_wait_for_it():
 def _record(context, events, name):
     with context():
         events.append(name)
+
+
+def test_a_capture_waits_for_a_call_at_most_the_gate_time(monkeypatch, caplog):
+    """A call that never leaves (it waits on something the capturing thread holds) delays the
+    capture by at most ``GATE_WAIT_S``, with a warning, instead of hanging both."""
+    from vit_graph_backend.runtime import capture
+
+    monkeypatch.setattr(capture, "GATE_WAIT_S", 0.2)
+    gate = _Gate()
+    with gate.call():
+        done = []
+        capturer = _started(lambda: _record(gate.capture, done, "capture"))
+        capturer.join(5)
+    assert done == ["capture"]
+    assert "has not returned" in caplog.text
