@@ -26,7 +26,6 @@ __all__ = [
     "compiling_code",
     "compile_fx_without_cudagraphs",
     "current_raw_stream",
-    "data_ptrs_equal",
     "enable_backed_size_oblivious",
     "end_failed_capture",
     "example_value",
@@ -166,22 +165,6 @@ def current_raw_stream(index: int) -> int:
     if raw is None:
         return torch.cuda.current_stream(index).cuda_stream
     return raw(index)
-
-
-_PTRS_EQUAL: Callable[..., bool] | None = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal",
-                                                 None)
-_data_ptr = torch.Tensor.data_ptr
-
-
-def data_ptrs_equal(tensors: list[Any], addresses: list[int], indices: list[int]) -> bool:
-    """Whether ``tensors[i].data_ptr() == addresses[i]`` for every ``i`` in ``indices``, in one C
-    loop: ``torch._C._tensors_data_ptrs_at_indices_equal``, CUDA builds of torch only (bound in
-    torch/csrc/cuda/Module.cpp; CUDA graph trees check their static inputs with it); else the
-    same comparison in Python."""
-    equal = _PTRS_EQUAL
-    if equal is not None:
-        return equal(tensors, addresses, indices)
-    return all(_data_ptr(tensors[i]) == addresses[i] for i in indices)
 
 
 def parameter_table(module: torch.nn.Module) -> dict[str, Any]:

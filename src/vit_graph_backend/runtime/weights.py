@@ -39,11 +39,10 @@ class WeightSlots:
                         tables.append(table)
                         names.append(name)
         self._slots = (tuple(tables), tuple(names))
-        self._tensors = tensors = self.read()
+        tensors = self.read()
         self._addresses = [_data_ptr(t) for t in tensors]
-        self._kinds = [type(t) in _PLAIN for t in tensors]
-        self._plain = [i for i, plain in enumerate(self._kinds) if plain]
-        self._wrapped = {i: _held(t) for i, t in enumerate(tensors) if type(t) not in _PLAIN}
+        self._wrapped = {i: _held(t) for i, t in enumerate(tensors)
+                         if type(t) not in _PLAIN}
 
     def read(self) -> list[Any]:
         """The tensors in the slots now (``None`` where one was deleted)."""
@@ -52,26 +51,18 @@ class WeightSlots:
     def moved(self) -> bool:
         """Whether any weight lives elsewhere than when the slots were read."""
         tensors = self.read()
-        if not all(map(operator.is_, tensors, self._tensors)):  # a slot written: compare all
-            try:
-                if (list(map(_data_ptr, tensors)) != self._addresses
-                        or [type(t) in _PLAIN for t in tensors] != self._kinds):
-                    return True
-                self._tensors = tensors  # new tensors over the same storage: follow them
-            except (AttributeError, TypeError, RuntimeError):  # a slot emptied, or no tensor
-                return True
-        # the same tensors: storage swapped in under them (``p.data = t``, ``.to()``)?
-        if not _compat.data_ptrs_equal(tensors, self._addresses, self._plain):
-            return True
         try:
+            if list(map(_data_ptr, tensors)) != self._addresses:
+                return True
             return any(_held(tensors[i]) != held for i, held in self._wrapped.items())
-        except (AttributeError, TypeError, RuntimeError):
+        except (AttributeError, TypeError, RuntimeError):  # a slot emptied or holding no tensor
             return True
 
     def places(self) -> set[tuple[torch.device, torch.dtype]]:
         """The devices and dtypes of the floating weights now."""
         return {(t.device, t.dtype) for t in self.read()
                 if isinstance(t, torch.Tensor) and t.is_floating_point()}
+
 
 _PLAIN = (torch.Tensor, nn.Parameter, nn.Buffer) if hasattr(nn, "Buffer") else (
     torch.Tensor, nn.Parameter)

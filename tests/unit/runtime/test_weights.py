@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from vit_graph_backend import _compat
 from vit_graph_backend.runtime.weights import WeightSlots
 
 
@@ -59,10 +58,3 @@ def test_in_place_writes_are_no_move():
     model[0].weight.add_(1)
     assert not slots.moved()
 
-
-def test_data_ptrs_equal_compares_only_the_given_indices():
-    a, b = torch.zeros(3), torch.zeros(3)
-    addresses = [a.data_ptr(), b.data_ptr() + 4]
-    assert _compat.data_ptrs_equal([a, b], addresses, [0])
-    assert not _compat.data_ptrs_equal([a, b], addresses, [0, 1])
-    assert _compat.data_ptrs_equal([a, b], addresses, [])
