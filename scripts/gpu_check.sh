@@ -33,22 +33,29 @@ print("torch", torch.__version__, "| cuda", torch.version.cuda, "|",
       "| vitgraph registered:", "vitgraph" in torch.compiler.list_backends(exclude_tags=()))
 PY
 tests=${VITGRAPH_TESTS:-tests/gpu}
+rm -f "$OUT"/gpu_tests*.log
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$tests" != "none" ] && [ "$gpus" -gt 1 ]; then
   # One pytest per GPU, the collected tests dealt in turn (a heavy file's cases spread over
   # every lane); each lane sees every GPU with its own first, so tests needing two still run.
   echo "== GPU tests: $tests in $gpus lanes"
   # shellcheck disable=SC2086
-  mapfile -t cases < <(python3 -m pytest $tests -m gpu --collect-only -q -p no:cacheprovider \
-    2>/dev/null | grep "::")
+  python3 -m pytest $tests -m gpu --collect-only -q -p no:cacheprovider >/tmp/vitgraph_collect.txt 2>&1 \
+    || { echo "collection failed:"; tail -20 /tmp/vitgraph_collect.txt; }
+  mapfile -t cases < <(grep "::" /tmp/vitgraph_collect.txt)
+  IFS=',' read -ra visible <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}"
   for ((lane = 0; lane < gpus; lane++)); do
     mine=(); for ((i = lane; i < ${#cases[@]}; i += gpus)); do mine+=("${cases[i]}"); done
-    order=$(python3 -c "print(','.join(map(str, [$lane] + [g for g in range($gpus) if g != $lane])))")
+    [ ${#mine[@]} -gt 0 ] || continue   # none dealt: pytest alone would run every test
+    order=${visible[lane]}
+    for ((g = 0; g < gpus; g++)); do [ "$g" -eq "$lane" ] || order+=",${visible[g]}"; done
     CUDA_VISIBLE_DEVICES=$order python3 -m pytest "${mine[@]}" -m gpu -q -p no:cacheprovider \
       --hypothesis-profile=gpu >"$OUT/gpu_tests_$lane.log" 2>&1 &
   done
   wait
-  for log in "$OUT"/gpu_tests_*.log; do grep -E "passed|failed|error|Error" "$log" | tail -8; done
+  for log in "$OUT"/gpu_tests_*.log; do
+    echo "-- $log"; grep -E "passed|failed|error|Error" "$log" | tail -8
+  done
 elif [ "$tests" != "none" ]; then
   echo "== GPU tests: $tests"
   python3 -m pytest $tests -m gpu -q -p no:cacheprovider --hypothesis-profile=gpu 2>&1 \

@@ -75,13 +75,16 @@ class _Gate:
         own = self._own()
         with self._cond:
             self._waiting += 1
-            drained = self._cond.wait_for(lambda: self._calls == own, timeout=GATE_WAIT_S)
-            self._waiting -= 1
+            try:
+                drained = self._cond.wait_for(lambda: self._calls == own, timeout=GATE_WAIT_S)
+            finally:   # an interrupted wait too: calls wait for no capture that never came
+                self._waiting -= 1
+                self._cond.notify_all()
             self._captures += 1
-        if not drained:
-            log.warning("vitgraph: capturing beside a call answered during the background "
-                        "preparation that has not returned in %.0f s", GATE_WAIT_S)
         try:
+            if not drained:
+                log.warning("vitgraph: capturing beside a call answered during the background "
+                            "preparation that has not returned in %.0f s", GATE_WAIT_S)
             yield
         finally:
             with self._cond:
@@ -90,14 +93,16 @@ class _Gate:
 
     @contextmanager
     def call(self) -> Iterator[None]:
+        own = self._own()
         with self._cond:
-            self._cond.wait_for(lambda: self._captures == 0 and self._waiting == 0)
+            if not own:   # a call inside a call (one encoder inside another's) is already in
+                self._cond.wait_for(lambda: self._captures == 0 and self._waiting == 0)
             self._calls += 1
-        self._mine.calls = self._own() + 1
+        self._mine.calls = own + 1
         try:
             yield
         finally:
-            self._mine.calls -= 1
+            self._mine.calls = own
             with self._cond:
                 self._calls -= 1
                 self._cond.notify_all()
@@ -116,7 +121,7 @@ def settle_generator(device: torch.device) -> None:
     later random number on the device would raise ("Offset increment outside graph capture").
     An empty capture opens and closes it again."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(device), warnings.catch_warnings():
+    with capturing(), torch.cuda.device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore")   # "The CUDA Graph is empty"
         try:
             with torch.cuda.graph(graph, stream=capture_stream(device),
@@ -246,13 +251,18 @@ def capture_budget_graph(
     stream_before = torch.cuda.current_stream(device)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     try:
-        with capturing(), torch.no_grad(), torch.cuda.graph(
-                graph, pool=pool, stream=capture_stream(device), capture_error_mode="thread_local"):
-            output = forward(static)
+        with capturing():   # with the clean-up: calls beside it wait for the settled generator
+            try:
+                with torch.no_grad(), torch.cuda.graph(graph, pool=pool,
+                                                       stream=capture_stream(device),
+                                                       capture_error_mode="thread_local"):
+                    output = forward(static)
+            except Exception:
+                torch.cuda.set_stream(stream_before)
+                _compat.end_failed_capture(pool, device)
+                settle_generator(device)
+                raise
     except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
-        torch.cuda.set_stream(stream_before)
-        _compat.end_failed_capture(pool, device)
-        settle_generator(device)
         del graph
         torch.cuda.empty_cache()
         oom = out_of_memory(exc)

@@ -71,13 +71,9 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
                             fn()
                     except BaseException:
                         _write_in_capture(mark)
-                        try:
-                            graph.capture_end()
-                        except RuntimeError:  # invalidated: close the allocator's side too
-                            _compat.end_failed_capture(graph.pool(), caller.device)
-                            settle_generator(caller.device)
+                        _end_capture(graph, caller.device, raising=False)
                         raise
-                    graph.capture_end()
+                    _end_capture(graph, caller.device, raising=True)
                 if _replay_ms(graph, side) >= LONG_REPLAY_MS:
                     reps = min(reps, LONG_REPS)
                 times = [_replay_ms(graph, side) / calls for _ in range(max(1, reps))]
@@ -87,6 +83,19 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
             if not _TIMED[1]:   # a timing inside a timed fn is in the outer one's time
                 _TIMED[0] += time.perf_counter() - start
     return statistics.median(times)
+
+
+def _end_capture(graph: torch.cuda.CUDAGraph, device: torch.device, raising: bool) -> None:
+    """End a timing's capture; one invalidated meanwhile (``capture_end`` raises) also closes
+    the allocator's side and takes the random generator out of capture mode, then raises if
+    ``raising`` (else the error being handled goes on)."""
+    try:
+        graph.capture_end()
+    except RuntimeError:
+        _compat.end_failed_capture(graph.pool(), device)
+        settle_generator(device)
+        if raising:
+            raise
 
 
 #: Seconds this process spent timing kernel candidates, and the depth of timings under way

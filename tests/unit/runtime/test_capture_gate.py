@@ -9,6 +9,14 @@ import time
 from vit_graph_backend.runtime.capture import _Gate
 
 
+def _until(predicate, limit=5.0):
+    """Wait for another thread to reach a state (a sleep alone flakes on a loaded machine)."""
+    end = time.perf_counter() + limit
+    while not predicate() and time.perf_counter() < end:
+        time.sleep(0.005)
+    assert predicate()
+
+
 def _started(target):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
@@ -38,7 +46,7 @@ def test_a_waiting_capture_goes_before_new_calls():
     first = gate.call()
     first.__enter__()
     capturer = _started(lambda: _record(gate.capture, events, "capture"))
-    time.sleep(0.1)
+    _until(lambda: gate._waiting == 1)
     caller = _started(lambda: _record(gate.call, events, "second call"))
     time.sleep(0.1)
     assert events == []          # the capture waits for the first call, the second for it
@@ -78,3 +86,40 @@ def test_a_capture_waits_for_a_call_at_most_the_gate_time(monkeypatch, caplog):
         capturer.join(5)
     assert done == ["capture"]
     assert "has not returned" in caplog.text
+
+
+def test_an_interrupted_wait_leaves_the_gate_open(monkeypatch):
+    """An exception while a capture waits (Ctrl-C) gives back what it took: later calls enter."""
+    gate = _Gate()
+
+    def interrupted(predicate, timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gate._cond, "wait_for", interrupted)
+    try:
+        with gate.capture():
+            pass
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    entered = []
+    caller = _started(lambda: _record(gate.call, entered, "call"))
+    caller.join(5)
+    assert entered == ["call"]
+
+
+def test_a_call_inside_a_call_does_not_wait_behind_a_waiting_capture():
+    """One encoder called inside another's forward: the inner call is already in, so a capture
+    waiting for the outer one must not hold it up (it would wait out GATE_WAIT_S)."""
+    gate, events = _Gate(), []
+    outer = gate.call()
+    outer.__enter__()
+    capturer = _started(lambda: _record(gate.capture, events, "capture"))
+    _until(lambda: gate._waiting == 1)   # the capture waits for the outer call
+    start = time.perf_counter()
+    with gate.call():
+        events.append("inner call")
+    assert time.perf_counter() - start < 1.0
+    outer.__exit__(None, None, None)
+    capturer.join(5)
+    assert events == ["inner call", "capture"]
