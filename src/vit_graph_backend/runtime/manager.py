@@ -270,7 +270,9 @@ class EncoderCudaGraphManager:
             self.stats.record_eager(len(specs), reason)
             if reason not in self._logged:
                 self._logged.add(reason)
-                log.info("vitgraph: answering calls eagerly while %s", reason)
+                log.info("vitgraph: answering calls eagerly while %s; until they serve, other "
+                         "GPU work that synchronizes the device or draws random numbers on it "
+                         "can raise (call wait_prepared() first)", reason)
         else:
             outs = self._eager(inputs, whole, reason)
         return [assemble([(0, out)]) for out in outs]
