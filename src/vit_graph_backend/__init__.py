@@ -62,10 +62,12 @@ __all__ = [
     "supports_encoder_cudagraph",
     "use_cache_dir",
     "wait_prepared",
+    "warm",
 ]
 
 _LAZY = {"PackedGraphEncoder": "adapters.serve", "serve": "adapters.serve",
          "report": "compile.backend", "wait_prepared": "compile.backend",
+         "warm": "compile.backend",
          "serve_vision_": "integrations.hf",
          "restore_vision_": "integrations.hf", "data_parallel": "integrations.parallel"}
 

@@ -123,3 +123,42 @@ def test_inductor_writes_its_compiled_kernels_into_the_folder(tmp_path):
 
     torch.compile(lambda x: torch.tanh(x) * 7, backend=backend)(torch.randn(9))
     assert any((used / "inductor").rglob("*")), list((used / "inductor").rglob("*"))
+
+
+def test_warm_fills_the_folder_through_the_model_and_waits_for_preparations(tmp_path):
+    """``warm``: the folder made and named, every call run without grad through the model (a
+    tuple is spread over its arguments), and ``report()`` returned with the folder."""
+    torch = pytest.importorskip("torch")
+    seen = []
+
+    def model(*args):
+        seen.append((args, torch.is_grad_enabled()))
+        return args[0] * 2
+
+    x, y = torch.ones(2, requires_grad=True), torch.zeros(3)
+    result = vg.warm(model, [(x, y), x], cache_dir=tmp_path / "deploy")
+    assert [(len(args), grad) for args, grad in seen] == [(2, False), (1, False)]
+    assert result["cache_dir"] == os.environ["TRITON_CACHE_DIR"].rpartition("/")[0]
+    assert result["cache_dir"].startswith(str(tmp_path / "deploy"))
+    assert "graphs_captured" in result and "compiles" in result
+
+
+def test_warm_says_when_preparations_outlast_its_timeout(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from vit_graph_backend.compile import backend
+
+    monkeypatch.setattr(backend, "wait_prepared", lambda timeout: False)
+    with pytest.raises(TimeoutError, match="timeout=0.5"):
+        vg.warm(lambda x: x, [1], cache_dir=tmp_path / "deploy", timeout=0.5)
+
+
+def test_warm_with_a_refused_folder_runs_the_calls_and_says_none(tmp_path, caplog):
+    pytest.importorskip("torch")
+    unsafe = tmp_path / "shared"
+    unsafe.mkdir()
+    unsafe.chmod(0o777)
+    calls = []
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        result = vg.warm(calls.append, ["a", "b"], cache_dir=unsafe)
+    assert calls == ["a", "b"] and result["cache_dir"] is None
+    assert "not keeping compiled kernels" in caplog.text

@@ -15,7 +15,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -31,9 +31,10 @@ from ..runtime.inner import compile_inner, inner_compiler_name
 from .linear_rewrite import fuse_linear_activations
 from ..options import VitGraphOptions
 from ..adapters.serve import live_served
+from ..cache_dir import use_cache_dir
 from .patch_rewrite import patch_embeddings_as_gemm
 
-__all__ = ["VitGraphBackend", "register", "report", "vitgraph", "wait_prepared"]
+__all__ = ["VitGraphBackend", "register", "report", "vitgraph", "wait_prepared", "warm"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,34 @@ def wait_prepared(timeout: float | None = None) -> bool:
         if not manager.wait_prepared(left):
             return False
     return True
+
+
+def warm(model: Callable[..., Any], calls: Iterable[Any], *, cache_dir: Any = None,
+         timeout: float | None = None) -> dict[str, Any]:
+    """Fill a deployment's cache folder ahead of time: :func:`use_cache_dir` (``cache_dir``,
+    else its default folder), every call of ``calls`` through ``model`` (a compiled model or a
+    served tower; a call is a tuple of positional arguments, or one argument), without grad,
+    then :func:`wait_prepared`. Call it before this process compiles anything; a later process
+    that calls ``use_cache_dir`` with the same folder before its first compile finds the
+    kernels. Give calls that reach every budget the deployment's stream needs.
+
+    Returns:
+        :func:`report`, with ``cache_dir``: the folder filled (``None`` where it was refused,
+        after a warning naming why).
+
+    Raises:
+        TimeoutError: a background preparation still ran after ``timeout`` seconds.
+    """
+    folder = use_cache_dir(cache_dir)
+    with torch.no_grad():
+        for call in calls:
+            if isinstance(call, tuple):
+                model(*call)
+            else:
+                model(call)
+    if not wait_prepared(timeout):
+        raise TimeoutError(f"vitgraph: graphs still being prepared after timeout={timeout} s")
+    return {"cache_dir": None if folder is None else str(folder), **report()}
 
 
 def report() -> dict[str, Any]:
