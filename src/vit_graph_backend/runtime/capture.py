@@ -26,7 +26,7 @@ from ..errors import error_line, out_of_memory
 from .launch import capture_stream, device_index, launch_kind, make_launcher
 
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "beside_captures",
-           "capture_budget_graph", "capture_lock", "capturing", "mib", "settle_generator",
+           "capture_budget_graph", "capture_lock", "capturing", "close_failed_capture", "mib",
            "storage_bytes"]
 
 log = logging.getLogger(__name__)
@@ -115,11 +115,13 @@ capturing = _GATE.capture
 beside_captures = _GATE.call
 
 
-def settle_generator(device: torch.device) -> None:
-    """Take the device's default random generator out of capture mode after a capture that
-    raised: ``CUDAGraph.capture_end`` raises before it closes the generator's side, and every
-    later random number on the device would raise ("Offset increment outside graph capture").
-    An empty capture opens and closes it again."""
+def close_failed_capture(pool: Any, device: torch.device) -> None:
+    """Close what a capture that raised left open: the allocator still recording into ``pool``
+    (``_compat.end_failed_capture``) and the device's default random generator in capture mode
+    (``CUDAGraph.capture_end`` raises before it closes the generator's side, and every later
+    random number on the device would raise "Offset increment outside graph capture"). An empty
+    capture opens and closes the generator's side again."""
+    _compat.end_failed_capture(pool, device)
     graph = torch.cuda.CUDAGraph()
     with capturing(), torch.cuda.device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore")   # "The CUDA Graph is empty"
@@ -259,8 +261,7 @@ def capture_budget_graph(
                     output = forward(static)
             except Exception:
                 torch.cuda.set_stream(stream_before)
-                _compat.end_failed_capture(pool, device)
-                settle_generator(device)
+                close_failed_capture(pool, device)
                 raise
     except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
         del graph

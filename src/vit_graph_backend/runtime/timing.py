@@ -18,9 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _compat
 from ..errors import error_line, out_of_memory
-from .capture import capture_lock, capturing, settle_generator
+from .capture import capture_lock, capturing, close_failed_capture
 
 __all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "kernel_timing_seconds", "time_each",
            "timings_short_of_memory"]
@@ -86,14 +85,13 @@ def graph_ms(fn: Callable[[], Any], calls: int = 5, reps: int = 5) -> float:
 
 
 def _end_capture(graph: torch.cuda.CUDAGraph, device: torch.device, raising: bool) -> None:
-    """End a timing's capture; one invalidated meanwhile (``capture_end`` raises) also closes
-    the allocator's side and takes the random generator out of capture mode, then raises if
-    ``raising`` (else the error being handled goes on)."""
+    """End a timing's capture; one invalidated meanwhile (``capture_end`` raises) is closed
+    (``capture.close_failed_capture``), then raises if ``raising`` (else the error being handled
+    goes on)."""
     try:
         graph.capture_end()
     except RuntimeError:
-        _compat.end_failed_capture(graph.pool(), device)
-        settle_generator(device)
+        close_failed_capture(graph.pool(), device)
         if raising:
             raise
 
@@ -125,11 +123,11 @@ def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int,
             times[candidate] = timer(lambda candidate=candidate: run(candidate), calls=calls,
                                      reps=reps)
         except Exception as exc:  # a kernel this GPU or Triton cannot build, or memory
-            short += out_of_memory(exc)
+            memory = out_of_memory(exc)
+            short += memory
             # a timing capture broken from outside (a device-wide synchronize in another
             # thread) is, like memory, the moment's: tried again later, never refused
-            failures[candidate] = (error_line(exc),
-                                   out_of_memory(exc) or capture_broken(str(exc)))
+            failures[candidate] = (error_line(exc), memory or capture_broken(str(exc)))
     if short:
         with _SHORT_LOCK:
             _SHORT[0] += short

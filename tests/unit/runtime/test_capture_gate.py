@@ -24,21 +24,21 @@ def _started(target):
 
 
 def test_a_call_waits_for_a_running_capture_and_a_capture_for_a_call_in_flight():
-    gate, events = _Gate(), []
-    with gate.capture():
-        caller = _started(lambda: _record(gate.call, events, "call"))
-        time.sleep(0.1)
-        events.append("capture ends")
-    caller.join(5)
-    assert events == ["capture ends", "call"]
+    gate = _Gate()
+    assert _second_after_first(gate.capture, gate.call) == ["first ends", "second"]
+    assert _second_after_first(gate.call, gate.capture) == ["first ends", "second"]
 
-    events.clear()
-    with gate.call():
-        capturer = _started(lambda: _record(gate.capture, events, "capture"))
+
+def _second_after_first(first, second):
+    """The order of events when ``second`` is entered from another thread while ``first`` is
+    held here."""
+    events = []
+    with first():
+        other = _started(lambda: _record(second, events, "second"))
         time.sleep(0.1)
-        events.append("call ends")
-    capturer.join(5)
-    assert events == ["call ends", "capture"]
+        events.append("first ends")
+    other.join(5)
+    return events
 
 
 def test_a_waiting_capture_goes_before_new_calls():
