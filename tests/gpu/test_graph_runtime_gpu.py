@@ -121,7 +121,7 @@ def test_capture_failure_falls_back_to_eager_with_warning():
     for g, r in zip(got, _reference(model, inputs)):
         torch.testing.assert_close(g, r)
     assert mgr.stats.eager_items == 2 and mgr.num_graphs == 0
-    # the failed capture left the device's random generator usable (capture.settle_generator)
+    # the failed capture left the device's random generator usable (capture.close_failed_capture)
     assert torch.randn(4, device=DEV).isfinite().all()
 
 
