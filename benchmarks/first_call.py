@@ -3,11 +3,13 @@
 Per stream (ViT-B/16 uniform batches; CLIP ViT-L/14-336, 8 to 48 images a call; the
 Qwen2.5-VL-3B tower on mixed batches) and per mode (``vitgraph``: graphs captured inside the
 first calls; ``vitgraph-background``: calls answered by the model's own forward while a thread
-prepares the graphs), two new processes share one new folder of Inductor's and Triton's caches:
-the first finds it empty (cold), the second finds what the first kept (warm). Each process runs
-``vitgraph bench --modes MODE --json``; the table gives its first call, first pass (every call
-of the stream once), the time until graphs serve (the first pass plus the wait for a background
-preparation, ``ready_s``) and the steady p50.
+prepares the graphs), three new processes share one new cache folder: the first finds it empty
+(cold) and fills it (``vitgraph bench --cache-dir``); the second reads only Inductor's and
+Triton's kernels from it (their environment variables, no compile job id: Dynamo's record of
+dynamic sizes unread); the third reads everything (``--cache-dir`` again: warm). Each process
+runs ``vitgraph bench --modes MODE --json``; the table gives its first call, first pass (every
+call of the stream once), the time until graphs serve (the first pass plus the wait for a
+background preparation, ``ready_s``) and the steady p50.
 
 ``--profile``: one more warm process per stream in mode ``vitgraph`` under cProfile, its 30
 functions of most cumulative time (what a warm first pass spends its time on).
@@ -38,14 +40,24 @@ STREAMS = {
 }
 
 
-def run_one(stream: str, mode: str, calls: int, caches: Path, out: Path,
+#: rows: (label, whether the process names the folder with --cache-dir)
+STATES = (("cold", True), ("kernels", False), ("warm", True))
+
+
+def run_one(stream: str, mode: str, calls: int, caches: Path, out: Path, named: bool = True,
             profile: Path | None = None) -> dict:
-    """One new process: ``vitgraph bench`` on ``stream`` in ``mode``, caches in ``caches``."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-           "TRITON_CACHE_DIR": str(caches / "triton")}
+    """One new process: ``vitgraph bench`` on ``stream`` in ``mode``, its caches in ``caches``
+    (``named``: through ``--cache-dir``; else Inductor's and Triton's kernels only)."""
+    from importlib import metadata
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_JOB_ID"}
+    kept = caches / f"torch-{metadata.version('torch')}"   # where use_cache_dir keeps them
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(kept / "inductor"),
+               TRITON_CACHE_DIR=str(kept / "triton"))
     prefix = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
     cmd = [sys.executable, *prefix, "-m", "vit_graph_backend", "bench", *STREAMS[stream],
-           "--modes", mode, "--calls", str(calls), "--no-progress", "--json", str(out)]
+           "--modes", mode, "--calls", str(calls), "--no-progress", "--json", str(out),
+           *(["--cache-dir", str(caches)] if named else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         text = done.stderr or done.stdout
@@ -65,24 +77,24 @@ def main() -> None:
     lines = [f"# python benchmarks/first_call.py --streams {args.streams} --modes {args.modes} "
              f"--calls {args.calls}",
              f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16, random "
-             "weights; each row one new process; cold: a new empty Inductor/Triton cache "
-             "folder, warm: the same folder again in the next process",
-             f"{'stream':<6} {'mode':<20} {'caches':<6} {'first call s':>12} "
+             "weights; each row one new process; cold: a new empty cache folder; kernels: "
+             "Inductor's and Triton's kernels from it, no compile job id; warm: all it kept",
+             f"{'stream':<6} {'mode':<20} {'caches':<7} {'first call s':>12} "
              f"{'first pass s':>12} {'graphs serve s':>14} {'p50 ms':>8}  phases (s)"]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for stream in args.streams.split(","):
             for mode in args.modes.split(","):
                 caches = Path(tmp, f"{stream}-{mode}")
-                for state in ("cold", "warm"):
+                for state, named in STATES:
                     m = run_one(stream, mode, args.calls, caches,
-                                Path(tmp, f"{stream}-{mode}-{state}.json"))
+                                Path(tmp, f"{stream}-{mode}-{state}.json"), named)
                     if m.get("status") != "ok":
-                        line = f"{stream:<6} {mode:<20} {state:<6} FAILED {m.get('error')}"
+                        line = f"{stream:<6} {mode:<20} {state:<7} FAILED {m.get('error')}"
                     else:
                         p = m["first_pass_phases_s"] or {}
                         phases = " ".join(f"{k} {v:.2f}" for k, v in p.items())
-                        line = (f"{stream:<6} {mode:<20} {state:<6} {m['first_call_s']:>12.2f} "
+                        line = (f"{stream:<6} {mode:<20} {state:<7} {m['first_call_s']:>12.2f} "
                                 f"{m['first_pass_s']:>12.2f} {m['ready_s']:>14.2f} "
                                 f"{m['latency_ms']['p50']:>8.2f}  {phases}")
                     lines.append(line)
@@ -98,7 +110,8 @@ def _profile(stream: str, calls: int, caches: Path, tmp: Path) -> list[str]:
     import pstats
 
     stats_file = tmp / f"{stream}.prof"
-    m = run_one(stream, "vitgraph", calls, caches, tmp / f"{stream}-profile.json", stats_file)
+    m = run_one(stream, "vitgraph", calls, caches, tmp / f"{stream}-profile.json",
+                profile=stats_file)
     lines = [f"# {stream}, vitgraph, warm, under cProfile: first pass "
              f"{m.get('first_pass_s')} s (the profiler slows Python-heavy phases)"]
     if stats_file.exists():

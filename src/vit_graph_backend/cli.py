@@ -145,9 +145,13 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write the latency distribution as a PNG")
     p.add_argument("--data-parallel", action="store_true", help="under torchrun: each vitgraph "
                    "mode also runs data-parallel over the ranks, as <mode>+dp (rank 0 reports)")
-    p.add_argument("--cold", action="store_true", help="start Inductor's and Triton's caches "
-                   "empty, in a folder removed at exit (Python's bytecode and CUDA's caches stay "
-                   "warm); without it they are read as earlier runs left them")
+    caches = p.add_mutually_exclusive_group()
+    caches.add_argument("--cold", action="store_true", help="start Inductor's and Triton's "
+                        "caches empty, in a folder removed at exit (Python's bytecode and CUDA's "
+                        "caches stay warm); without it they are read as earlier runs left them")
+    caches.add_argument("--cache-dir", metavar="PATH", help="read and keep compiled kernels and "
+                        "Dynamo's record of dynamic sizes in PATH (use_cache_dir), so the next "
+                        "run with it starts warm")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--strict", action="store_true", help="exit 1 if any mode failed")
     p.add_argument("--list", action="store_true", help="list models, workloads and modes")
@@ -329,7 +333,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         max_items_per_graph=args.max_items_per_graph,
         max_frames_per_batch=args.max_frames_per_batch, policy=args.policy, device=args.device,
         dtype=args.dtype, check_calls=args.check_calls, data_parallel=args.data_parallel,
-        cold=args.cold,
+        cold=args.cold, cache_dir=args.cache_dir,
         progress=not args.no_progress and sys.stderr.isatty())
     try:
         run = resolve(config, cuda_available=torch.cuda.is_available())

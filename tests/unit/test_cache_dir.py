@@ -1,16 +1,20 @@
-"""``use_cache_dir``: compiled kernels kept in a folder of the user's own, never one that others
-can write (they are code a later process runs)."""
+"""``use_cache_dir``: compiled kernels and Dynamo's record of dynamic sizes kept in a folder of
+the user's own, never one that others can write (they are code a later process runs)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
+import torch
 
 import vit_graph_backend as vg
-from vit_graph_backend.cache_dir import CACHE_DIR_ENV, default_cache_dir, use_cache_dir
+from vit_graph_backend.cache_dir import CACHE_DIR_ENV, JOB_ID, default_cache_dir, use_cache_dir
 
 VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
@@ -20,6 +24,8 @@ def _keep_env(monkeypatch, tmp_path):
     """Each test starts from caches of its own and leaves the process's as they were."""
     for var in VARS:
         monkeypatch.setenv(var, str(tmp_path / "before" / var))
+    with torch.compiler.config.patch(job_id=None):
+        yield
 
 
 def _mode(path):
@@ -35,6 +41,59 @@ def test_a_new_folder_is_the_owners_alone_and_both_caches_point_into_it(tmp_path
     for folder in (root, used, used / "inductor", used / "triton"):
         assert _mode(folder) == 0o700, (folder, oct(_mode(folder)))
     assert vg.use_cache_dir is use_cache_dir
+
+
+def test_a_compile_job_id_is_set_where_the_user_set_none_and_theirs_is_kept(tmp_path):
+    assert use_cache_dir(tmp_path / "a") is not None
+    assert torch.compiler.config.job_id == JOB_ID == "vit_graph_backend"
+    torch.compiler.config.job_id = "their-job"
+    assert use_cache_dir(tmp_path / "b") is not None
+    assert torch.compiler.config.job_id == "their-job"
+
+
+def test_a_refused_folder_sets_no_job_id(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert use_cache_dir(shared / "cache") is None
+    assert torch.compiler.config.job_id is None
+
+
+_TRACES = textwrap.dedent("""
+    import sys, torch
+    from vit_graph_backend.cache_dir import use_cache_dir
+    if sys.argv[2] == "keep":
+        use_cache_dir(sys.argv[1])
+    traces = []
+    def backend(gm, example_inputs):
+        traces.append(1)
+        return gm.forward
+    f = torch.compile(lambda x: torch.tanh(x) * 2, backend=backend)
+    for rows in (2, 3, 5):
+        f(torch.ones(rows, 4))
+    print(len(traces))
+""")
+
+
+@pytest.mark.slow
+def test_a_second_process_traces_a_model_once_with_the_folder_and_twice_without(tmp_path):
+    """Dynamo's record of the batch size that turned dynamic, kept in the folder, lets the next
+    process trace dynamic at once (without it: static first, then dynamic)."""
+    script = tmp_path / "model.py"   # one file: Dynamo keys its record by the code's location
+    script.write_text(_TRACES)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")}
+    env.pop("TORCH_COMPILE_JOB_ID", None)
+
+    def traces(mode):
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), mode],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    assert traces("keep") == 2   # a first process: static, then a dynamic batch
+    assert traces("plain") == 2  # no folder, no job id: nothing read
+    assert traces("keep") == 1
+    assert list((tmp_path / "cache").rglob("code_state_*")), "no record in the folder"
 
 
 def test_a_folder_holding_the_cache_that_others_can_write_is_refused(tmp_path, caplog):

@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "latency_figure", "validate",
            "write_json", "write_plot"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class Nullable:
@@ -93,7 +93,8 @@ RESULT_SCHEMA: dict[str, Any] = {
         "ladder_steps": Nullable(int),
         "max_items_per_graph": Nullable(int), "max_frames_per_batch": Nullable(int),
         "policy": str, "device": str, "dtype": str, "check_calls": int, "progress": bool,
-        "data_parallel": bool, "cold": bool, "world_size": int,
+        "data_parallel": bool, "cold": bool, "cache_dir": Nullable(str),
+        "world_size": int,
         "layout": OneOf("batched", "packed"), "family": str, "params": int, "items": int,
     },
     "routing": {

@@ -50,8 +50,8 @@ BYTECODE_NOTE = (
 JOB_ID_NOTE = (
     "torch.compiler.config.job_id is unset (TORCH_COMPILE_JOB_ID): Dynamo keeps no profile of "
     "which dimensions turned dynamic, so every new process traces a compiled model twice (first "
-    "call static, then with a dynamic batch); with a job id a process after the first traces it "
-    "once (docs/performance.md, first pass)."
+    "call static, then with a dynamic batch); with a job id (--cache-dir sets one) a process "
+    "after the first traces it once (docs/performance.md, first pass)."
 )
 
 
@@ -78,6 +78,7 @@ class BenchConfig:
     progress: bool = True
     data_parallel: bool = False  # under torchrun: each vitgraph mode also as <mode>+dp
     cold: bool = False  # Inductor's and Triton's caches empty: a first pass as in a new machine
+    cache_dir: str | None = None  # use_cache_dir(cache_dir): what a process keeps for the next
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,9 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
         raise ValueError(
             f"workload={config.workload!r} is invalid: choose from {', '.join(WORKLOADS)}")
     modes = config.modes or (DEFAULT_MODES if cuda else ("eager", "vitgraph"))
+    if config.cold and config.cache_dir is not None:
+        raise ValueError(f"cache_dir={config.cache_dir!r} is invalid with cold=True: a cold run "
+                         "starts from a new empty folder; choose one")
     if config.data_parallel:  # resolving a resolved config again gives it back
         modes = tuple(dict.fromkeys(m.removesuffix(DP_SUFFIX) for m in modes))
     for mode in modes:
@@ -219,16 +223,23 @@ def _mode_result(name: str) -> dict[str, Any]:
             "achieved_tflops": None, "fraction_of_peak": None, "notes": []}
 
 
-def _empty_compile_caches() -> str:
-    """Point this process's Inductor and Triton caches at a new empty folder
-    (:func:`~vit_graph_backend.cache_dir.use_cache_dir`), removed when the process ends; the
-    caller runs before any compile."""
+def _use_caches(cfg: BenchConfig) -> str | None:
+    """Point this process's caches (:func:`~vit_graph_backend.cache_dir.use_cache_dir`) at
+    ``cfg.cache_dir``, or for ``cfg.cold`` at a new empty folder removed when the process ends;
+    the note that says so. The caller runs before any compile."""
     import atexit
     import shutil
     import tempfile
 
     from ..cache_dir import use_cache_dir
 
+    if not cfg.cold:
+        if cfg.cache_dir is None:
+            return None
+        used = use_cache_dir(cfg.cache_dir)
+        return (f"cache_dir: the caches stay as they were: {cfg.cache_dir} was refused"
+                if used is None else f"cache_dir: compiled kernels and Dynamo's record of "
+                f"dynamic sizes read from and kept in {used}")
     folder = tempfile.mkdtemp(prefix="vitgraph-cold-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     used = use_cache_dir(folder)
@@ -373,7 +384,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     reason = availability(entry)
     if reason is not None:
         raise RuntimeError(f"model {entry.name!r} is unavailable here: {reason}")
-    cold_note = _empty_compile_caches() if cfg.cold else None
+    cache_note = _use_caches(cfg)
     from .models import build_model
 
     world = 1
@@ -394,7 +405,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
                 for args in inputs[: cfg.check_calls]]
 
     notes = list(run.notes) + ([] if timer.cuda else [CPU_NOTE]) + (
-        [cold_note] if cold_note else [])
+        [cache_note] if cache_note else [])
     if sys.dont_write_bytecode:
         notes.append(BYTECODE_NOTE)
     if (getattr(torch.compiler.config, "job_id", None) is None

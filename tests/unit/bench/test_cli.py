@@ -45,7 +45,7 @@ def test_bench_eager_writes_valid_json_and_a_png(tmp_path, capsys):
     assert "budgets (rows): 1 2 3 4" in out  # routing preview (batched default ladder)
     doc = json.loads(json_path.read_text())
     assert validate(doc) == []
-    assert doc["schema_version"] == SCHEMA_VERSION == 6
+    assert doc["schema_version"] == SCHEMA_VERSION == 7
     (eager,) = doc["modes"]
     assert eager["status"] == "ok" and len(eager["per_call_ms"]) == 4
     assert eager["max_abs_error"] == 0.0 and eager["speedup_vs_eager"] == pytest.approx(1.0)
@@ -91,6 +91,40 @@ def test_vitgraph_mode_runs_and_matches_eager(tmp_path, capsys):
     assert stats["calls"] == 2 * doc["config"]["calls"]  # first pass + timed pass
     assert vit["hit_rate"] == stats["hit_rate"]
     assert "vitgraph backend reports" in out
+
+
+def test_cache_dir_keeps_kernels_and_dynamos_record_in_the_named_folder(tmp_path, capsys,
+                                                                     monkeypatch):
+    """``--cache-dir PATH``: the caches and a compile job id (Dynamo's record of dynamic sizes)
+    in PATH, said in a note, and no note that a new process traces twice."""
+    import os
+
+    import torch
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):   # restored after the test
+        monkeypatch.setenv(var, str(tmp_path / var))
+    path = tmp_path / "r.json"
+    with torch.compiler.config.patch(job_id=None):
+        code, _, _ = _run(capsys, "bench", *FAST, "--workload", "uniform-batch", "--modes",
+                          "vitgraph", "--cache-dir", str(tmp_path / "keep"), "--json", str(path))
+        assert torch.compiler.config.job_id == "vit_graph_backend"
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert doc["config"]["cache_dir"] == str(tmp_path / "keep") and not doc["config"]["cold"]
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "keep"))
+    assert any("Dynamo's record" in note for note in doc["notes"]), doc["notes"]
+    assert not any("job_id is unset" in note for note in doc["notes"]), doc["notes"]
+
+
+def test_cold_and_cache_dir_are_one_choice(tmp_path, capsys):
+    from vit_graph_backend.bench.runner import BenchConfig, resolve
+
+    with pytest.raises(SystemExit):
+        main(["bench", *FAST, "--cold", "--cache-dir", str(tmp_path)])
+    assert "not allowed with argument --cold" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="cache_dir=.* is invalid with cold=True"):
+        resolve(BenchConfig(cold=True, cache_dir=str(tmp_path)), cuda_available=False)
+    assert not any(tmp_path.iterdir())   # refused before anything was made
 
 
 def test_cold_first_pass_is_split_into_phases(tmp_path, capsys, monkeypatch):
