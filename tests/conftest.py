@@ -47,14 +47,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
     """Each test starts and ends with no compiled frames or captured graphs left over, and with
-    PyTorch's ``backed_size_oblivious`` as it found it (the backend turns it on: backend.py)."""
+    PyTorch's ``backed_size_oblivious`` (the backend turns it on: backend.py) and compile job id
+    (``use_cache_dir`` sets one) as it found them."""
     import sys
 
     fx_config = None
     if "torch" in sys.modules:
+        import torch
         from torch.fx.experimental import _config as fx_config
 
-        oblivious = fx_config.backed_size_oblivious
+        oblivious, job_id = fx_config.backed_size_oblivious, torch.compiler.config.job_id
     yield
     if "torch" in sys.modules:
         import torch
@@ -62,6 +64,7 @@ def _reset_dynamo():
         torch.compiler.reset()
         if fx_config is not None:
             fx_config.backed_size_oblivious = oblivious
+            torch.compiler.config.job_id = job_id
 
 
 @pytest.fixture
