@@ -15,11 +15,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from packaging.version import Version
 
 __all__ = [
-    "MIN_TORCH",
-    "TORCH_VERSION",
     "buffer_table",
     "compile_cache_counts",
     "compile_phase_seconds",
@@ -39,20 +36,10 @@ __all__ = [
     "rearm_code",
     "register_dynamo_backend",
     "sym_name",
-    "torch_version_at_least",
     "uncompiled_callers",
-    "varlen_attention_available",
 ]
 
-TORCH_VERSION = Version(torch.__version__.split("+")[0])
-MIN_TORCH = Version("2.11")
-
 _SYMBOL = re.compile(r"^[A-Za-z_]+\d*$")
-
-
-def torch_version_at_least(version: str) -> bool:
-    """True if the installed torch is at least ``version`` (local build tags ignored)."""
-    return TORCH_VERSION >= Version(version)
 
 
 def example_value(node: torch.fx.Node) -> Any:
@@ -115,25 +102,11 @@ def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
         mark(tensor, dim)
 
 
-def varlen_attention_available() -> bool:
-    """True if ``torch.nn.attention.varlen.varlen_attn`` exists (PyTorch 2.11+)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def get_varlen_attn() -> Callable[..., torch.Tensor]:
-    """``torch.nn.attention.varlen.varlen_attn``: packed attention over tensor offsets, so it
-    captures in a CUDA graph."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError as exc:  # pragma: no cover - torch < 2.11 is not supported
-        raise ImportError(
-            f"torch.nn.attention.varlen.varlen_attn is missing in torch {torch.__version__}; "
-            f"vit_graph_backend needs torch >= {MIN_TORCH}"
-        ) from exc
+    """``torch.nn.attention.varlen.varlen_attn`` (new in PyTorch 2.11, the oldest supported):
+    packed attention over tensor offsets, so it captures in a CUDA graph."""
+    from torch.nn.attention.varlen import varlen_attn
+
     return varlen_attn
 
 

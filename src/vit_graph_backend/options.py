@@ -267,6 +267,21 @@ class VitGraphOptions:
         return cls.from_dict(options)
 
     @classmethod
+    def given(cls, options: VitGraphOptions | None, fields: Mapping[str, Any]) -> VitGraphOptions:
+        """``options``, or options built from keyword ``fields``: an entry point's two ways to
+        take settings, never both.
+
+        Raises:
+            InvalidOptionError: for both given, or a bad field.
+        """
+        if options is None:
+            return cls(**fields)
+        if fields:
+            raise InvalidOptionError(
+                f"give options or option keywords, not both (got {sorted(fields)})")
+        return options
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> VitGraphOptions:
         """Inverse of :meth:`to_dict`; unknown keys raise with a "did you mean"."""
         return cls(**dict(data))

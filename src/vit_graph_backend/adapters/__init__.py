@@ -139,11 +139,7 @@ def adapt(model: Any, options: Any = None, **fields: Any) -> Any:
     """
     from ..options import VitGraphOptions
 
-    if options is None:
-        options = VitGraphOptions(**fields)
-    elif fields:
-        raise InvalidOptionError(
-            f"give options or option keywords, not both (got {sorted(fields)})")
+    options = VitGraphOptions.given(options, fields)
     if supports_encoder_cudagraph(model):
         return model
     return _factory(model)(model, options)

@@ -41,8 +41,7 @@ class KernelChoices:
 
     def __init__(self, tower: nn.Module, align_mlp: bool | None, fuse: bool | None,
                  epilogue_fusion: str = "auto") -> None:
-        self.align_mlp, self.fuse = align_mlp, fuse
-        self._tower, self.epilogue_fusion = tower, epilogue_fusion
+        self.align_mlp, self.fuse, self.epilogue_fusion = align_mlp, fuse, epilogue_fusion
         #: the first half's ``fused_linear`` op: a GELU name, ``GATED``, or ``None``
         self.epilogue: str | None = None
         #: the padded (or packed) weight copies; ``None`` when none is needed

@@ -131,7 +131,7 @@ class _QwenVisionAdapter(nn.Module):
                                      "off" if invariant else options.epilogue_fusion)
         #: (hook registrations seen, why the tower's own forward must run) (``runtime.weights``)
         self._outside: tuple[int, str | None] = (-1, None)
-        self._varlen = _compat.get_varlen_attn() if _compat.varlen_attention_available() else None
+        self._varlen = _compat.get_varlen_attn()
         self.attention = AttentionChoice("varlen" if invariant else options.packed_attention)
         #: where the static buffers were last made (``None``: no graph reads the MLP copies)
         self._device: torch.device | None = None
@@ -261,9 +261,6 @@ class _QwenVisionAdapter(nn.Module):
         param = next(self.tower.parameters())
         if param.device.type != "cuda":
             return None  # the runtime runs its CPU path without graphs
-        if self._varlen is None:
-            return (f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn "
-                    "(PyTorch 2.11+), which the packed graph needs on CUDA")
         head_dim = self.tower.blocks[0].attn.head_dim
         if not varlen_supported(param.dtype, head_dim):
             return (f"varlen flash attention needs float16/bfloat16 weights and head_dim a "

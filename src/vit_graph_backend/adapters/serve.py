@@ -26,7 +26,6 @@ from torch import nn
 from .. import _compat
 from . import adapt
 from .inputs import PackedCall, grid_tensor
-from ..errors import InvalidOptionError
 from ..runtime.report import summarize
 from ..runtime.inner import inner_backend
 from ..options import VitGraphOptions
@@ -86,13 +85,8 @@ class PackedGraphEncoder(nn.Module):
     def __init__(self, encoder: SupportsEncoderCudaGraph, options: VitGraphOptions | None = None,
                  **option_kwargs: Any) -> None:
         super().__init__()
-        if options is None:
-            options = VitGraphOptions(**option_kwargs)
-        elif option_kwargs:
-            raise InvalidOptionError(
-                f"give options or option keywords, not both (got {sorted(option_kwargs)})")
         self.encoder = encoder
-        self.options = options
+        self.options = options = VitGraphOptions.given(options, option_kwargs)
         # the compiled wrapper is no nn.Module: device and dtype from the encoder
         device, dtype = infer_device_dtype(encoder)
         inner = options.inner_compiler_for(cuda=device.type == "cuda", packed=True)
@@ -180,11 +174,7 @@ def serve(model: nn.Module, options: VitGraphOptions | None = None,
         UnsupportedModelError: (a ``TypeError``) if no adapter serves ``model``'s class.
         InvalidOptionError: for bad options or an unknown keyword, before anything runs.
     """
-    if options is None:
-        options = VitGraphOptions(**fields)
-    elif fields:
-        raise InvalidOptionError(
-            f"give options or option keywords, not both (got {sorted(fields)})")
+    options = VitGraphOptions.given(options, fields)
     return PackedGraphEncoder(adapt(model, options), options)
 
 

@@ -22,13 +22,13 @@ import torch
 
 from .layout import GraphLayout, analyze_graph
 from ..budgets import BudgetConfig
-from ..options import DEFAULT_BATCHED_MAX_BUDGET, PACKED_ONLY_OPTIONS, VitGraphOptions
+from ..options import DEFAULT_BATCHED_MAX_BUDGET, VitGraphOptions
 from ..planner import Segment
 from ..runtime.manager import EncoderCudaGraphManager
 from ..specs import EncoderItemSpec
 from ..stats import GraphStats
 
-__all__ = ["PACKED_ONLY_OPTIONS", "BatchedGraphEncoder", "analyze_graph"]
+__all__ = ["BatchedGraphEncoder"]
 
 log = logging.getLogger(__name__)
 
