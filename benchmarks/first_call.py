@@ -3,13 +3,14 @@
 Per stream (ViT-B/16 uniform batches; CLIP ViT-L/14-336, 8 to 48 images a call; the
 Qwen2.5-VL-3B tower on mixed batches) and per mode (``vitgraph``: graphs captured inside the
 first calls; ``vitgraph-background``: calls answered by the model's own forward while a thread
-prepares the graphs), three new processes share one new cache folder: the first finds it empty
-(cold) and fills it (``vitgraph bench --cache-dir``); the second reads only Inductor's and
-Triton's kernels from it (their environment variables, no compile job id: Dynamo's record of
-dynamic sizes unread); the third reads everything (``--cache-dir`` again: warm). Each process
-runs ``vitgraph bench --modes MODE --json``; the table gives its first call, first pass (every
-call of the stream once), the time until graphs serve (the first pass plus the wait for a
-background preparation, ``ready_s``) and the steady p50.
+prepares the graphs), three new processes share one new cache folder (``vitgraph bench
+--cache-dir``): the first finds it empty (cold) and fills it, under a compile job id
+(``TORCH_COMPILE_JOB_ID``), so Dynamo keeps its record of the sizes that turned dynamic there
+too; the second reads the kernels without a job id (warm, as a user who set none); the third
+reads them under the job id (``job id``: it traces dynamic at once). Each process runs
+``vitgraph bench --modes MODE --json``; the table gives its first call, first pass (every call of
+the stream once), the time until graphs serve (the first pass plus the wait for a background
+preparation, ``ready_s``) and the steady p50.
 
 ``--profile``: one more warm process per stream in mode ``vitgraph`` under cProfile, its 30
 functions of most cumulative time (what a warm first pass spends its time on).
@@ -40,24 +41,22 @@ STREAMS = {
 }
 
 
-#: rows: (label, whether the process names the folder with --cache-dir)
-STATES = (("cold", True), ("kernels", False), ("warm", True))
+#: rows: (label, whether the process runs under the compile job id)
+STATES = (("cold", True), ("warm", False), ("job id", True))
+JOB_ID = "first-call-bench"
 
 
-def run_one(stream: str, mode: str, calls: int, caches: Path, out: Path, named: bool = True,
+def run_one(stream: str, mode: str, calls: int, caches: Path, out: Path, job_id: bool = False,
             profile: Path | None = None) -> dict:
-    """One new process: ``vitgraph bench`` on ``stream`` in ``mode``, its caches in ``caches``
-    (``named``: through ``--cache-dir``; else Inductor's and Triton's kernels only)."""
-    from importlib import metadata
-
+    """One new process: ``vitgraph bench`` on ``stream`` in ``mode``, its caches in ``caches``,
+    under the compile job id or none."""
     env = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_JOB_ID"}
-    kept = caches / f"torch-{metadata.version('torch')}"   # where use_cache_dir keeps them
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(kept / "inductor"),
-               TRITON_CACHE_DIR=str(kept / "triton"))
+    if job_id:
+        env["TORCH_COMPILE_JOB_ID"] = JOB_ID
     prefix = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
     cmd = [sys.executable, *prefix, "-m", "vit_graph_backend", "bench", *STREAMS[stream],
            "--modes", mode, "--calls", str(calls), "--no-progress", "--json", str(out),
-           *(["--cache-dir", str(caches)] if named else [])]
+           "--cache-dir", str(caches)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         text = done.stderr or done.stdout
@@ -77,8 +76,8 @@ def main() -> None:
     lines = [f"# python benchmarks/first_call.py --streams {args.streams} --modes {args.modes} "
              f"--calls {args.calls}",
              f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16, random "
-             "weights; each row one new process; cold: a new empty cache folder; kernels: "
-             "Inductor's and Triton's kernels from it, no compile job id; warm: all it kept",
+             "weights; each row one new process; cold: a new empty cache folder; warm: the "
+             "kernels it kept, no compile job id; job id: the same under the cold one's job id",
              f"{'stream':<6} {'mode':<20} {'caches':<7} {'first call s':>12} "
              f"{'first pass s':>12} {'graphs serve s':>14} {'p50 ms':>8}  phases (s)"]
     print("\n".join(lines), flush=True)
@@ -86,9 +85,9 @@ def main() -> None:
         for stream in args.streams.split(","):
             for mode in args.modes.split(","):
                 caches = Path(tmp, f"{stream}-{mode}")
-                for state, named in STATES:
-                    m = run_one(stream, mode, args.calls, caches,
-                                Path(tmp, f"{stream}-{mode}-{state}.json"), named)
+                for state, job_id in STATES:
+                    out = Path(tmp, f"{stream}-{mode}-{state.replace(' ', '-')}.json")
+                    m = run_one(stream, mode, args.calls, caches, out, job_id)
                     if m.get("status") != "ok":
                         line = f"{stream:<6} {mode:<20} {state:<7} FAILED {m.get('error')}"
                     else:

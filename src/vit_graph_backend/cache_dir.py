@@ -1,6 +1,9 @@
 """One folder, owned by the user, for what a process keeps for the next: Inductor's and Triton's
-compiled kernels and Dynamo's record of which sizes turned dynamic, which make a second process's
-first pass fast (``docs/performance.md``, first pass).
+compiled kernels, which make a second process's first pass fast (``docs/performance.md``, first
+pass). Under a compile job id of the user's (``TORCH_COMPILE_JOB_ID``) Dynamo keeps its record of
+which sizes turned dynamic there too; none is set here: a later process would then trace the
+dynamic graph, and so compile and capture every budget, in its first call
+(``docs/performance.md``, first pass).
 
 Compiled kernels are code that a later process loads and runs, so the folder must be one that
 no other user can write: :func:`use_cache_dir` creates it readable by its owner only and refuses
@@ -17,17 +20,12 @@ import stat
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["CACHE_DIR_ENV", "JOB_ID", "default_cache_dir", "unsafe_reason", "use_cache_dir"]
+__all__ = ["CACHE_DIR_ENV", "default_cache_dir", "unsafe_reason", "use_cache_dir"]
 
 log = logging.getLogger("vit_graph_backend")
 
 #: The environment variable that names the folder (else :func:`default_cache_dir`).
 CACHE_DIR_ENV = "VITGRAPH_CACHE_DIR"
-
-#: The compile job id :func:`use_cache_dir` sets where the user set none. Dynamo keeps its record
-#: of the sizes that turned dynamic (a file in Inductor's cache folder, so in this one) only under
-#: a job id; without it every process traces a model twice, static and then dynamic.
-JOB_ID = "vit_graph_backend"
 
 
 def default_cache_dir() -> Path:
@@ -60,14 +58,12 @@ def unsafe_reason(path: Path, *, parent: bool = False) -> str | None:
 
 
 def use_cache_dir(path: str | os.PathLike[str] | None = None) -> Path | None:
-    """Keep Inductor's and Triton's compiled kernels and Dynamo's record of dynamic sizes in
-    ``path`` (default: :func:`default_cache_dir`), under a folder per torch version, for this
-    process and the next.
+    """Keep Inductor's and Triton's compiled kernels (and, under a compile job id, Dynamo's record
+    of dynamic sizes) in ``path`` (default: :func:`default_cache_dir`), under a folder per torch
+    version, for this process and the next.
 
     Call it before the first compile: it sets ``TORCHINDUCTOR_CACHE_DIR`` and
-    ``TRITON_CACHE_DIR``, which they read when they compile, and ``torch.compiler.config.job_id``
-    to :data:`JOB_ID` where it is unset (a job id of the user's own is kept; the record is kept
-    per job id, code location and rank). Creates missing folders readable by
+    ``TRITON_CACHE_DIR``, which they read when they compile. Creates missing folders readable by
     their owner only. Every folder from the root down to the caches is checked: a link, another
     user's folder or one others can write (a sticky ``/tmp`` aside) is refused. Returns the
     folder used; ``None`` (after one warning naming the folder and why) where a folder is unsafe
@@ -96,10 +92,6 @@ def use_cache_dir(path: str | os.PathLike[str] | None = None) -> Path | None:
     except (OSError, RuntimeError) as exc:   # no home folder, no permission, a full disk
         return _refused(path if path is not None else CACHE_DIR_ENV, f"{type(exc).__name__}: {exc}")
     os.environ.update({name: str(folder) for name, folder in folders.items()})
-    import torch   # here, not above: ``vitgraph plan`` imports this module without torch
-
-    if torch.compiler.config.job_id is None:
-        torch.compiler.config.job_id = JOB_ID
     return keyed
 
 

@@ -149,9 +149,8 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
     caches.add_argument("--cold", action="store_true", help="start Inductor's and Triton's "
                         "caches empty, in a folder removed at exit (Python's bytecode and CUDA's "
                         "caches stay warm); without it they are read as earlier runs left them")
-    caches.add_argument("--cache-dir", metavar="PATH", help="read and keep compiled kernels and "
-                        "Dynamo's record of dynamic sizes in PATH (use_cache_dir), so the next "
-                        "run with it starts warm")
+    caches.add_argument("--cache-dir", metavar="PATH", help="read and keep compiled kernels in "
+                        "PATH (use_cache_dir), so the next run with it starts warm")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--strict", action="store_true", help="exit 1 if any mode failed")
     p.add_argument("--list", action="store_true", help="list models, workloads and modes")

@@ -50,8 +50,8 @@ BYTECODE_NOTE = (
 JOB_ID_NOTE = (
     "torch.compiler.config.job_id is unset (TORCH_COMPILE_JOB_ID): Dynamo keeps no profile of "
     "which dimensions turned dynamic, so every new process traces a compiled model twice (first "
-    "call static, then with a dynamic batch); with a job id (--cache-dir sets one) a process "
-    "after the first traces it once (docs/performance.md, first pass)."
+    "call static, then with a dynamic batch); with a job id a process after the first traces it "
+    "once, in its first call (docs/performance.md, first pass)."
 )
 
 
@@ -238,8 +238,7 @@ def _use_caches(cfg: BenchConfig) -> str | None:
             return None
         used = use_cache_dir(cfg.cache_dir)
         return (f"cache_dir: the caches stay as they were: {cfg.cache_dir} was refused"
-                if used is None else f"cache_dir: compiled kernels and Dynamo's record of "
-                f"dynamic sizes read from and kept in {used}")
+                if used is None else f"cache_dir: compiled kernels read from and kept in {used}")
     folder = tempfile.mkdtemp(prefix="vitgraph-cold-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     used = use_cache_dir(folder)
