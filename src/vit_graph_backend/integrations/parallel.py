@@ -27,6 +27,7 @@ from torch import nn
 from .assignment import assign_items
 from ..budgets import ceil_div
 from ..adapters.serve import PackedGraphEncoder
+from ..runtime.replay_io import output_tensors
 
 __all__ = ["DataParallelEncoder", "data_parallel"]
 
@@ -133,7 +134,7 @@ class DataParallelEncoder(nn.Module):
         local = self._local(local_pixels, grid_thw[mine])
         tokens = [s.output_tokens for s in specs]
         gathered = [_gather_rows(t, [sum(tokens[i] for i in items) for items in assignment.ranks],
-                                 self.group) for t in _as_tuple(local)]
+                                 self.group) for t in output_tensors(local)]
         out = [_reorder(parts, assignment.ranks, tokens) for parts in gathered]
         return out[0] if isinstance(local, torch.Tensor) else type(local)(out)
 
@@ -168,10 +169,6 @@ class DataParallelEncoder(nn.Module):
             return torch.cat(_gather_rows(t, [chunk] * world, self.group))[:rows]
 
         return _map_tensors(local, gather)
-
-
-def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
-    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
 
 def _gather_rows(local: torch.Tensor, sizes: Sequence[int], group: Any) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 from .. import _compat
 from ..errors import error_line, out_of_memory
 from .launch import capture_stream, device_index, launch_kind, make_launcher
+from .replay_io import output_tensors
 
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "beside_captures",
            "capture_budget_graph", "capture_lock", "capturing", "close_failed_capture", "mib",
@@ -277,12 +278,6 @@ def capture_budget_graph(
     return CaptureOutcome(graph=launcher, output=output)
 
 
-def _output_tensors(output: Any) -> list[torch.Tensor]:
-    if output is None:
-        return []
-    return [output] if isinstance(output, torch.Tensor) else list(output)
-
-
 @dataclass
 class BudgetGraph:
     """One budget's static buffers, its graph (``None`` without CUDA) and its static output."""
@@ -438,7 +433,7 @@ class BudgetGraphs:
             device=self.device, warmup_iters=self.warmup_iters, memory=self.memory, held=held,
             new_static=storage_bytes(static.values(), held_storages),
             live_outputs=storage_bytes(t for g in self.entries.values()
-                                       for t in _output_tensors(g.output)),
+                                       for t in output_tensors(g.output)),
             graph_launch=self.graph_launch)
         if outcome.skipped is None:
             self.entries[budget] = BudgetGraph(budget, static, outcome.graph, outcome.output)

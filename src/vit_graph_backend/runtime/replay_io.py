@@ -19,8 +19,8 @@ from ..planner import Segment
 from ..protocol import StampedBuffers
 
 __all__ = ["assemble", "copy_padded", "head_copy", "infer_device_dtype", "input_tensors",
-           "map_output", "max_rel_error", "needs_grad", "split_rows", "verify_tolerance",
-           "write_inputs"]
+           "map_output", "max_rel_error", "needs_grad", "output_rows", "output_tensors",
+           "split_rows", "verify_tolerance", "write_inputs"]
 
 _DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -49,7 +49,7 @@ def max_rel_error(actual: Any, expected: Any) -> float:
     """Largest absolute difference over the tensors of two outputs, relative to each expected
     tensor's largest magnitude (at least 1); ``inf`` if any difference is NaN."""
     worst = 0.0
-    for a, e in zip(_tensors(actual), _tensors(expected)):
+    for a, e in zip(output_tensors(actual), output_tensors(expected)):
         scale = max(float(e.abs().max()) if e.numel() else 0.0, 1.0)
         diff = (a.float() - e.float()).abs()
         err = float(diff.max()) if diff.numel() else 0.0
@@ -59,7 +59,10 @@ def max_rel_error(actual: Any, expected: Any) -> float:
     return worst
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of an output: one tensor, a sequence of them, or ``None`` (none)."""
+    if out is None:
+        return []
     return [out] if isinstance(out, torch.Tensor) else list(out)
 
 
@@ -124,7 +127,7 @@ def copy_padded(static: dict[str, torch.Tensor], key: str, value: torch.Tensor,
 
 def split_rows(out: Any, segments: Sequence[Segment]) -> list[Any]:
     """Per-segment views of a packed output whose rows hold the segments back to back."""
-    if len(segments) == 1 and _rows(out) == segments[0].tokens:
+    if len(segments) == 1 and output_rows(out) == segments[0].tokens:
         return [out]  # one segment filling the output: no view needed
     result, offset = [], 0
     for seg in segments:
@@ -134,7 +137,8 @@ def split_rows(out: Any, segments: Sequence[Segment]) -> list[Any]:
     return result
 
 
-def _rows(out: Any) -> int:
+def output_rows(out: Any) -> int:
+    """The rows of an output's first tensor."""
     return (out if isinstance(out, torch.Tensor) else out[0]).shape[0]
 
 

@@ -34,7 +34,8 @@ from ..adapters.serve import concat_items
 from ..options import VitGraphOptions
 from ..runtime.manager import EncoderCudaGraphManager
 from ..errors import UnsupportedGraphError
-from ..runtime.replay_io import copy_padded, map_output, max_rel_error, verify_tolerance
+from ..runtime.replay_io import (copy_padded, map_output, max_rel_error, output_rows,
+                                 output_tensors, verify_tolerance)
 from .poison import PoolPoisoner, poison_static_buffers
 from .strategies import image_grids
 
@@ -166,7 +167,7 @@ def _check_call(adapter: Any, padding_adapter: Any, manager: EncoderCudaGraphMan
     start = 0
     for i, (spec, grid) in enumerate(zip(specs, grids)):
         alone = adapter.encoder_eager_forward(inputs, [i])
-        rows = _rows(alone)
+        rows = output_rows(alone)
         if spec.frames != grid[0] or spec.output_tokens != rows:
             raise AdapterCheckError("specs", f"item {i} ({grid}): spec {spec}, but the item has "
                                     f"{grid[0]} frames and {rows} output rows, {where}")
@@ -229,21 +230,13 @@ def _check_padding(adapter: Any, manager: EncoderCudaGraphManager, inputs: Any,
 
 
 def _close(rule: str, actual: Any, expected: Any, tol: float, what: str) -> None:
-    got, want = _tensors(actual), _tensors(expected)
+    got, want = output_tensors(actual), output_tensors(expected)
     if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
         raise AdapterCheckError(rule, f"{what}: shapes {[tuple(g.shape) for g in got]} against "
                                 f"{[tuple(w.shape) for w in want]}")
     err = max_rel_error(got, want)
     if not err <= tol:
         raise AdapterCheckError(rule, f"{what}: relative error {err:.3g} > tolerance {tol:.3g}")
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    return [out] if isinstance(out, torch.Tensor) else list(out)
-
-
-def _rows(out: Any) -> int:
-    return _tensors(out)[0].shape[0]
 
 
 def _slice(out: Any, lo: int, hi: int) -> Any:
