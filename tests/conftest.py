@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 def _reset_dynamo():
     """Each test starts and ends with no compiled frames or captured graphs left over, and with
     PyTorch's ``backed_size_oblivious`` (the backend turns it on: backend.py) and compile job id
-    (``use_cache_dir`` sets one) as it found them."""
+    (tests set one) as it found them."""
     import sys
 
     fx_config = None

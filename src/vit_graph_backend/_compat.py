@@ -1,4 +1,4 @@
-"""The only module that touches private PyTorch APIs or checks PyTorch versions.
+"""The only module that touches private PyTorch APIs.
 
 One small wrapper per capability, each guarded, each naming where the API lives upstream.
 ``tests/unit/test_compat.py`` calls every wrapper on the installed torch, so a PyTorch release that

@@ -82,7 +82,8 @@ def test_operands_the_descriptors_cannot_take_run_the_reference():
 
 def test_threads_meeting_new_shapes_together_get_right_answers():
     """Each thread waits on its own stream: a device-wide ``torch.cuda.synchronize()`` while
-    another thread captures a timing graph is refused by CUDA (README, the contract)."""
+    another thread captures a timing graph is refused by CUDA (README, "Weights, hooks and bad
+    requests")."""
     def work(i):
         x, w, b = _operands(300 + 64 * i, 128, 256, seed=10 + i)
         for _ in range(3):

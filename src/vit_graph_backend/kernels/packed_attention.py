@@ -143,7 +143,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
     Args:
         scale: softmax scale; ``varlen`` is called without it and must default to the same
             value (``head_dim ** -0.5``).
-        varlen: ``torch.nn.attention.varlen.varlen_attn``, or ``None`` where torch lacks it.
+        varlen: ``torch.nn.attention.varlen.varlen_attn`` (``_compat.get_varlen_attn``).
         ragged: cuDNN's ragged attention to try first where flash varlen would serve a graph's
             segments (:func:`varlen_attention`), or ``None``.
     """

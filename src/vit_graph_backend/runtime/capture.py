@@ -432,7 +432,7 @@ class BudgetGraphs:
             budget, self.model.encoder_cudagraph_forward, static, pool=self.graph_pool,
             device=self.device, warmup_iters=self.warmup_iters, memory=self.memory, held=held,
             new_static=storage_bytes(static.values(), held_storages),
-            live_outputs=storage_bytes(t for g in self.entries.values()
+            live_outputs=storage_bytes(t for g in self.entries.values() if g.output is not None
                                        for t in output_tensors(g.output)),
             graph_launch=self.graph_launch)
         if outcome.skipped is None:

@@ -60,9 +60,7 @@ def max_rel_error(actual: Any, expected: Any) -> float:
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
-    """The tensors of an output: one tensor, a sequence of them, or ``None`` (none)."""
-    if out is None:
-        return []
+    """The tensors of an output: one tensor or a sequence of them."""
     return [out] if isinstance(out, torch.Tensor) else list(out)
 
 

@@ -61,7 +61,7 @@ V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_gra
             "fallback_reasons"}
 
 
-def test_schema_v6_is_pinned():
+def test_schema_v7_is_pinned():
     assert SCHEMA_VERSION == 7
     assert set(RESULT_SCHEMA["routing"]["planned"]) == V3_STATS
     assert set(RESULT_SCHEMA) == V1_TOP
