@@ -27,8 +27,8 @@ from .launch import capture_stream, device_index, launch_kind, make_launcher
 from .replay_io import output_tensors
 
 __all__ = ["BudgetGraph", "BudgetGraphs", "CaptureOutcome", "GraphMemory", "beside_captures",
-           "capture_budget_graph", "capture_lock", "capturing", "close_failed_capture", "mib",
-           "storage_bytes"]
+           "capture_broken", "capture_budget_graph", "capture_lock", "capturing",
+           "close_failed_capture", "mib", "storage_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,12 @@ def close_failed_capture(pool: Any, device: torch.device) -> None:
                 pass
         except RuntimeError:  # nothing more to do: the next capture settles it
             pass
+
+
+def capture_broken(text: str) -> bool:
+    """Whether an error's ``text`` is CUDA refusing or invalidating a capture (not the fault of
+    what was captured): a budget's capture is taken again, a kernel timing tried later."""
+    return "when stream is capturing" in text or "during capture" in text
 
 
 def mib(n: int | None) -> str:

@@ -23,7 +23,8 @@ import torch
 
 from ..budgets import BudgetConfig
 from ..errors import InvalidInputError, InvalidOptionError, UnsupportedGraphError, error_line
-from .capture import BudgetGraphs, CaptureOutcome, beside_captures, capture_lock, mib
+from .capture import (BudgetGraphs, CaptureOutcome, beside_captures, capture_broken,
+                      capture_lock, mib)
 from ..options import VitGraphOptions
 from ..planner import Batch, Segment
 from .replay_io import (assemble, head_copy, infer_device_dtype, map_output, max_rel_error,
@@ -33,7 +34,6 @@ from ..protocol import SupportsEncoderCudaGraph
 from .served_budgets import ServedBudgets
 from ..stats import GraphStats
 from .stream_order import order_for
-from .timing import capture_broken
 from .weights import WeightSlots, python_outside_graphs
 
 __all__ = ["EncoderCudaGraphManager", "infer_device_dtype", "map_output"]
@@ -268,11 +268,9 @@ class EncoderCudaGraphManager:
                 outs = split_rows(self.model.encoder_reference_forward(inputs),  # type: ignore
                                   whole.segments)
             self.stats.record_eager(len(specs), reason)
-            if reason not in self._logged:
-                self._logged.add(reason)
-                log.info("vitgraph: answering calls eagerly while %s; until they serve, other "
-                         "GPU work that synchronizes the device or draws random numbers on it "
-                         "can raise (call wait_prepared() first)", reason)
+            self._log_once(f"vitgraph: answering calls eagerly while {reason}; until they "
+                           "serve, other GPU work that synchronizes the device or draws random "
+                           "numbers on it can raise (call wait_prepared() first)", logging.INFO)
         else:
             outs = self._eager(inputs, whole, reason)
         return [assemble([(0, out)]) for out in outs]
@@ -536,10 +534,10 @@ class EncoderCudaGraphManager:
                 self._off_reason = None
             self.clear()
 
-    def _log_once(self, message: str) -> None:
+    def _log_once(self, message: str, level: int = logging.WARNING) -> None:
         if message not in self._logged:
             self._logged.add(message)
-            log.warning(message)
+            log.log(level, message)
 
 
 #: Managers preparing in the background: the interpreter's exit waits for their capture in

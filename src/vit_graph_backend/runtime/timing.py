@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import error_line, out_of_memory
-from .capture import capture_lock, capturing, close_failed_capture
+from .capture import capture_broken, capture_lock, capturing, close_failed_capture
 
 __all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "kernel_timing_seconds", "time_each",
            "timings_short_of_memory"]
@@ -132,12 +132,6 @@ def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int,
         with _SHORT_LOCK:
             _SHORT[0] += short
     return times, failures
-
-
-def capture_broken(text: str) -> bool:
-    """Whether an error's ``text`` is CUDA refusing or invalidating a capture (not the fault of
-    what was captured)."""
-    return "when stream is capturing" in text or "during capture" in text
 
 
 _SHORT = [0]
