@@ -67,6 +67,16 @@ def _reset_dynamo():
             torch.compiler.config.job_id = job_id
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_choices(monkeypatch):
+    """Kernel choices are kept only where a test sets a folder (``use_cache_dir``), and only for
+    that test: a choice kept by one would answer the next one's timing."""
+    from vit_graph_backend import cache_dir
+
+    monkeypatch.setattr(cache_dir, "_folder", None)
+    monkeypatch.setattr(cache_dir, "_choices", None)
+
+
 @pytest.fixture
 def padded_cpu(monkeypatch):
     """Managers made during the test pad batches to their budgets without CUDA, as graphs

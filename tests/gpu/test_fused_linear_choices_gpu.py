@@ -199,3 +199,25 @@ def test_the_backend_begins_each_fused_shape_s_build_when_it_rewrites_the_graph(
     # fc1 of each layer, at each Dynamo compile of the model (static, then dynamic)
     assert began and set(began) == {((1024, 256), True, "quick_gelu")}
     assert len(began) == 2 * vit_graph_backend.report()["compiles"]
+
+
+def test_a_choice_kept_in_the_cache_folder_answers_a_later_process_untimed(tmp_path,
+                                                                          monkeypatch):
+    """Under ``use_cache_dir`` a timed shape's winner is kept; a later process (its choices not
+    yet read, a new choices object) runs it without timing, and gets the same numbers."""
+    from vit_graph_backend import cache_dir
+    from vit_graph_backend.runtime.timing import kernel_timing_seconds
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var))
+    assert vit_graph_backend.use_cache_dir(tmp_path / "cache") is not None
+    x, w, b = _operands(3 * 577 + 5, 128, 512, seed=4)
+    first = fused_linear.LinearActChoices()
+    out = first.run(x, w, b, "quick_gelu")
+    (winner,) = first.chosen.values()
+    monkeypatch.setattr(cache_dir, "_choices", None)   # a new process reads the file
+    later = fused_linear.LinearActChoices()
+    timed = kernel_timing_seconds()
+    again = later.run(x, w, b, "quick_gelu")
+    assert kernel_timing_seconds() == timed and list(later.chosen.values()) == [winner]
+    torch.testing.assert_close(again, out, rtol=0, atol=0)

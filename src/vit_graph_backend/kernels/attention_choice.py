@@ -4,7 +4,8 @@ Full attention runs cuDNN where it imports, else flash varlen; the Triton segmen
 against it per budget, window layers time the short-segment kernel against flash varlen, and
 ``"auto"`` times dense SDPA for one-segment budgets. No kernel wins everywhere, so each race runs
 on the budget's own shapes near the bottom of its range, checks the kernels agree and keeps the
-faster, timed from CUDA-graph replays (single launches would measure host time).
+faster, timed from CUDA-graph replays (single launches would measure host time). Under
+``use_cache_dir`` a later process reads the choices instead of timing again.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 
 import torch
 
+from ..cache_dir import keep_choice, kept_choice
 from ..errors import InvalidOptionError, MissingDependencyError, error_line
-from ..runtime.timing import graph_ms
+from ..runtime.timing import choice_key, graph_ms
 from .cudnn_attention import RaggedAttention, cudnn_frontend_reason
 from .packed_attention import Segments, dense_sdpa, varlen_attention, widen_for_dense
 from .segment_attention import SegmentFlashAttention
@@ -160,6 +162,9 @@ class AttentionChoice:
         window, slots = windows
         if self.short is None or varlen is None or not _timed_on(device) or window < 1:
             return "varlen"
+        key = choice_key("window attention", device, rows, heads, head_dim, window, slots, dtype)
+        if (kept := _kept(key, ("short", "varlen"), rows, "window attention")) is not None:
+            return kept
         full, rest = divmod(rows, window)
         lengths = [window] * full + ([rest] if rest else [])
         count = slots + rows // window + 2  # the graph's slot count (at least)
@@ -174,6 +179,7 @@ class AttentionChoice:
         if ms is None:
             return "varlen"
         choice = "short" if ms["short"] < ms["varlen"] else "varlen"
+        keep_choice(key, choice)
         log.info("vitgraph: %d rows, window attention: %s (flash varlen %.3f ms, short-segment "
                  "kernel %.3f ms)", rows, choice, ms["varlen"], ms["short"])
         return choice
@@ -184,6 +190,10 @@ class AttentionChoice:
         """Time the Triton segment kernel against cuDNN (else flash varlen); ``"triton"`` if faster."""
         if self.segment is None or varlen is None or not _timed_on(device):
             return "varlen"
+        key = choice_key("full attention", device, rows, heads, head_dim, frames, dtype,
+                         self.ragged is not None)
+        if (kept := _kept(key, ("triton", "varlen"), rows, "full attention")) is not None:
+            return kept
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
         segment = self.segment
         total: dict[str, float] = {}
@@ -200,6 +210,7 @@ class AttentionChoice:
                 total[name] = total.get(name, 0.0) + value
         self.full_timings[rows] = {key: round(value, 4) for key, value in total.items()}
         choice = "triton" if total["triton"] < total["varlen"] else "varlen"
+        keep_choice(key, choice)
         log.info("vitgraph: %d rows, full attention over segments: %s (%s %.3f ms, Triton "
                  "segment kernel %.3f ms)", rows, choice,
                  "cuDNN" if self.ragged is not None else "flash varlen", total["varlen"],
@@ -208,6 +219,10 @@ class AttentionChoice:
 
     def _measure(self, rows: int, heads: int, head_dim: int, scale: float,
                  device: torch.device, dtype: torch.dtype, varlen: Callable[..., Any]) -> str:
+        key = choice_key("dense attention", device, rows, heads, head_dim, dtype,
+                         self.full_by_rows.get(rows), self.ragged is not None)
+        if (kept := _kept(key, ("dense", "varlen"), rows, "full attention, one image")) is not None:
+            return kept
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
         real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)
         offsets = torch.tensor([0, real, rows], dtype=torch.int32, device=device)
@@ -221,6 +236,7 @@ class AttentionChoice:
         if ms is None:
             return "varlen"
         choice = "dense" if ms["dense"] < _DENSE_MARGIN * ms["varlen"] else "varlen"
+        keep_choice(key, choice)
         log.info("vitgraph: %d rows, full attention: %s (segments %.3f ms, dense %.3f ms)",
                  rows, choice, ms["varlen"], ms["dense"])
         return choice
@@ -237,6 +253,15 @@ def full_layouts(rows: int, frames: int) -> list[list[int]]:
         ends = [*lengths, *[0] * max(0, frames - len(lengths)), rows - sum(lengths)]
         layouts.append([0, *itertools.accumulate(ends)])
     return layouts
+
+
+def _kept(key: str, allowed: tuple[str, ...], rows: int, what: str) -> str | None:
+    """The choice an earlier timing kept under ``key`` (``use_cache_dir``), if ``allowed``."""
+    kept = kept_choice(key)
+    if kept not in allowed:
+        return None
+    log.info("vitgraph: %d rows, %s: %s, as kept from an earlier timing", rows, what, kept)
+    return kept
 
 
 def _timed_on(device: torch.device) -> bool:

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ..cache_dir import keep_choice, kept_choice
 from ..runtime.capture import capture_lock
-from ..runtime.timing import graph_ms, time_each
+from ..runtime.timing import choice_key, graph_ms, time_each
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "GATED", "GATE_CHUNK", "LinearActChoices",
            "activation_of", "activation_reference", "fused_epilogue_unavailable", "gated_width",
@@ -261,6 +262,11 @@ class LinearActChoices:
                 choice = self.chosen.get(key)
                 timed = (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
                          and not torch.cuda.is_current_stream_capturing())
+            if timed:  # an earlier process's timing (use_cache_dir); never first run in a capture
+                choice = self._kept(rows, weight, bias, activation)
+                if choice is not None:
+                    with self._lock:
+                        choice, timed = self.chosen.setdefault(key, choice), False
             # the capture lock first, as a capture's warm-up holds it; busy (another thread
             # captures): cuBLAS + activation this time, timed at a later call
             lock = capture_lock(x.device)
@@ -305,15 +311,33 @@ class LinearActChoices:
             return _compat.addmm_gelu_tanh(rows, weight, bias)
         return kernels.linear_act(rows, weight, bias, activation, choice)
 
-    def _time(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              activation: str) -> Choice:
-        """The fastest way for this shape, each candidate timed from CUDA-graph replays."""
+    def _candidates(self, activation: str, bias: torch.Tensor | None) -> list[Choice]:
+        """The ways a shape may run: cuBLAS + activation, then those not refused."""
         gated = activation == GATED
         fused = [c for c in (GATED_CONFIGS if gated else FUSED_CONFIGS)
                  if (gated, c) not in self.refused]
         lt = ([_CUBLASLT] if activation == "gelu_tanh" and bias is not None
               and (False, _CUBLASLT) not in self.refused else [])
-        candidates: list[Choice] = [_UNFUSED, *lt, *fused]
+        return [_UNFUSED, *lt, *fused]
+
+    def _kept(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: str) -> Choice | None:
+        """The choice an earlier timing kept for this shape, if still a candidate."""
+        kept = kept_choice(_kept_key(rows, weight, bias, activation))
+        choice = tuple(kept) if isinstance(kept, list) else kept
+        if choice is not None and choice in self._candidates(activation, bias):
+            log.debug("vitgraph: linear+%s at %d x %d -> %d: %s, as kept", activation,
+                      *rows.shape, weight.shape[0], _name(choice))
+            return choice
+        return None
+
+    def _time(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: str) -> Choice:
+        """The fastest way for this shape, each candidate timed from CUDA-graph replays; kept for
+        later processes unless memory ran short for one."""
+        gated = activation == GATED
+        candidates = self._candidates(activation, bias)
+        fused = [c for c in candidates if isinstance(c, tuple)]
         kernels = _kernels()[0]
         build = self._builds.get((rows.device.index, rows.dtype, rows.shape[1], weight.shape[0],
                                   activation, bias is not None))
@@ -344,10 +368,18 @@ class LinearActChoices:
         if not times:  # out of memory: cuBLAS + activation, as for a shape met in a capture
             return _UNFUSED if short_of_memory else _PYTORCH
         best = min(times, key=times.__getitem__)
+        if not short_of_memory:   # the moment's memory aside, the winner is the shape's
+            keep_choice(_kept_key(rows, weight, bias, activation), best)
         log.debug("vitgraph: linear+%s at %d x %d -> %d: %s (%s)", activation, *rows.shape,
                   weight.shape[0], _name(best),
                   ", ".join(f"{_name(k)} {v:.4f} ms" for k, v in times.items()))
         return best
+
+
+def _kept_key(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: str) -> str:
+    return choice_key("linear_act", rows.device, rows.dtype, *rows.shape, weight.shape[0],
+                      activation, bias is not None)
 
 
 def _name(choice: Choice) -> str:

@@ -10,10 +10,14 @@ which would land in a model's first pass for every candidate.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
+from importlib import metadata
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -21,8 +25,8 @@ import torch
 from ..errors import error_line, out_of_memory
 from .capture import capture_broken, capture_lock, capturing, close_failed_capture
 
-__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "graph_ms", "kernel_timing_seconds", "time_each",
-           "timings_short_of_memory"]
+__all__ = ["LONG_REPLAY_MS", "LONG_REPS", "choice_key", "graph_ms", "kernel_timing_seconds",
+           "time_each", "timings_short_of_memory"]
 
 _T = TypeVar("_T")
 
@@ -106,6 +110,32 @@ def kernel_timing_seconds() -> float:
     pass's "kernel choices" phase in ``vitgraph bench``)."""
     with _lock:
         return _TIMED[0]
+
+
+def choice_key(what: str, device: torch.device, *shape: Any) -> str:
+    """The key a kernel choice is kept under across processes (``cache_dir.keep_choice``): what
+    was chosen and for which shape, on which GPU model, under which torch and Triton releases and
+    which code of this package (a digest of its sources: an edit times the kernels again)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        major, minor = torch.cuda.get_device_capability(index)
+        where = f"{torch.cuda.get_device_name(index)} sm{major}{minor}"
+    else:
+        where = device.type
+    return "|".join(map(str, (what, *shape, where, *_releases())))
+
+
+@functools.cache
+def _releases() -> tuple[str, ...]:
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = "none"
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        digest.update(source.read_bytes())
+    return f"torch {torch.__version__}", f"triton {triton}", f"code {digest.hexdigest()[:16]}"
 
 
 def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int, reps: int,
