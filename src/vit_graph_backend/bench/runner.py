@@ -20,10 +20,11 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .. import plan_preview
+from .. import __version__, plan_preview
 from ..budgets import BudgetConfig
 from ..options import VitGraphOptions
 from .attention_note import attention_note
+from .environment import collect_environment
 from .models import MODELS, ModelEntry, availability, build_model, call_specs, primary_output
 from .distributed import (DP_SUFFIX, LAUNCH_HINT, gather_floats, init_world, launched,
                           start_together)
@@ -374,9 +375,6 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         RuntimeError: if the model is unavailable here.
     """
     import torch
-
-    from .. import __version__
-    from .environment import collect_environment
 
     run = resolve(config, cuda_available=torch.cuda.is_available())
     cfg, entry = run.config, run.entry
