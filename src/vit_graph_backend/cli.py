@@ -139,9 +139,9 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--check-calls", type=_non_negative_int, default=3,
                    help="calls compared with eager for the max error (default 3)")
     p.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default cuda if present)")
-    p.add_argument("--dtype", choices=DTYPES,
-                   help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--json", metavar="PATH", help="write the result document (versioned JSON schema)")
+    p.add_argument("--dtype", choices=DTYPES, help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the result document (versioned JSON schema)")
     p.add_argument("--plot", metavar="PATH", help="write the latency distribution as a PNG")
     p.add_argument("--data-parallel", action="store_true", help="under torchrun: each vitgraph "
                    "mode also runs data-parallel over the ranks, as <mode>+dp (rank 0 reports)")

@@ -17,18 +17,6 @@ from .report import RESULT_SCHEMA, SCHEMA_VERSION, format_text, validate, write_
 from .runner import BenchConfig, resolve, run_benchmark
 from .workloads import MODALITIES, WORKLOADS
 
-__all__ = [
-    "MODALITIES",
-    "MODELS",
-    "MODES",
-    "RESULT_SCHEMA",
-    "SCHEMA_VERSION",
-    "WORKLOADS",
-    "BenchConfig",
-    "format_text",
-    "resolve",
-    "run_benchmark",
-    "validate",
-    "write_json",
-    "write_plot",
-]
+__all__ = ["MODALITIES", "MODELS", "MODES", "RESULT_SCHEMA", "SCHEMA_VERSION", "WORKLOADS",
+           "BenchConfig", "format_text", "resolve", "run_benchmark", "validate", "write_json",
+           "write_plot"]

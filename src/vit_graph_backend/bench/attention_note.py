@@ -9,14 +9,10 @@ __all__ = ["attention_note"]
 
 
 def attention_note(fn: Any) -> str | None:
-    """The attention kernels of a served packed tower's graphs, from
-    ``served.encoder.attention_state``: full attention (cuDNN or flash varlen, and in how many
-    budgets the Triton segment kernel), window layers (in how many budgets the short-segment
-    kernel), with why not; ``None`` for other modes.
-
-    Args:
-        fn: the mode's callable (a ``PackedGraphEncoder`` for packed vitgraph modes).
-    """
+    """The attention kernels in the graphs of ``fn``, a mode's callable (a ``PackedGraphEncoder``
+    for packed vitgraph modes): full attention (cuDNN or flash varlen, and in how many budgets the
+    Triton segment kernel), window layers (in how many budgets the short-segment kernel), with why
+    not; ``None`` for other modes."""
     state = getattr(getattr(fn, "encoder", None), "attention_state", None)
     if not isinstance(state, dict) or "segments" not in state:
         return None

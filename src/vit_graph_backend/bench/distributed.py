@@ -16,8 +16,7 @@ __all__ = ["DP_SUFFIX", "LAUNCH_HINT", "gather_floats", "init_world", "is_rank_z
 
 #: Suffix of a mode run data-parallel (``vitgraph+dp``).
 DP_SUFFIX = "+dp"
-
-
+#: The error of a ``data_parallel`` run outside ``torchrun``, naming the command that launches it.
 LAUNCH_HINT = ("data_parallel=True needs a torchrun launch (RANK and WORLD_SIZE are unset): "
                "torchrun --nproc-per-node N -m vit_graph_backend bench --data-parallel ...")
 

@@ -14,9 +14,8 @@ from typing import Any
 __all__ = ["OPTIONAL_PACKAGES", "backend_status", "collect_environment", "package_version"]
 
 #: Optional packages reported by ``vitgraph info`` and recorded with every result.
-OPTIONAL_PACKAGES: tuple[str, ...] = (
-    "timm", "transformers", "matplotlib", "tqdm", "hypothesis", "pytest", "torch-tensorrt",
-)
+OPTIONAL_PACKAGES: tuple[str, ...] = ("timm", "transformers", "matplotlib", "tqdm", "hypothesis",
+                                       "pytest", "torch-tensorrt")
 
 
 def package_version(name: str) -> str | None:
@@ -73,21 +72,19 @@ def backend_status() -> dict[str, Any]:
     """
     import torch
 
+    list_error = None
     try:
         listed = "vitgraph" in torch.compiler.list_backends(exclude_tags=())
     except Exception as exc:  # a broken third-party entry point must not break `info`
         listed, list_error = False, f"{type(exc).__name__}: {exc}"
-    else:
-        list_error = None
     entry_point = None
     for ep in importlib.metadata.entry_points(group="torch_dynamo_backends"):
         if ep.name == "vitgraph":
             entry_point = ep.value
+    importable, error = True, None
     try:
         from ..compile.backend import vitgraph  # noqa: F401
     except Exception as exc:
         importable, error = False, f"{type(exc).__name__}: {exc}"
-    else:
-        importable, error = True, None
     return {"listed": listed, "list_error": list_error, "entry_point": entry_point,
             "importable": importable, "error": error}

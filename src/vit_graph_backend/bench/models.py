@@ -1,4 +1,4 @@
-"""The model registry of ``vitgraph bench``: vision encoders built from a config with random weights.
+"""The model registry of ``vitgraph bench``: vision encoders built from a config, random weights.
 
 Nothing is downloaded: every entry builds its model from a config, seeded, so runs are
 reproducible offline; an entry whose library or class is missing is listed as unavailable with
@@ -26,16 +26,8 @@ from ..budgets import ceil_div
 from ..specs import EncoderItemSpec
 from .workloads import Call, SizeSpace
 
-__all__ = [
-    "MODELS",
-    "BuiltModel",
-    "ModelEntry",
-    "availability",
-    "build_model",
-    "call_specs",
-    "primary_output",
-    "torchvision_problem",
-]
+__all__ = ["MODELS", "BuiltModel", "ModelEntry", "availability", "build_model", "call_specs",
+           "primary_output", "torchvision_problem"]
 
 
 @dataclass(frozen=True)
@@ -180,6 +172,9 @@ _P14 = (224, 252, 280, 336)
 _Q2 = "transformers.models.qwen2_vl.modeling_qwen2_vl"
 _Q25 = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
 _Q3 = "transformers.models.qwen3_vl.modeling_qwen3_vl"
+_CLIP = ("transformers.models.clip.modeling_clip", "CLIPVisionModel", "CLIPVisionConfig")
+_SIGLIP = ("transformers.models.siglip.modeling_siglip", "SiglipVisionModel", "SiglipVisionConfig")
+_DINO = ("transformers.models.dinov2.modeling_dinov2", "Dinov2Model", "Dinov2Config")
 _TINY_W = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 2}
 
@@ -202,42 +197,33 @@ def _entries() -> list[ModelEntry]:
         ModelEntry("vit-l16", "timm ViT", "batched", "timm vit_large_patch16_224 (304 M)",
                    _timm("vit_large_patch16_224"), _space(224, _P16), 16, requires=_TIMM),
         ModelEntry("clip-tiny", "HF CLIP vision", "batched", "CLIPVisionModel, 2 layers, width 64",
-                   _hf(f"{hf}.models.clip.modeling_clip", "CLIPVisionModel", "CLIPVisionConfig",
-                       interpolate=True, image_size=64, patch_size=16, **_TINY_W),
+                   _hf(*_CLIP, interpolate=True, image_size=64, patch_size=16, **_TINY_W),
                    _space(64, _SMALL), 16, requires=(f"{hf}:CLIPVisionModel",)),
         ModelEntry("clip-b16", "HF CLIP vision", "batched", "CLIPVisionModel ViT-B/16 shape",
-                   _hf(f"{hf}.models.clip.modeling_clip", "CLIPVisionModel", "CLIPVisionConfig",
-                       interpolate=True, image_size=224, patch_size=16),
+                   _hf(*_CLIP, interpolate=True, image_size=224, patch_size=16),
                    _space(224, _P16), 16, requires=(f"{hf}:CLIPVisionModel",)),
         ModelEntry("clip-l14-336", "HF CLIP vision", "batched",
                    "CLIPVisionModel ViT-L/14 at 336 px (304 M; GPU-bound from batch 8)",
-                   _hf(f"{hf}.models.clip.modeling_clip", "CLIPVisionModel", "CLIPVisionConfig",
-                       interpolate=True, image_size=336, patch_size=14, hidden_size=1024,
+                   _hf(*_CLIP, interpolate=True, image_size=336, patch_size=14, hidden_size=1024,
                        intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
                    _space(336, (224, 280, 336)), 14, requires=(f"{hf}:CLIPVisionModel",)),
         ModelEntry("siglip-tiny", "HF SigLIP vision", "batched",
                    "SiglipVisionModel, 2 layers, width 64",
-                   _hf(f"{hf}.models.siglip.modeling_siglip", "SiglipVisionModel",
-                       "SiglipVisionConfig", interpolate=True, image_size=64, patch_size=16,
-                       **_TINY_W),
+                   _hf(*_SIGLIP, interpolate=True, image_size=64, patch_size=16, **_TINY_W),
                    _space(64, _SMALL), 16, requires=(f"{hf}:SiglipVisionModel",)),
         ModelEntry("siglip-b16", "HF SigLIP vision", "batched", "SiglipVisionModel B/16 shape",
-                   _hf(f"{hf}.models.siglip.modeling_siglip", "SiglipVisionModel",
-                       "SiglipVisionConfig", interpolate=True, image_size=224, patch_size=16),
+                   _hf(*_SIGLIP, interpolate=True, image_size=224, patch_size=16),
                    _space(224, _P16), 16, requires=(f"{hf}:SiglipVisionModel",)),
         ModelEntry("dinov2-tiny", "HF DINOv2", "batched", "Dinov2Model, 2 layers, width 64",
-                   _hf(f"{hf}.models.dinov2.modeling_dinov2", "Dinov2Model", "Dinov2Config",
-                       interpolate=False, image_size=56, patch_size=14, hidden_size=64,
+                   _hf(*_DINO, interpolate=False, image_size=56, patch_size=14, hidden_size=64,
                        num_hidden_layers=2, num_attention_heads=2),
                    _space(56, (56, 84, 112)), 14, requires=(f"{hf}:Dinov2Model",)),
         ModelEntry("dinov2-s14", "HF DINOv2", "batched", "Dinov2Model ViT-S/14 shape (22 M)",
-                   _hf(f"{hf}.models.dinov2.modeling_dinov2", "Dinov2Model", "Dinov2Config",
-                       interpolate=False, image_size=224, patch_size=14, hidden_size=384,
+                   _hf(*_DINO, interpolate=False, image_size=224, patch_size=14, hidden_size=384,
                        num_hidden_layers=12, num_attention_heads=6),
                    _space(224, _P14), 14, requires=(f"{hf}:Dinov2Model",)),
         ModelEntry("dinov2-b14", "HF DINOv2", "batched", "Dinov2Model ViT-B/14 shape (86 M)",
-                   _hf(f"{hf}.models.dinov2.modeling_dinov2", "Dinov2Model", "Dinov2Config",
-                       interpolate=False, image_size=224, patch_size=14),
+                   _hf(*_DINO, interpolate=False, image_size=224, patch_size=14),
                    _space(224, _P14), 14, requires=(f"{hf}:Dinov2Model",)),
         # Packed towers. Full-size shapes: Qwen2-VL-2B, Qwen2.5-VL-3B, Qwen3-VL-4B vision configs.
         ModelEntry("qwen2-vl-tiny", "HF Qwen2-VL vision", "packed", "2 blocks, width 64",
@@ -292,9 +278,10 @@ def _entries() -> list[ModelEntry]:
 MODELS: dict[str, ModelEntry] = {entry.name: entry for entry in _entries()}
 
 
-def _grid(entry: ModelEntry, height: int, width: int, frames: int) -> tuple[int, int, int]:
-    t = ceil_div(frames, entry.temporal_patch) if frames > 1 else 1
-    return t, height // entry.patch, width // entry.patch
+def _grids(entry: ModelEntry, call: Call) -> list[tuple[int, int, int]]:
+    """The ``(t, h, w)`` patch grid of each item of ``call``."""
+    return [(ceil_div(i.frames, entry.temporal_patch) if i.frames > 1 else 1,
+             i.height // entry.patch, i.width // entry.patch) for i in call.items]
 
 
 def call_specs(entry: ModelEntry, call: Call) -> list[EncoderItemSpec]:
@@ -307,11 +294,8 @@ def call_specs(entry: ModelEntry, call: Call) -> list[EncoderItemSpec]:
         rows = len(call.items)
         return [EncoderItemSpec(rows, rows)]
     m = entry.merge
-    specs = []
-    for item in call.items:
-        t, h, w = _grid(entry, item.height, item.width, item.frames)
-        specs.append(EncoderItemSpec(t * h * w, t * (h // m) * (w // m), t))
-    return specs
+    return [EncoderItemSpec(t * h * w, t * (h // m) * (w // m), t)
+            for t, h, w in _grids(entry, call)]
 
 
 @dataclass
@@ -338,7 +322,7 @@ class BuiltModel:
             x = torch.randn(len(call.items), entry.in_channels, first.height, first.width,
                             generator=generator)
             return (x.to(self.device, self.dtype),)
-        grids = [_grid(entry, i.height, i.width, i.frames) for i in call.items]
+        grids = _grids(entry, call)
         rows = sum(t * h * w for t, h, w in grids)
         dim = entry.in_channels * entry.temporal_patch * entry.patch * entry.patch
         x = torch.randn(rows, dim, generator=generator).to(self.device, self.dtype)
@@ -348,14 +332,8 @@ class BuiltModel:
 
 def build_model(entry: ModelEntry, *, device: Any, dtype: Any, dynamic_size: bool,
                 seed: int = 0) -> BuiltModel:
-    """Build ``entry`` with seeded random weights, in eval mode, on ``device`` in ``dtype``.
-
-    Args:
-        entry: the registry entry.
-        device: the device to build on.
-        dtype: the parameters' dtype.
-        dynamic_size: the stream has several image sizes.
-        seed: the weights' seed.
+    """Build ``entry`` with random weights seeded by ``seed``, in eval mode, on ``device`` in
+    ``dtype``; ``dynamic_size``: the stream has several image sizes.
 
     Raises:
         RuntimeError: if the entry is unavailable here (the message gives the reason).

@@ -4,9 +4,8 @@
   ``reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``.
 - ``vitgraph``: the defaults (batched: ``torch.compile(model, backend=vitgraph, options=...)``;
   packed: ``serve(tower, **options)``); ``vitgraph-eager``: ``inner_compiler="eager"``.
-- Not in the default list, each ``vitgraph`` with one option (:data:`VITGRAPH_MODES`):
-  ``vitgraph-inductor``, ``vitgraph-epilogue-off``, ``vitgraph-batch-invariant``,
-  ``vitgraph-torch-launch``, ``vitgraph-patch-conv`` (batched models), ``vitgraph-background``.
+- The other ``vitgraph-*`` modes, not in the default list: each ``vitgraph`` with one option
+  (:data:`VITGRAPH_MODES`); ``vitgraph-patch-conv`` applies to batched models.
 
 Packed towers go through :func:`vit_graph_backend.adapters.serve.serve`: Dynamo skips the router
 frame, so ``torch.compile`` options could not reach it. The backend object is passed directly, so
@@ -20,15 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "DEFAULT_MODES",
-    "MODES",
-    "VITGRAPH_MODES",
-    "PreparedMode",
-    "backend_report",
-    "prepare_mode",
-    "reset",
-]
+__all__ = ["DEFAULT_MODES", "MODES", "VITGRAPH_MODES", "PreparedMode", "backend_report",
+           "prepare_mode", "reset"]
 
 #: The modes a GPU run compares when none are named.
 DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead", "vitgraph",
@@ -64,19 +56,10 @@ class PreparedMode:
     wait: Callable[[], bool] | None = None
 
 
-def _packed_report(served: Any) -> dict[str, Any]:
-    """A packed encoder's report, shaped like ``vitgraph.report()`` (no Dynamo compiles)."""
-    return {"compiles": None, **served.report()}
-
-
 def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> PreparedMode:
-    """Build mode ``name`` around ``built`` (a :class:`~.models.BuiltModel`).
-
-    Args:
-        name: one of :data:`MODES`.
-        built: the model.
-        vitgraph_options: backend options shared by the vitgraph modes (budgets, policy, ...);
-            the mode adds its own (:data:`VITGRAPH_MODES`).
+    """Build mode ``name`` (one of :data:`MODES`) around ``built`` (a
+    :class:`~.models.BuiltModel`); ``vitgraph_options`` are the backend options the vitgraph
+    modes share (budgets, policy, ...), to which each adds its own (:data:`VITGRAPH_MODES`).
 
     Raises:
         ValueError: for an unknown mode. Anything else (missing backend or adapter) propagates.
@@ -96,7 +79,8 @@ def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> 
         from ..adapters.serve import serve
 
         served = serve(built.module, **options)
-        return PreparedMode(name, served, lambda: _packed_report(served),
+        # the report shaped like vitgraph.report(): a served tower has no Dynamo compiles
+        return PreparedMode(name, served, lambda: {"compiles": None, **served.report()},
                             served.manager.clear, options, served.wait_prepared)
     from ..compile.backend import vitgraph as backend
     from ..compile.backend import wait_prepared

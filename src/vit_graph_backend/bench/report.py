@@ -19,25 +19,21 @@ __all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "latency_figure", "
 SCHEMA_VERSION = 7
 
 
-class Nullable:
+class _Of:
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+
+class Nullable(_Of):
     """``spec`` or ``null``."""
 
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
 
-
-class ListOf:
+class ListOf(_Of):
     """A JSON array whose elements all match ``spec``."""
 
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
 
-
-class MapOf:
+class MapOf(_Of):
     """A JSON object with free string keys whose values all match ``spec``."""
-
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
 
 
 class OneOf:
@@ -90,11 +86,10 @@ RESULT_SCHEMA: dict[str, Any] = {
     "config": {
         "model": str, "workload": str, "modality": str, "modes": ListOf(str), "calls": int,
         "seed": int, "max_batch": int, "budgets": ListOf(int), "max_budget": Nullable(int),
-        "ladder_steps": Nullable(int),
-        "max_items_per_graph": Nullable(int), "max_frames_per_batch": Nullable(int),
-        "policy": str, "device": str, "dtype": str, "check_calls": int, "progress": bool,
-        "data_parallel": bool, "cold": bool, "cache_dir": Nullable(str),
-        "world_size": int,
+        "ladder_steps": Nullable(int), "max_items_per_graph": Nullable(int),
+        "max_frames_per_batch": Nullable(int), "policy": str, "device": str, "dtype": str,
+        "check_calls": int, "progress": bool, "data_parallel": bool, "cold": bool,
+        "cache_dir": Nullable(str), "world_size": int,
         "layout": OneOf("batched", "packed"), "family": str, "params": int, "items": int,
     },
     "routing": {
@@ -122,18 +117,14 @@ def _check(value: Any, spec: Any, path: str, problems: list[str]) -> None:
             return
         for i, element in enumerate(value):
             _check(element, spec.spec, f"{path}[{i}]", problems)
+    elif isinstance(spec, (MapOf, dict)) and not isinstance(value, dict):
+        problems.append(f"{path}: expected an object, got {type(value).__name__}")
     elif isinstance(spec, MapOf):
-        if not isinstance(value, dict):
-            problems.append(f"{path}: expected an object, got {type(value).__name__}")
-            return
         for key, element in value.items():
             if not isinstance(key, str):
                 problems.append(f"{path}: key {key!r} is not a string")
             _check(element, spec.spec, f"{path}.{key}", problems)
     elif isinstance(spec, dict):
-        if not isinstance(value, dict):
-            problems.append(f"{path}: expected an object, got {type(value).__name__}")
-            return
         missing, extra = sorted(set(spec) - set(value)), sorted(set(value) - set(spec))
         if missing:
             problems.append(f"{path}: missing keys {missing}")
@@ -168,8 +159,8 @@ _COLUMNS = ("mode", "status", "p50 ms", "p99 ms", "mean ms", "stream s", "first 
             "peak mem", "graphs", "hit rate", "padding", "max err", "speed-up")
 
 
-def _num(value: Any, fmt: str, na: str = "n/a") -> str:
-    return na if value is None else format(value, fmt)
+def _num(value: Any, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
 
 
 def _mib(n: int | None) -> str:
@@ -188,17 +179,13 @@ NO_CUDA_SPEEDUP_NOTE = (
     "(speedup_vs_eager).")
 
 
-def _runs_on_cuda(doc: Mapping[str, Any]) -> bool:
-    return str(doc["environment"]["device"]).startswith("cuda")
-
-
 def _speedup(m: Mapping[str, Any], cuda: bool) -> str:
     if m["speedup_vs_eager"] is None:
         return "n/a"
     return f"{m['speedup_vs_eager']:.2f}x" if cuda else NO_CUDA_SPEEDUP
 
 
-def _row(m: Mapping[str, Any], cuda: bool = True) -> tuple[str, ...]:
+def _row(m: Mapping[str, Any], cuda: bool) -> tuple[str, ...]:
     if m["status"] != "ok":
         return (m["mode"], "FAILED") + ("-",) * (len(_COLUMNS) - 2)
     lat = m["latency_ms"]
@@ -306,7 +293,7 @@ def format_text(doc: Mapping[str, Any]) -> str:
     ]
     lines += [f"note: {note}" for note in doc["notes"]]
     lines += [""] + _routing_lines(doc) + [""]
-    cuda = _runs_on_cuda(doc)
+    cuda = str(env["device"]).startswith("cuda")
     lines += _table([_COLUMNS] + [_row(m, cuda) for m in doc["modes"]])
     if not cuda and any(m["speedup_vs_eager"] is not None for m in doc["modes"]):
         lines.append(NO_CUDA_SPEEDUP_NOTE)

@@ -20,11 +20,12 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .. import plan_preview
+from .. import __version__, plan_preview
 from ..budgets import BudgetConfig
 from ..options import VitGraphOptions
 from .attention_note import attention_note
-from .models import MODELS, ModelEntry, availability, call_specs, primary_output
+from .environment import collect_environment
+from .models import MODELS, ModelEntry, availability, build_model, call_specs, primary_output
 from .distributed import (DP_SUFFIX, LAUNCH_HINT, gather_floats, init_world, launched,
                           start_together)
 from .modes import DEFAULT_MODES, MODES, VITGRAPH_MODES, backend_report, prepare_mode, reset
@@ -375,17 +376,12 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     """
     import torch
 
-    from .. import __version__
-    from .environment import collect_environment
-
     run = resolve(config, cuda_available=torch.cuda.is_available())
     cfg, entry = run.config, run.entry
     reason = availability(entry)
     if reason is not None:
         raise RuntimeError(f"model {entry.name!r} is unavailable here: {reason}")
     cache_note = _use_caches(cfg)
-    from .models import build_model
-
     world = 1
     if cfg.data_parallel:
         _, world, device = init_world(cfg.device)

@@ -35,13 +35,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def summarize(ms: Sequence[float]) -> dict[str, float]:
     """p50, p99, mean, min and max of per-call milliseconds."""
-    return {
-        "p50": percentile(ms, 50.0),
-        "p99": percentile(ms, 99.0),
-        "mean": sum(ms) / len(ms),
-        "min": min(ms),
-        "max": max(ms),
-    }
+    return {"p50": percentile(ms, 50.0), "p99": percentile(ms, 99.0), "mean": sum(ms) / len(ms),
+            "min": min(ms), "max": max(ms)}
 
 
 class CallTimer:
@@ -51,8 +46,8 @@ class CallTimer:
         import torch
 
         self._torch = torch
-        self.cuda = torch.device(device).type == "cuda"
         self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
 
     def sync(self) -> None:
         """Wait for the work of the calls (a no-op on CPU): the current stream's, where every

@@ -16,16 +16,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = [
-    "MODALITIES",
-    "WORKLOADS",
-    "Call",
-    "Item",
-    "SizeSpace",
-    "Workload",
-    "make_stream",
-    "resolve_modality",
-]
+__all__ = ["MODALITIES", "WORKLOADS", "Call", "Item", "SizeSpace", "Workload", "make_stream",
+           "resolve_modality"]
 
 MODALITIES: tuple[str, ...] = ("image", "video", "image+video")
 
@@ -83,23 +75,17 @@ def _square(side: int, n: int) -> list[Item]:
     return [Item(side, side)] * n
 
 
-def _mixed_sizes(rng: random.Random, max_batch: int, space: SizeSpace) -> list[Item]:
-    if space.one_size_per_call:
-        return _square(rng.choice(space.sizes), rng.randint(1, min(4, max_batch)))
-    return [Item(rng.choice(space.sizes), rng.choice(space.sizes))]
-
-
-def _multi_image(rng: random.Random, max_batch: int, space: SizeSpace) -> list[Item]:
-    n = rng.randint(1, min(4, max_batch))
+def _sized(rng: random.Random, space: SizeSpace, n: int) -> list[Item]:
+    """``n`` images: of one drawn square size on batched models, each its own h x w on packed."""
     if space.one_size_per_call:
         return _square(rng.choice(space.sizes), n)
     return [Item(rng.choice(space.sizes), rng.choice(space.sizes)) for _ in range(n)]
 
 
-def _mixed_batch(rng: random.Random, max_batch: int, space: SizeSpace) -> list[Item]:
-    if space.one_size_per_call:
-        return _square(rng.choice(space.sizes), max_batch)
-    return [Item(rng.choice(space.sizes), rng.choice(space.sizes)) for _ in range(max_batch)]
+def _mixed_sizes(rng: random.Random, max_batch: int, space: SizeSpace) -> list[Item]:
+    if space.one_size_per_call:  # the size is drawn before the count
+        return _square(rng.choice(space.sizes), rng.randint(1, min(4, max_batch)))
+    return _sized(rng, space, 1)
 
 
 def _gpu_bound(rng: random.Random, max_batch: int, space: SizeSpace) -> list[Item]:
@@ -119,9 +105,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload("mixed-sizes", "the image size changes per call (packed: 1 image, any h x w)",
                  _mixed_sizes),
         Workload("multi-image", "1..4 images per call, each its own size on packed models",
-                 _multi_image),
+                 lambda rng, n, space: _sized(rng, space, rng.randint(1, min(4, n)))),
         Workload("mixed-batch", "every call: max-batch images, each its own size on packed "
-                 "models (batched: one size per call)", _mixed_batch),
+                 "models (batched: one size per call)",
+                 lambda rng, n, space: _sized(rng, space, n)),
         Workload("video", "one video per call, frame count and size drawn per call",
                  lambda rng, n, space: _square(space.base, 1), modality="video"),
         Workload("gpu-bound", "batched: 8..max-batch images per call; packed: one image from the "
@@ -145,13 +132,10 @@ def resolve_modality(workload: str, modality: str | None, *, packed: bool) -> st
         raise ValueError(f"modality={resolved!r} is invalid: choose from {', '.join(MODALITIES)}")
     if implied == "video" and resolved == "image":
         raise ValueError(
-            f"workload {workload!r} streams videos: use --modality video or image+video, not image"
-        )
+            f"workload {workload!r} streams videos: use --modality video or image+video, not image")
     if resolved != "image" and not packed:
-        raise ValueError(
-            f"modality {resolved!r} needs a packed (Qwen-VL) model: batched [B, C, H, W] models "
-            "take images only"
-        )
+        raise ValueError(f"modality {resolved!r} needs a packed (Qwen-VL) model: batched "
+                         "[B, C, H, W] models take images only")
     return resolved
 
 
@@ -160,18 +144,10 @@ def _video(rng: random.Random, space: SizeSpace) -> Item:
     return Item(rng.choice(low), rng.choice(low), rng.choice(space.video_frames))
 
 
-def make_stream(
-    workload: str, modality: str, space: SizeSpace, *, calls: int, seed: int, max_batch: int
-) -> list[Call]:
-    """The seeded stream of ``calls`` calls.
-
-    Args:
-        workload: a :data:`WORKLOADS` name.
-        modality: a resolved modality (see :func:`resolve_modality`).
-        space: the model's size space.
-        calls: number of calls (>= 1).
-        seed: stream seed.
-        max_batch: most images a call gets from the workload (>= 1).
+def make_stream(workload: str, modality: str, space: SizeSpace, *, calls: int, seed: int,
+                max_batch: int) -> list[Call]:
+    """The seeded stream of ``calls`` calls (>= 1) of ``workload`` in ``modality`` (resolved: see
+    :func:`resolve_modality`); ``max_batch`` (>= 1) caps the images a call gets from the workload.
 
     Raises:
         ValueError: for an unknown workload or modality, or video on a model without video.

@@ -21,10 +21,9 @@ The reference is the tower's own forward: ``reference(inputs)``, or the adapter'
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import dataclasses
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -157,8 +156,7 @@ def _check_call(adapter: Any, padding_adapter: Any, manager: EncoderCudaGraphMan
                 reference: Callable, inputs: Any, grids: list[Grid], tol: float) -> None:
     where = f"call of grids {grids}"
     expected = reference(inputs)
-    every = list(range(len(grids)))
-    packed = adapter.encoder_eager_forward(inputs, every)
+    packed = adapter.encoder_eager_forward(inputs, list(range(len(grids))))
     _close("eager", packed, expected, tol, f"encoder_eager_forward, {where}")
 
     specs = list(adapter.get_encoder_cudagraph_item_specs(inputs))

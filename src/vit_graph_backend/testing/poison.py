@@ -54,8 +54,6 @@ class PoolPoisoner:
 
         self.manager = manager
         self.graph: Any = None
-        self.blocks = 0
-        self.bytes = 0
         pool = manager.graph_pool
         if manager.device.type != "cuda" or pool is None:
             return
@@ -74,7 +72,7 @@ class PoolPoisoner:
                 block.fill_(255)
                 held.append(block)
             del held
-        self.graph, self.blocks, self.bytes = graph, len(sizes), sum(sizes)
+        self.graph = graph
 
     def __call__(self) -> None:
         """Write NaN over the pool's free memory, ordered like a call."""
