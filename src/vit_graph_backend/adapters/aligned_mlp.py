@@ -229,13 +229,11 @@ class AlignedMLPs:
             shape[dim] = self.padded_width * scale
             return torch.zeros(shape, device=t.device, dtype=t.dtype)
 
-        # a bias for every in projection, zeros where it has none: one added later has room
-        if self.gated:  # one packed weight, twice the padded width
-            gate = getattr(mlp, self.ins[0])
-            ins = [(zeros_like_padded(gate.weight, 0, 2), zeros_like_padded(gate.weight[0], 0, 2))]
-        else:
-            ins = [(zeros_like_padded(linear.weight, 0), zeros_like_padded(linear.weight[0], 0))
-                   for linear in (getattr(mlp, name) for name in self.ins)]
+        # a bias for every in projection, zeros where it has none: one added later has room;
+        # gated: one packed weight (shaped after the gate's), twice the padded width
+        scale, names = (2, self.ins[:1]) if self.gated else (1, self.ins)
+        ins = [(zeros_like_padded(lin.weight, 0, scale), zeros_like_padded(lin.weight[0], 0, scale))
+               for lin in (getattr(mlp, name) for name in names)]
         return MLPWeights(ins, zeros_like_padded(getattr(mlp, self.out).weight, 1))
 
     def forward(self, layer: int, x: torch.Tensor,

@@ -7,10 +7,8 @@ grid_thw)`` and ``graph_unsupported_reason()``). An adapter wraps one tower (``a
 and reuses its submodules and weights, so ``.to()``, ``.eval()`` and loaded weights act on both;
 the one exception is the zero-padded MLP weight copies (``aligned_mlp``).
 
-Outputs: Qwen2-VL and Qwen2.5-VL adapters return HF's ``pooler_output`` (merged tokens in the
-caller's order, ``(tokens, out_hidden)``); Qwen3-VL's return ``(pooler_output,
-*deepstack_features)``; Qwen3.5's have no deepstack mergers. Inputs (``pixel_values``,
-``grid_thw``) are checked by ``inputs``; attention runs in ``kernels.packed_attention``.
+Each family's output is in its class docstring. Inputs (``pixel_values``, ``grid_thw``) are
+checked by ``inputs``; attention runs in ``kernels.packed_attention``.
 """
 
 from __future__ import annotations
@@ -91,7 +89,6 @@ class _QwenVisionAdapter(nn.Module):
     """Shared code of the family adapters; subclasses fill in the family hooks.
 
     Args:
-        model: the HF vision tower.
         options: the :class:`~vit_graph_backend.options.VitGraphOptions` it is served with;
             the adapter reads ``min_budget``/``max_budget`` (default: a 224 px square image to
             4096 tokens, 16384 for a tower without a merger), ``align_mlp``, ``fuse`` (graphs

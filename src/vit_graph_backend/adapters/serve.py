@@ -69,11 +69,8 @@ class _CompiledCompute:
 
 
 class PackedGraphEncoder(nn.Module):
-    """A packed encoder served from budgeted CUDA graphs.
-
-    Args:
-        encoder: a ``SupportsEncoderCudaGraph`` module (e.g. from ``adapt(hf_tower)``).
-        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments.
+    """A ``SupportsEncoderCudaGraph`` module (e.g. from ``adapt(hf_tower)``) served from budgeted
+    CUDA graphs; ``options``: a :class:`VitGraphOptions`, or its fields as keyword arguments.
 
     Example::
 
