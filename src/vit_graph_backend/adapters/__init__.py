@@ -92,12 +92,9 @@ def _class_name(cls: type) -> str:
 
 
 def register_adapter(model_class: type | str, factory: str | Callable[..., Any]) -> None:
-    """Serve ``model_class`` with ``factory(model, options)``.
-
-    Args:
-        model_class: the class, or its fully qualified name (no import of its package).
-        factory: ``factory(model, options)`` returning a ``SupportsEncoderCudaGraph``, or
-            ``"module:attribute"`` naming one, imported at the first :func:`adapt`.
+    """Serve ``model_class`` (the class, or its fully qualified name: no import of its package)
+    with ``factory(model, options)``, which returns a ``SupportsEncoderCudaGraph``; or give
+    ``"module:attribute"`` naming the factory, imported at the first :func:`adapt`.
 
     Raises:
         InvalidOptionError: if ``factory`` is a string without ``":"``.
@@ -125,13 +122,9 @@ def adapter_for(model: object) -> Callable[..., Any] | None:
 
 
 def adapt(model: Any, options: Any = None, **fields: Any) -> Any:
-    """Return ``model`` as a ``SupportsEncoderCudaGraph`` (as is if it already is one; else
-    wrapped by the adapter registered for its class, reusing its weights).
-
-    Args:
-        model: a packed vision encoder, e.g. ``Qwen2_5_VisionTransformerPretrainedModel``.
-        options: a :class:`~vit_graph_backend.options.VitGraphOptions`; or give its fields as
-            keyword arguments.
+    """Return ``model`` (a packed vision encoder) as a ``SupportsEncoderCudaGraph``: as is if it
+    already is one, else wrapped by the adapter registered for its class, reusing its weights.
+    ``options``: a :class:`~vit_graph_backend.options.VitGraphOptions`, or its fields as keywords.
 
     Raises:
         UnsupportedModelError: (a ``TypeError``) if no adapter serves the model's class.
@@ -142,10 +135,6 @@ def adapt(model: Any, options: Any = None, **fields: Any) -> Any:
     options = VitGraphOptions.given(options, fields)
     if supports_encoder_cudagraph(model):
         return model
-    return _factory(model)(model, options)
-
-
-def _factory(model: Any) -> Callable[..., Any]:
     factory = adapter_for(model)
     if factory is None:
         why = unserved_reason(model)
@@ -157,4 +146,4 @@ def _factory(model: Any) -> Callable[..., Any]:
             "Implement vit_graph_backend.protocol.SupportsEncoderCudaGraph on the model (its "
             "docstring has the layout contract and an example; see also docs/adapters.md), or "
             "register an adapter with vit_graph_backend.adapters.register_adapter(cls, factory)")
-    return factory
+    return factory(model, options)

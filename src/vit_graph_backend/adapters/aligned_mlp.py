@@ -27,14 +27,8 @@ from torch import nn
 
 from .._compat import parameter_table
 from ..budgets import ceil_div
-from ..kernels.fused_linear import (
-    GATE_CHUNK,
-    GATED,
-    gated_width,
-    linear_act,
-    linear_silu_mul,
-    pack_gated,
-)
+from ..kernels.fused_linear import (GATE_CHUNK, GATED, gated_width, linear_act, linear_silu_mul,
+                                     pack_gated)
 from ..runtime.weights import fingerprint
 
 __all__ = ["ALIGNMENT", "AlignedMLPs", "CopiesPinned", "MLPWeights", "UntrackedWeights",
@@ -118,8 +112,7 @@ class AlignedMLPs:
         if len(shapes) != 1 or None in shapes:
             raise ValueError("AlignedMLPs needs MLPs of one known shape (gate/up/down or fc1/fc2)")
         self.ins, self.out = shapes.pop()  # type: ignore[misc]
-        width = getattr(self.mlps[0], self.out).in_features
-        self.width = width
+        self.width = width = getattr(self.mlps[0], self.out).in_features
         self.gated = gated and len(self.ins) == 2
         self.padded_width = (gated_width(width) if self.gated
                              else ceil_div(width, ALIGNMENT) * ALIGNMENT)
@@ -135,8 +128,7 @@ class AlignedMLPs:
 
     @staticmethod
     def needed(mlps: Sequence[nn.Module], gated: bool = False) -> bool:
-        """True for MLPs of a known shape with a misaligned width, or gate/up MLPs when
-        ``gated``."""
+        """True for MLPs of one known shape and a misaligned width (or gate/up, if ``gated``)."""
         widths = {intermediate_size(m) for m in mlps}
         if len(widths) != 1 or None in widths:
             return False
@@ -237,13 +229,11 @@ class AlignedMLPs:
             shape[dim] = self.padded_width * scale
             return torch.zeros(shape, device=t.device, dtype=t.dtype)
 
-        # a bias for every in projection, zeros where it has none: one added later has room
-        if self.gated:  # one packed weight, twice the padded width
-            gate = getattr(mlp, self.ins[0])
-            ins = [(zeros_like_padded(gate.weight, 0, 2), zeros_like_padded(gate.weight[0], 0, 2))]
-        else:
-            ins = [(zeros_like_padded(linear.weight, 0), zeros_like_padded(linear.weight[0], 0))
-                   for linear in (getattr(mlp, name) for name in self.ins)]
+        # a bias for every in projection, zeros where it has none: one added later has room;
+        # gated: one packed weight (shaped after the gate's), twice the padded width
+        scale, names = (2, self.ins[:1]) if self.gated else (1, self.ins)
+        ins = [(zeros_like_padded(lin.weight, 0, scale), zeros_like_padded(lin.weight[0], 0, scale))
+               for lin in (getattr(mlp, name) for name in names)]
         return MLPWeights(ins, zeros_like_padded(getattr(mlp, self.out).weight, 1))
 
     def forward(self, layer: int, x: torch.Tensor,

@@ -1,5 +1,4 @@
-"""The GLM family adapters (GLM-4.1V / 4.5V / 4.6V, GLM-OCR, GLM-5.3, GLM-Image), over the Qwen
-body.
+"""The GLM family adapters (GLM-4.1V/4.5V/4.6V, GLM-OCR, GLM-5.3, GLM-Image) over the Qwen body.
 
 The GLM towers run Qwen2.5-VL's blocks (RMSNorm, fused ``qkv``, SiLU-gated MLP, 2-D rotary,
 attention per frame) and end in a post-norm, a ``merge x merge`` convolution (run as the GEMM it

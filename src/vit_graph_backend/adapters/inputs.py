@@ -30,11 +30,9 @@ def _integer_dtype(dtype: torch.dtype) -> bool:
 
 
 def grid_tensor(grid_thw: Any) -> torch.Tensor:
-    """``grid_thw`` as a 2-D integer tensor ``(items, 3)``; a list of ``[t, h, w]`` rows or a
-    NumPy array becomes ``int64``. Values are checked by :func:`check_packed_inputs`.
-
-    Args:
-        grid_thw: a tensor, NumPy array, or list/tuple of ``[t, h, w]`` rows.
+    """``grid_thw`` (a tensor, NumPy array, or list/tuple of ``[t, h, w]`` rows) as a 2-D integer
+    tensor ``(items, 3)``; a list or array becomes ``int64``. Values are checked by
+    :func:`check_packed_inputs`.
 
     Raises:
         InvalidInputError: for another type, a ragged or non-integer list, a float or bool
@@ -89,15 +87,10 @@ class PackedCall(dict):
 
 @dataclass(frozen=True)
 class PackedInputs:
-    """A call's checked inputs.
+    """A call's checked inputs."""
 
-    Attributes:
-        grids: one ``(t, h, w)`` per item, Python ints.
-        pixel_values: the ``(sum of t*h*w, patch_dim)`` patch rows, as given.
-    """
-
-    grids: list[Grid]
-    pixel_values: torch.Tensor
+    grids: list[Grid]  # one (t, h, w) per item, Python ints
+    pixel_values: torch.Tensor  # the (sum of t*h*w, patch_dim) patch rows, as given
 
 
 def check_packed_inputs(inputs: Mapping[str, Any], *, merge: int, patch_dim: int,
@@ -105,7 +98,6 @@ def check_packed_inputs(inputs: Mapping[str, Any], *, merge: int, patch_dim: int
     """Check a call's ``grid_thw`` and ``pixel_values`` against each other and the tower.
 
     Args:
-        inputs: the call's mapping with ``"pixel_values"`` and ``"grid_thw"``.
         merge: the tower's ``spatial_merge_size``: ``h`` and ``w`` must be multiples of it.
         patch_dim: the tower's ``C * temporal_patch * patch**2``: the pixel rows' width.
         rows: ``grid_thw``'s rows as Python ints, if known (``PackedCall.rows``): checked

@@ -42,8 +42,6 @@ class KernelChoices:
     def __init__(self, tower: nn.Module, align_mlp: bool | None, fuse: bool | None,
                  epilogue_fusion: str = "auto") -> None:
         self.align_mlp, self.fuse, self.epilogue_fusion = align_mlp, fuse, epilogue_fusion
-        #: the first half's ``fused_linear`` op: a GELU name, ``GATED``, or ``None``
-        self.epilogue: str | None = None
         #: the padded (or packed) weight copies; ``None`` when none is needed
         self.aligned: AlignedMLPs | None = None
         self.use_aligned = False
@@ -56,7 +54,8 @@ class KernelChoices:
             mlps, self.align_mlp = (), False
         kinds = ({_epilogue_of(m) for m in mlps} if mlps and epilogue_fusion == "auto"
                  else {None})
-        self.epilogue = kinds.pop() if len(kinds) == 1 else None
+        #: the first half's ``fused_linear`` op: a GELU name, ``GATED``, or ``None``
+        self.epilogue: str | None = kinds.pop() if len(kinds) == 1 else None
         gated = self.epilogue == GATED
         if None not in mlps and AlignedMLPs.needed(mlps, gated):
             self.aligned = AlignedMLPs(mlps, gated)

@@ -27,12 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..budgets import ceil_div
+from .inputs import Grid
 
 __all__ = ["Grid", "ItemMetadata", "MetadataCache", "PackedMetadata", "QwenLayout",
            "SegmentSlots", "item_metadata", "pack_metadata", "segment_slots"]
-
-#: ``(t, h, w)``: temporal patches, height and width in patches, as in ``grid_thw``.
-Grid = tuple[int, int, int]
 
 #: Per-row extras of one item, in HF's natural row order (e.g. Qwen3-VL's interpolation taps).
 ExtrasFn = Callable[[Grid], dict[str, torch.Tensor]]
@@ -108,11 +106,9 @@ class PackedMetadata:
 
 def _block_major_positions(t: int, h: int, w: int, m: int) -> torch.Tensor:
     """(h, w) rotary positions per row in HF's ``m x m`` block-major order, per frame."""
-    hpos = torch.arange(h).unsqueeze(1).expand(h, w)
-    wpos = torch.arange(w).unsqueeze(0).expand(h, w)
     shape = (h // m, m, w // m, m)
-    hpos = hpos.reshape(shape).transpose(1, 2).flatten()
-    wpos = wpos.reshape(shape).transpose(1, 2).flatten()
+    grids = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    hpos, wpos = (g.reshape(shape).transpose(1, 2).flatten() for g in grids)
     return torch.stack([hpos, wpos], dim=-1).repeat(t, 1)
 
 
@@ -195,23 +191,16 @@ def _padded(values: list[int], length: int | None, name: str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-def pack_metadata(
-    items: Sequence[ItemMetadata],
-    layout: QwenLayout,
-    row_starts: Sequence[int],
-    slots: SegmentSlots | None = None,
-) -> PackedMetadata:
-    """Pack items back to back: the one metadata function of eager, capture and replay.
+def pack_metadata(items: Sequence[ItemMetadata], layout: QwenLayout, row_starts: Sequence[int],
+                  slots: SegmentSlots | None = None) -> PackedMetadata:
+    """Pack items back to back into a :class:`PackedMetadata` of CPU tensors: the one metadata
+    function of eager, capture and replay.
 
     Args:
         items: the batch's items, in batch order (from :class:`MetadataCache`).
-        layout: the tower's geometry.
         row_starts: first row of each item in the source pixel tensor.
         slots: pad the segment buffers to these lengths (capture); ``None`` keeps the real
             lengths (eager, replay).
-
-    Returns:
-        The batch's :class:`PackedMetadata`, as CPU tensors.
     """
     row_parts, pos_parts, rev_parts, frames, windows = [], [], [], [], []
     extras: dict[str, list[torch.Tensor]] = {}

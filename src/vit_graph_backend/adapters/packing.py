@@ -25,15 +25,8 @@ from ..protocol import StampedBuffers
 from ..specs import EncoderItemSpec
 from ..kernels.packed_attention import Segments
 from .inputs import PackedCall, PackedInputs, check_packed_inputs
-from .metadata import (
-    Grid,
-    MetadataCache,
-    PackedMetadata,
-    QwenLayout,
-    SegmentSlots,
-    pack_metadata,
-    segment_slots,
-)
+from .metadata import (Grid, MetadataCache, PackedMetadata, QwenLayout, SegmentSlots,
+                       pack_metadata, segment_slots)
 from .staging import BLOCK, HostStage, Layout, layout_of, upload
 
 __all__ = ["ROW_INDEX", "QwenPacker"]
@@ -55,14 +48,11 @@ KEPT_SPECS = 4096
 class _Staged:
     """One batch's replay inputs, never written after they are made (earlier copies from them
     may still be in flight). Also the batch's stamp (``protocol.StampedBuffers``): the runtime
-    skips the metadata copies when the static buffers were last filled from it.
+    skips the metadata copies when the static buffers were last filled from it."""
 
-    Attributes:
-        stage: the metadata, padded to the budget's captured shapes.
-        parts: the items' source pixel rows as ``(start, count)`` ranges, adjacent ones merged.
-    """
-
+    #: the metadata, padded to the budget's captured shapes
     stage: HostStage
+    #: the items' source pixel rows as ``(start, count)`` ranges, adjacent ones merged
     parts: tuple[tuple[int, int], ...]
     #: the captured shapes they were padded to (a budget captured again gets new ones)
     shapes: Mapping[str, torch.Size]
@@ -186,16 +176,14 @@ class QwenPacker:
         """
         shapes = self.captured_shapes.get(budget)
         checked = self.check(inputs)
+        pixels = checked.pixel_values
         if shapes is None:  # no capture on record: unpadded (the runtime pads)
             meta, parts = self._local(checked.grids, item_indices, budget)
             values = dict(meta.values)
             if self.layout.window:  # a zero-padded tail gathers row 0: finite, never read
                 values[ROW_INDEX] = meta.row_index
-            device = checked.pixel_values.device
-            return {**upload(values, device),
-                    "pixel_values": _pixels(parts, checked.pixel_values)}
+            return {**upload(values, pixels.device), "pixel_values": _pixels(parts, pixels)}
         key = (tuple(checked.grids), tuple(item_indices), budget)
-        pixels = checked.pixel_values
         with self._staged_lock:
             staged = self._staged.get(key)
             if staged is not None:
@@ -271,9 +259,19 @@ class QwenPacker:
 
     def eager_values(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
                      ) -> tuple[dict[str, torch.Tensor], PackedMetadata]:
-        """The items' buffers with exact lengths, and the metadata the eager run needs."""
-        meta, pixels = self.batch(inputs, item_indices)
-        return self._on_device(meta, pixels), meta
+        """The items' buffers with exact lengths (the pixel rows in graph order: a view when
+        contiguous), and the metadata the eager run needs."""
+        checked = self.check(inputs)
+        grids, pixels = checked.grids, checked.pixel_values
+        meta = self.pack(grids, list(item_indices))
+        if self.layout.window:  # window order: gathered by the row index
+            index = upload({"index": meta.row_index}, pixels.device)["index"]
+            pixels = pixels.index_select(0, index)
+        else:  # the items' rows, back to back: no gather index needed
+            pixels = _pixels(_parts(grids, item_indices), pixels)
+        values = upload(meta.values, pixels.device)
+        values["pixel_values"] = pixels
+        return values, meta
 
     def rows(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
              ) -> tuple[torch.Tensor, list[Grid]]:
@@ -282,23 +280,6 @@ class QwenPacker:
         grids = checked.grids
         return (_pixels(_parts(grids, item_indices), checked.pixel_values),
                 [grids[i] for i in item_indices])
-
-    def batch(self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int]
-              ) -> tuple[PackedMetadata, torch.Tensor]:
-        """The items' metadata and their pixel rows in graph order (a view when contiguous)."""
-        checked = self.check(inputs)
-        grids, pixels = checked.grids, checked.pixel_values
-        meta = self.pack(grids, list(item_indices))
-        if not self.layout.window:  # the items' rows, back to back: no gather index needed
-            return meta, _pixels(_parts(grids, item_indices), pixels)
-        return meta, pixels.index_select(0, upload({"index": meta.row_index},
-                                                   pixels.device)["index"])
-
-    @staticmethod
-    def _on_device(meta: PackedMetadata, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        values = upload(meta.values, pixels.device)
-        values["pixel_values"] = pixels
-        return values
 
     def segments(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None
                  ) -> tuple[Segments, Segments | None]:
@@ -309,10 +290,8 @@ class QwenPacker:
         # a tensor op, not F.pad(value=rows), which would specialize a symbolic row count
         end = torch.full((1,), rows, dtype=lengths.dtype, device=lengths.device)
         full_offsets = torch.cat([F.pad(lengths, (1, 0)), end])
-        if meta is not None:
-            full = Segments(full_offsets, max(meta.max_frame_rows, 1), meta.frame_offsets)
-        else:
-            full = Segments(full_offsets, rows)
+        full = (Segments(full_offsets, rows) if meta is None
+                else Segments(full_offsets, max(meta.max_frame_rows, 1), meta.frame_offsets))
         if not self.layout.window:
             return full, None
         wins = F.pad(values["window_seqlens"].cumsum(0, dtype=torch.int32), (1, 0))

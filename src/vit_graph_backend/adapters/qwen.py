@@ -7,10 +7,8 @@ grid_thw)`` and ``graph_unsupported_reason()``). An adapter wraps one tower (``a
 and reuses its submodules and weights, so ``.to()``, ``.eval()`` and loaded weights act on both;
 the one exception is the zero-padded MLP weight copies (``aligned_mlp``).
 
-Outputs: Qwen2-VL and Qwen2.5-VL adapters return HF's ``pooler_output`` (merged tokens in the
-caller's order, ``(tokens, out_hidden)``); Qwen3-VL's return ``(pooler_output,
-*deepstack_features)``; Qwen3.5's have no deepstack mergers. Inputs (``pixel_values``,
-``grid_thw``) are checked by ``inputs``; attention runs in ``kernels.packed_attention``.
+Each family's output is in its class docstring. Inputs (``pixel_values``, ``grid_thw``) are
+checked by ``inputs``; attention runs in ``kernels.packed_attention``.
 """
 
 from __future__ import annotations
@@ -88,10 +86,9 @@ def _patch_embed(embed: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
 
 
 class _QwenVisionAdapter(nn.Module):
-    """Shared code of the three adapters; subclasses fill in the family hooks.
+    """Shared code of the family adapters; subclasses fill in the family hooks.
 
     Args:
-        model: the HF vision tower.
         options: the :class:`~vit_graph_backend.options.VitGraphOptions` it is served with;
             the adapter reads ``min_budget``/``max_budget`` (default: a 224 px square image to
             4096 tokens, 16384 for a tower without a merger), ``align_mlp``, ``fuse`` (graphs
@@ -121,10 +118,9 @@ class _QwenVisionAdapter(nn.Module):
         self.patch_size = int(cfg.patch_size)
         # towers without a temporal patch (ERNIE-4.5-VL) embed one frame a row
         temporal = int(getattr(cfg, "temporal_patch_size", None) or 1)
-        patch_dim = int(cfg.in_channels) * temporal * self.patch_size ** 2
-        self.patch_dim = patch_dim
+        self.patch_dim = int(cfg.in_channels) * temporal * self.patch_size ** 2
         self.layout = QwenLayout(self.merge, self._window_tokens())
-        self.packer = QwenPacker(self.layout, patch_dim, self._item_extras)
+        self.packer = QwenPacker(self.layout, self.patch_dim, self._item_extras)
         options = options if options is not None else VitGraphOptions()
         invariant = options.batch_invariant  # nothing chosen by timing
         self.kernels = KernelChoices(model, options.align_mlp, options.fuse,
@@ -173,11 +169,8 @@ class _QwenVisionAdapter(nn.Module):
     # ------------------------------------------------------------------ protocol
     def get_encoder_cudagraph_item_specs(self, inputs: Mapping[str, torch.Tensor]
                                          ) -> list[EncoderItemSpec]:
-        """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``.
-
-        Raises:
-            InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``.
-        """
+        """One spec per ``grid_thw`` row: ``(t*h*w, t*(h//m)*(w//m), t)``. Raises
+        ``InvalidInputError`` (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``."""
         return self.packer.item_specs(inputs)
 
     def get_encoder_cudagraph_budget_range(self) -> tuple[int, int]:
@@ -307,23 +300,21 @@ class _QwenVisionAdapter(nn.Module):
                    sin: torch.Tensor | None, segments: Segments, full: bool) -> torch.Tensor:
         rows = x.shape[0]
         qkv = self._qkv(attn, x)
-        if cos is None:  # a tower without rotary embedding (GLM-Image)
-            q, k = qkv[:, 0], qkv[:, 1]
-            if segments.dense:
-                wide = widen_for_dense(q, k, qkv[:, 2], segments.offsets[1:2])
-                return attn.proj(dense_sdpa(wide, qkv.shape[-1], attn.scaling).reshape(rows, -1))
+        # cos is None: a tower without rotary embedding (GLM-Image)
+        if segments.dense and cos is None:
+            wide = widen_for_dense(qkv[:, 0], qkv[:, 1], qkv[:, 2], segments.offsets[1:2])
+            out = dense_sdpa(wide, qkv.shape[-1], attn.scaling)
         elif segments.dense:  # the rotary embedding and the widening in one fused kernel
             wide = fns.rotate_qk_wide(qkv, cos.unsqueeze(1), sin.unsqueeze(1),
                                       segments.offsets[1:2])
             out = dense_sdpa(wide, qkv.shape[-1], attn.scaling)
-            return attn.proj(out.reshape(rows, -1))
-        else:  # q and k rotated together: half the launches of rotating them one by one
-            q, k = fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
-        v = qkv[:, 2]
-        # the kernel chosen for this budget (kernels.attention_choice)
-        kernel = (self.attention.graph_kernel(rows) if full
-                  else self.attention.window_kernel(rows))
-        out = packed_attention(q, k, v, segments, attn.scaling, self._varlen, kernel)
+        else:  # rotary: q and k rotated together, half the launches of one by one
+            q, k = ((qkv[:, 0], qkv[:, 1]) if cos is None
+                    else fns.rotate_qk(qkv, cos.unsqueeze(1), sin.unsqueeze(1)))
+            # the kernel chosen for this budget (kernels.attention_choice)
+            kernel = (self.attention.graph_kernel(rows) if full
+                      else self.attention.window_kernel(rows))
+            out = packed_attention(q, k, qkv[:, 2], segments, attn.scaling, self._varlen, kernel)
         return attn.proj(out.reshape(rows, -1))
 
     def _run(self, values: Mapping[str, torch.Tensor], meta: PackedMetadata | None) -> Any:
@@ -349,7 +340,7 @@ class _QwenVisionAdapter(nn.Module):
                                      full if is_full else window, is_full)
             hidden, normed = _add_norm(fns, block.norm2, hidden, update)
             after = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else None
-            hidden, normed = _add_norm(fns, after, hidden, self.kernels.mlp(fns, layer, block,
-                                                                              normed))
+            update = self.kernels.mlp(fns, layer, block, normed)
+            hidden, normed = _add_norm(fns, after, hidden, update)
             self._collect(layer, hidden, features)
         return self._head(hidden, values, features)

@@ -24,22 +24,17 @@ _HF = "transformers.models."
 
 
 class Qwen2VLVisionAdapter(_QwenVisionAdapter):
-    """Qwen2-VL's ``Qwen2VisionTransformerPretrainedModel``: full attention per frame.
-
-    Output: the merged tokens (HF's ``pooler_output``), ``(tokens, hidden_size)``.
-    """
+    """Qwen2-VL's ``Qwen2VisionTransformerPretrainedModel``: full attention per frame. Output: the
+    merged tokens (HF's ``pooler_output``), ``(tokens, hidden_size)``."""
 
     wrapped_class = (_HF + "qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel",)
 
 
 class Qwen2_5_VLVisionAdapter(_QwenVisionAdapter):
     """Qwen2.5-VL's ``Qwen2_5_VisionTransformerPretrainedModel``: window attention, with full
-    attention per frame in ``fullatt_block_indexes``.
-
-    Rows run in window order (gathered so on the host); the merged tokens are put back in the
-    caller's order by ``reverse_index`` in the graph. Output: HF's ``pooler_output``,
-    ``(tokens, out_hidden_size)``.
-    """
+    attention per frame in ``fullatt_block_indexes``. Rows run in window order (gathered so on the
+    host); ``reverse_index`` puts the merged tokens back in the caller's order in the graph.
+    Output: HF's ``pooler_output``, ``(tokens, out_hidden_size)``."""
 
     wrapped_class = (_HF + "qwen2_5_vl.modeling_qwen2_5_vl."
                      "Qwen2_5_VisionTransformerPretrainedModel",)
@@ -69,11 +64,9 @@ class Qwen2_5_VLVisionAdapter(_QwenVisionAdapter):
 
 class Qwen3VLVisionAdapter(_QwenVisionAdapter):
     """Qwen3-VL's ``Qwen3VLVisionModel``: full attention per frame, an interpolated learned
-    position embedding, and deepstack mergers after ``deepstack_visual_indexes``.
-
-    Output: ``(merged, *deepstack_features)`` (HF's ``pooler_output`` and
-    ``deepstack_features``), each ``(tokens, out_hidden_size)``.
-    """
+    position embedding, and deepstack mergers after ``deepstack_visual_indexes``. Output:
+    ``(merged, *deepstack_features)`` (HF's ``pooler_output`` and ``deepstack_features``), each
+    ``(tokens, out_hidden_size)``."""
 
     wrapped_class = (_HF + "qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel",
                      _HF + "cohere_compass.modeling_cohere_compass.CohereCompassVisionModel")
@@ -117,22 +110,15 @@ class Qwen3VLMoeVisionAdapter(Qwen3VLVisionAdapter):
 
 
 class Qwen3_5VisionAdapter(Qwen3VLVisionAdapter):
-    """Qwen3.5's ``Qwen3_5VisionModel``: Qwen3-VL's tower without deepstack mergers.
-
-    Output: the merged tokens (HF's ``pooler_output``), ``(tokens, out_hidden_size)``.
-    """
+    """Qwen3.5's ``Qwen3_5VisionModel``: Qwen3-VL's tower without deepstack mergers. Output: the
+    merged tokens (HF's ``pooler_output``), ``(tokens, out_hidden_size)``."""
 
     wrapped_class = (_HF + "qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel",)
 
-    def _collect(self, layer: int, hidden: torch.Tensor, features: list[torch.Tensor]) -> None:
-        return None
-
-    def _head(self, hidden: torch.Tensor, values: Mapping[str, torch.Tensor],
-              features: list[torch.Tensor]) -> Any:
-        return self.tower.merger(hidden)
-
-    def _from_tower(self, out: Any) -> Any:
-        return out.pooler_output
+    # no deepstack: the shared body's collection, head and output
+    _collect = _QwenVisionAdapter._collect
+    _head = _QwenVisionAdapter._head
+    _from_tower = _QwenVisionAdapter._from_tower
 
 
 class Qwen3_5MoeVisionAdapter(Qwen3_5VisionAdapter):
@@ -150,8 +136,8 @@ class Qwen2_5OmniVisionAdapter(Qwen2_5_VLVisionAdapter):
     wrapped_class = (_HF + "qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniVisionEncoder",)
 
     def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack((attn.q(x), attn.k(x), attn.v(x)), 1).view(x.shape[0], 3,
-                                                                      attn.num_heads, -1)
+        qkv = torch.stack((attn.q(x), attn.k(x), attn.v(x)), 1)
+        return qkv.view(x.shape[0], 3, attn.num_heads, -1)
 
 
 class Exaone4_5_VisionAdapter(Qwen2_5_VLVisionAdapter):
@@ -171,11 +157,9 @@ class Exaone4_5_VisionAdapter(Qwen2_5_VLVisionAdapter):
 
 class Ernie4_5_VLVisionAdapter(_QwenVisionAdapter):
     """ERNIE-4.5-VL's tower: Qwen2-VL's blocks over one-frame rows (a linear patch embedding),
-    a final LayerNorm, no merger; the model's resampler merges outside the tower.
-
-    Output: the normed patches, each ``merge x merge`` block as one row ``(tokens, m*m*hidden)``
-    (the resampler's own first view); HF's ``last_hidden_state`` is its ``(patches, hidden)`` view.
-    """
+    a final LayerNorm, no merger; the model's resampler merges outside the tower. Output: the
+    normed patches, each ``merge x merge`` block as one row ``(tokens, m*m*hidden)`` (the
+    resampler's own first view); HF's ``last_hidden_state`` is its ``(patches, hidden)`` view."""
 
     wrapped_class = (_HF + "ernie4_5_vl_moe.modeling_ernie4_5_vl_moe."
                      "Ernie4_5_VLMoeVisionTransformerPretrainedModel",)

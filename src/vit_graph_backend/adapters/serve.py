@@ -69,11 +69,8 @@ class _CompiledCompute:
 
 
 class PackedGraphEncoder(nn.Module):
-    """A packed encoder served from budgeted CUDA graphs.
-
-    Args:
-        encoder: a ``SupportsEncoderCudaGraph`` module (e.g. from ``adapt(hf_tower)``).
-        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments.
+    """A ``SupportsEncoderCudaGraph`` module (e.g. from ``adapt(hf_tower)``) served from budgeted
+    CUDA graphs; ``options``: a :class:`VitGraphOptions`, or its fields as keyword arguments.
 
     Example::
 
@@ -121,11 +118,9 @@ class PackedGraphEncoder(nn.Module):
     @torch.compiler.disable
     def forward(self, pixel_values: torch.Tensor,
                 grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> Any:
-        """Encode packed items; returns the packed output (a tensor or a tuple of tensors).
-
-        Args:
-            pixel_values: the ``(patches, patch_dim)`` rows the HF processor emits.
-            grid_thw: a tensor or a list of ``[t, h, w]`` rows.
+        """Encode packed items (``pixel_values``: the ``(patches, patch_dim)`` rows the HF processor
+        emits; ``grid_thw``: a tensor or a list of ``[t, h, w]`` rows); returns the packed output
+        (a tensor or a tuple of tensors).
 
         Raises:
             InvalidInputError: (a ``ValueError``) for a bad ``grid_thw`` or ``pixel_values``,
@@ -164,11 +159,8 @@ class PackedGraphEncoder(nn.Module):
 
 def serve(model: nn.Module, options: VitGraphOptions | None = None,
           **fields: Any) -> PackedGraphEncoder:
-    """Serve a packed encoder from CUDA graphs, adapting it first if it needs an adapter.
-
-    Args:
-        model: a packed tower (adapted by class) or a ``SupportsEncoderCudaGraph``.
-        options: a :class:`VitGraphOptions`; or give its fields as keyword arguments.
+    """Serve ``model`` (a packed tower, adapted by class, or a ``SupportsEncoderCudaGraph``) from
+    CUDA graphs; ``options``: a :class:`VitGraphOptions`, or its fields as keyword arguments.
 
     Raises:
         UnsupportedModelError: (a ``TypeError``) if no adapter serves ``model``'s class.

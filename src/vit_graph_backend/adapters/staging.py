@@ -101,13 +101,9 @@ def _pinned_copy(block: torch.Tensor) -> torch.Tensor:
 
 
 class HostStage:
-    """Values zero-padded to their shapes once, in one block of plain host memory, for reuse:
-    :meth:`on_device` makes a GPU copy to keep, :meth:`pinned` a pinned copy per call (the
-    allocator recycles those; no pinned memory stays held).
-
-    Raises:
-        UnsupportedGraphError: a value longer than its shape, or of other trailing dims.
-    """
+    """Values zero-padded to their shapes once, in one block of plain host memory, for reuse;
+    :meth:`pinned` copies are per call and recycled by the allocator (no pinned memory stays
+    held). Raises ``UnsupportedGraphError`` as :func:`layout_of` does."""
 
     def __init__(self, values: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]) -> None:
         self.layout, self.nbytes = layout_of(values, shapes)
@@ -130,13 +126,8 @@ class HostStage:
 
 def upload(values: Mapping[str, torch.Tensor], device: torch.device, blocks: bool = False
            ) -> dict[str, torch.Tensor]:
-    """``values`` (host tensors) on ``device``: one asynchronous copy on CUDA.
-
-    Args:
-        values: host tensors by key.
-        device: the target device.
-        blocks: make the values views of one new block, also returned under :data:`BLOCK`.
-    """
+    """``values`` (host tensors by key) on ``device``: one asynchronous copy on CUDA. ``blocks``:
+    make the values views of one new block, also returned under :data:`BLOCK`."""
     device = torch.device(device)
     if device.type != "cuda" and not blocks:
         return {key: value.to(device) for key, value in values.items()}

@@ -1,13 +1,9 @@
 """Which rank encodes which item: the pure assignment behind data-parallel encoders.
 
 Pure Python, a function of the items' specs and the world size only, so every rank computes the
-same assignment from the same call without talking to the others.
-
-:func:`item_cost`: input rows plus attention's quadratic term per frame,
-``frames * (rows / frames) ** 2 / attention_rows`` (``attention_rows``, default 4096, is where
-one row's attention costs as much as its linear layers: a starting point, not a measurement).
-:func:`assign_items`: longest processing time first, ties to caller order and lowest rank.
-Deterministic; every rank gets an item when there are enough; the busiest rank's cost is at most
+same assignment from the same call without talking to the others. :func:`assign_items` takes
+the longest processing time first, ties to caller order and lowest rank: deterministic; every rank
+gets an item when there are enough; the busiest rank's cost is at most
 ``total / world_size + max_item_cost``. A world of 1 gives rank 0 every item in caller order.
 """
 
@@ -21,26 +17,25 @@ from ..specs import EncoderItemSpec, check_positive_int
 
 __all__ = ["DEFAULT_ATTENTION_ROWS", "Assignment", "assign_items", "item_cost"]
 
-#: Rows at which an item's attention costs as much as its linear layers.
+#: Rows at which an item's attention costs as much as its linear layers (a starting point, not a
+#: measurement).
 DEFAULT_ATTENTION_ROWS = 4096
 
 
 def item_cost(spec: EncoderItemSpec, attention_rows: int = DEFAULT_ATTENTION_ROWS) -> float:
-    """Relative encoding cost of one item: rows plus per-frame attention's quadratic term."""
+    """Relative encoding cost of one item: input rows plus attention's quadratic term per frame,
+    ``frames * (rows / frames) ** 2 / attention_rows``."""
     per_frame = spec.input_size / spec.frames
     return spec.input_size + spec.frames * per_frame * per_frame / attention_rows
 
 
 @dataclass(frozen=True)
 class Assignment:
-    """Items per rank, each rank's in caller order, and each rank's total cost.
+    """Items per rank, each rank's in caller order, and each rank's total cost."""
 
-    Attributes:
-        ranks: ``ranks[r]`` is the sorted tuple of item indices rank ``r`` encodes.
-        costs: ``costs[r]`` is the summed :func:`item_cost` of those items.
-    """
-
+    #: ``ranks[r]``: the sorted tuple of item indices rank ``r`` encodes
     ranks: tuple[tuple[int, ...], ...]
+    #: ``costs[r]``: the summed :func:`item_cost` of those items
     costs: tuple[float, ...]
 
     @property
@@ -60,12 +55,8 @@ class Assignment:
 
 def assign_items(specs: Sequence[EncoderItemSpec], world_size: int, *,
                  attention_rows: int = DEFAULT_ATTENTION_ROWS) -> Assignment:
-    """Spread ``specs`` over ``world_size`` ranks, balancing :func:`item_cost`.
-
-    Args:
-        specs: the call's item specs, in caller order.
-        world_size: the number of ranks.
-        attention_rows: see :func:`item_cost`.
+    """Spread ``specs`` (the call's, in caller order) over ``world_size`` ranks, balancing
+    :func:`item_cost`.
 
     Raises:
         InvalidOptionError: (a ``ValueError``) for a ``world_size`` or ``attention_rows`` that is

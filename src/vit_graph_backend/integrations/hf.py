@@ -1,4 +1,4 @@
-"""One call on a whole Hugging Face model: :func:`serve_vision_` and its undo, :func:`restore_vision_`.
+"""One call on a whole Hugging Face model: :func:`serve_vision_`, undone by :func:`restore_vision_`.
 
 ``serve_vision_(model)`` serves each vision tower of the model from CUDA graphs **in place**, so
 ``generate()``, ``forward()`` and ``get_image_features`` run unchanged:

@@ -17,6 +17,7 @@ group, or in a world of 1, the encoder is called as it is.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from torch import nn
 
 from .assignment import assign_items
 from ..budgets import ceil_div
+from ..adapters.inputs import grid_tensor
 from ..adapters.serve import PackedGraphEncoder
 from ..runtime.replay_io import output_tensors
 
@@ -116,8 +118,6 @@ class DataParallelEncoder(nn.Module):
     def _packed(self, rank: int, world: int, pixel_values: torch.Tensor, grid_thw: Any) -> Any:
         served = self.encoder
         if not isinstance(grid_thw, torch.Tensor):
-            from ..adapters.inputs import grid_tensor
-
             grid_thw = grid_tensor(grid_thw)
         # one read of a device grid for the whole call
         grid_thw = grid_thw.cpu()
@@ -126,9 +126,8 @@ class DataParallelEncoder(nn.Module):
         if len(specs) < world:
             return self._local(pixel_values, grid_thw)
         assignment = assign_items(specs, world)
-        starts = [0]
-        for spec in specs:   # an item's patch rows are its spec's input_size (no host sync)
-            starts.append(starts[-1] + spec.input_size)
+        # an item's patch rows are its spec's input_size (no host sync)
+        starts = list(itertools.accumulate((s.input_size for s in specs), initial=0))
         mine = list(assignment.ranks[rank])
         local_pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
         local = self._local(local_pixels, grid_thw[mine])
