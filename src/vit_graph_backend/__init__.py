@@ -16,60 +16,26 @@ from ._version import __version__
 from .budgets import BudgetConfig, CaptureLayout, budget_ladder, capture_layout, ceil_div
 from .cache_dir import use_cache_dir
 from .adapters import adapt
-from .errors import (
-    InvalidInputError,
-    InvalidOptionError,
-    MissingDependencyError,
-    UnsupportedGraphError,
-    UnsupportedModelError,
-    VitGraphError,
-)
+from .errors import (InvalidInputError, InvalidOptionError, MissingDependencyError,
+                     UnsupportedGraphError, UnsupportedModelError, VitGraphError)
 from .options import VitGraphOptions
 from .planner import Batch, Plan, Segment, plan_batches
 from .protocol import StampedBuffers, SupportsEncoderCudaGraph, supports_encoder_cudagraph
 from .specs import EncoderItemSpec
 from .stats import GraphStats
 
-__all__ = [
-    "Batch",
-    "BudgetConfig",
-    "CaptureLayout",
-    "EncoderItemSpec",
-    "GraphStats",
-    "InvalidInputError",
-    "InvalidOptionError",
-    "MissingDependencyError",
-    "PackedGraphEncoder",
-    "Plan",
-    "Segment",
-    "StampedBuffers",
-    "SupportsEncoderCudaGraph",
-    "UnsupportedGraphError",
-    "UnsupportedModelError",
-    "VitGraphError",
-    "VitGraphOptions",
-    "__version__",
-    "adapt",
-    "budget_ladder",
-    "capture_layout",
-    "ceil_div",
-    "data_parallel",
-    "plan_batches",
-    "report",
-    "restore_vision_",
-    "serve",
-    "serve_vision_",
-    "supports_encoder_cudagraph",
-    "use_cache_dir",
-    "wait_prepared",
-    "warm",
-]
+__all__ = ["Batch", "BudgetConfig", "CaptureLayout", "EncoderItemSpec", "GraphStats",
+           "InvalidInputError", "InvalidOptionError", "MissingDependencyError",
+           "PackedGraphEncoder", "Plan", "Segment", "StampedBuffers", "SupportsEncoderCudaGraph",
+           "UnsupportedGraphError", "UnsupportedModelError", "VitGraphError", "VitGraphOptions",
+           "__version__", "adapt", "budget_ladder", "capture_layout", "ceil_div", "data_parallel",
+           "plan_batches", "report", "restore_vision_", "serve", "serve_vision_",
+           "supports_encoder_cudagraph", "use_cache_dir", "wait_prepared", "warm"]
 
 _LAZY = {"PackedGraphEncoder": "adapters.serve", "serve": "adapters.serve",
-         "report": "compile.backend", "wait_prepared": "compile.backend",
-         "warm": "compile.backend",
-         "serve_vision_": "integrations.hf",
-         "restore_vision_": "integrations.hf", "data_parallel": "integrations.parallel"}
+         "report": "compile.backend", "wait_prepared": "compile.backend", "warm": "compile.backend",
+         "serve_vision_": "integrations.hf", "restore_vision_": "integrations.hf",
+         "data_parallel": "integrations.parallel"}
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ moves one fails CI instead of a user's call. Supported: torch 2.11 through 2.14.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import types
@@ -16,28 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "buffer_table",
-    "compile_cache_counts",
-    "compile_phase_seconds",
-    "compiling_code",
-    "compile_fx_without_cudagraphs",
-    "current_raw_stream",
-    "enable_backed_size_oblivious",
-    "end_failed_capture",
-    "example_value",
-    "forward_hook_tables",
-    "get_varlen_attn",
-    "global_forward_hook_tables",
-    "graph_pool_bytes",
-    "hook_handles_made",
-    "maybe_mark_dynamic",
-    "parameter_table",
-    "rearm_code",
-    "register_dynamo_backend",
-    "sym_name",
-    "uncompiled_callers",
-]
+__all__ = ["buffer_table", "compile_cache_counts", "compile_phase_seconds", "compiling_code",
+           "compile_fx_without_cudagraphs", "current_raw_stream", "enable_backed_size_oblivious",
+           "end_failed_capture", "example_value", "forward_hook_tables", "get_varlen_attn",
+           "global_forward_hook_tables", "graph_pool_bytes", "hook_handles_made",
+           "maybe_mark_dynamic", "parameter_table", "rearm_code", "register_dynamo_backend",
+           "sym_name", "uncompiled_callers"]
 
 _SYMBOL = re.compile(r"^[A-Za-z_]+\d*$")
 
@@ -117,13 +102,9 @@ def graph_pool_bytes(pool: Any, device: torch.device | None = None) -> int | Non
     if segments and "segment_pool_id" not in segments[0]:
         return None
     wanted = tuple(pool)
-    total = 0
-    for seg in segments:
-        if device is not None and seg.get("device") != device.index:
-            continue
-        if tuple(seg.get("segment_pool_id", ())) == wanted:
-            total += int(seg["total_size"])
-    return total
+    return sum(int(seg["total_size"]) for seg in segments
+               if (device is None or seg.get("device") == device.index)
+               and tuple(seg.get("segment_pool_id", ())) == wanted)
 
 
 #: what Inductor's generated code calls per launch; absent in CPU-only builds
@@ -176,8 +157,7 @@ def end_failed_capture(pool: Any, device: torch.device) -> bool:
     When ``CUDAGraph.capture_end`` raises, the allocator is left recording into the pool: later
     captures into it fail and the allocator stops freeing its cache on out-of-memory. Calls
     ``torch._C._cuda_endAllocateToPool`` and ``_cuda_releasePool``, as ``torch.cuda.use_mem_pool``
-    does (torch/cuda/memory.py); returns False where they are missing.
-    """
+    does (torch/cuda/memory.py); returns False where they are missing."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     release = getattr(torch._C, "_cuda_releasePool", None)
     if end is None or release is None or device.type != "cuda":
@@ -187,10 +167,8 @@ def end_failed_capture(pool: Any, device: torch.device) -> bool:
         end(index, tuple(pool))
     except RuntimeError:  # not recording: capture_end got that far
         return False
-    try:
+    with contextlib.suppress(RuntimeError):
         release(index, tuple(pool))
-    except RuntimeError:
-        pass
     return True
 
 
@@ -200,8 +178,7 @@ def addmm_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
 
     On CUDA, ``torch._addmm_activation`` (the op Inductor lowers addmm + tanh GELU to) runs one
     cuBLASLt GEMM with ``CUBLASLT_EPILOGUE_GELU_BIAS``; no public op offers it. Off CUDA the op's
-    GELU is the exact one, so public ops are used there.
-    """
+    GELU is the exact one, so public ops are used there."""
     if x.device.type != "cuda":
         return F.gelu(F.linear(x, weight, bias), approximate="tanh")
     return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
@@ -216,11 +193,9 @@ def register_dynamo_backend(name: str, backend: Callable[..., Any]) -> None:
 
 
 def enable_backed_size_oblivious() -> bool:
-    """Turn on ``torch.fx.experimental._config.backed_size_oblivious`` for this process.
-
-    Dynamo then stops specializing sizes 0 and 1, so a batch of 1 runs the dynamic graph
-    instead of another compile. Returns True if this call changed it.
-    """
+    """Turn on ``torch.fx.experimental._config.backed_size_oblivious`` for this process (Dynamo
+    then stops specializing sizes 0 and 1, so a batch of 1 runs the dynamic graph instead of
+    another compile); True if this call changed it."""
     from torch.fx.experimental import _config as fx_config
 
     if fx_config.backed_size_oblivious:
@@ -247,8 +222,7 @@ def uncompiled_callers() -> list[types.CodeType]:
 
     Walks the stack between ``torch._dynamo.convert_frame`` and ``torch._dynamo.eval_frame``. A
     user code object found there ran as plain Python; for a frame compiled before, Dynamo marked
-    it skipped (``ConvertFrameReturn`` in torch/_dynamo/types.py) after a failed compile.
-    """
+    it skipped (``ConvertFrameReturn`` in torch/_dynamo/types.py) after a failed compile."""
     frame = sys._getframe(1)
     callers: list[types.CodeType] = []
     inside_dynamo = False
@@ -271,5 +245,3 @@ def rearm_code(code: types.CodeType) -> None:
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
-
-

@@ -16,20 +16,9 @@ from dataclasses import dataclass
 from .errors import InvalidOptionError
 from .specs import check_positive_int
 
-__all__ = [
-    "DEFAULT_PACKED_MAX_BUDGET",
-    "MIN_BUDGET_IMAGE_SIDE",
-    "BudgetConfig",
-    "CaptureLayout",
-    "budget_ladder",
-    "capture_layout",
-    "ceil_div",
-    "check_items_fit",
-    "check_ladder_steps",
-    "normalize_budgets",
-    "packed_budget_range",
-    "smallest_fitting",
-]
+__all__ = ["DEFAULT_PACKED_MAX_BUDGET", "MIN_BUDGET_IMAGE_SIDE", "BudgetConfig", "CaptureLayout",
+           "budget_ladder", "capture_layout", "ceil_div", "check_items_fit", "check_ladder_steps",
+           "normalize_budgets", "packed_budget_range", "smallest_fitting"]
 
 
 def ceil_div(total: int, parts: int) -> int:
@@ -51,16 +40,14 @@ def budget_ladder(start: int, stop: int, ladder_steps: int = 1) -> tuple[int, ..
 
     Raises:
         InvalidOptionError: if either end is not a positive integer, ``start > stop``, or
-            ``ladder_steps`` is not an integer in ``1..MAX_LADDER_STEPS``.
-    """
+            ``ladder_steps`` is not an integer in ``1..MAX_LADDER_STEPS``."""
     check_positive_int("ladder start", start)
     check_positive_int("ladder stop", stop)
     check_ladder_steps("ladder_steps", ladder_steps)
     if start > stop:
         raise InvalidOptionError(
             f"ladder start={start} is larger than ladder stop={stop}: a budget ladder must "
-            "start at or below its largest budget"
-        )
+            "start at or below its largest budget")
     k = ladder_steps
     ladder = {start}
     base = start
@@ -98,29 +85,21 @@ def check_ladder_steps(name: str, value: object) -> int:
     if value > MAX_LADDER_STEPS:  # type: ignore[operator]
         raise InvalidOptionError(
             f"{name}={value} is invalid: must be an integer in 1..{MAX_LADDER_STEPS} "
-            "(1 doubles the budget at every step; k splits each doubling into k steps)"
-        )
+            "(1 doubles the budget at every step; k splits each doubling into k steps)")
     return value  # type: ignore[return-value]
 
 
 def smallest_fitting(budgets: tuple[int, ...], tokens: int) -> int | None:
     """The smallest budget ``>= tokens`` from sorted ``budgets``, or ``None`` if none holds them."""
-    for budget in budgets:
-        if budget >= tokens:
-            return budget
-    return None
+    return next((budget for budget in budgets if budget >= tokens), None)
 
 
 def normalize_budgets(budgets: Iterable[int], name: str = "budgets") -> tuple[int, ...]:
-    """User budgets as the sorted, de-duplicated tuple every resolved config holds.
-
-    Raises:
-        InvalidOptionError: if ``budgets`` is not a non-empty sequence of positive integers.
-    """
+    """User budgets as the sorted, de-duplicated tuple every resolved config holds; raises
+    :class:`InvalidOptionError` unless ``budgets`` is a non-empty sequence of positive integers."""
     if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Iterable):
         raise InvalidOptionError(
-            f"{name}={budgets!r} is invalid: must be a sequence of positive integers"
-        )
+            f"{name}={budgets!r} is invalid: must be a sequence of positive integers")
     values = list(budgets)
     if not values:
         raise InvalidOptionError(f"{name}=[] is invalid: give at least one positive integer")
@@ -130,14 +109,13 @@ def normalize_budgets(budgets: Iterable[int], name: str = "budgets") -> tuple[in
 
 
 def check_items_fit(items: int, smallest_budget: int, name: str = "max_items_per_graph") -> None:
-    """The central invariant: ``items <= min(budgets)``, so each item slot of a graph gets a token.
-    ``name`` is the setting as the caller knows it (``max_items_per_graph`` or ``max_batch_size``)."""
+    """The central invariant: ``items <= min(budgets)``, so each item slot of a graph gets a token;
+    ``name``: the setting as the caller knows it (``max_items_per_graph`` or ``max_batch_size``)."""
     if items > smallest_budget:
         raise InvalidOptionError(
             f"{name}={items} is larger than the smallest budget min(budgets)={smallest_budget}: "
             f"every item slot of a graph needs at least one token; lower {name} or raise the "
-            "smallest budget"
-        )
+            "smallest budget")
 
 
 @dataclass(frozen=True)
@@ -148,8 +126,7 @@ class BudgetConfig:
     Args:
         budgets: sorted, unique, positive token budgets.
         max_batch_size: items one graph holds at most; ``<= min(budgets)``.
-        max_frames_per_batch: frames one graph holds at most, or ``None`` for no frame cap.
-    """
+        max_frames_per_batch: frames one graph holds at most, or ``None`` for no frame cap."""
 
     budgets: tuple[int, ...]
     max_batch_size: int
@@ -159,8 +136,7 @@ class BudgetConfig:
         if normalize_budgets(self.budgets) != tuple(self.budgets):
             raise InvalidOptionError(
                 f"budgets={self.budgets!r} is invalid: must be sorted, unique and positive; "
-                "use BudgetConfig.resolve() to normalize user budgets"
-            )
+                "use BudgetConfig.resolve() to normalize user budgets")
         # a tuple even when given a list: the frozen config keys caches
         object.__setattr__(self, "budgets", tuple(self.budgets))
         check_positive_int("max_batch_size", self.max_batch_size)
@@ -174,16 +150,9 @@ class BudgetConfig:
         return self.budgets[-1]
 
     @classmethod
-    def resolve(
-        cls,
-        budget_range: tuple[int, int],
-        *,
-        budgets: Iterable[int] | None = None,
-        max_batch_size: int | None = None,
-        max_frames_per_batch: int | None = None,
-        ladder_steps: int = 1,
-        items_name: str = "max_batch_size",
-    ) -> BudgetConfig:
+    def resolve(cls, budget_range: tuple[int, int], *, budgets: Iterable[int] | None = None,
+                max_batch_size: int | None = None, max_frames_per_batch: int | None = None,
+                ladder_steps: int = 1, items_name: str = "max_batch_size") -> BudgetConfig:
         """Resolve user choices against the model's ``(min_budget, max_budget)`` range.
 
         The four paths (every one keeps ``max_batch_size <= min(budgets)``, so each item slot of
@@ -200,8 +169,6 @@ class BudgetConfig:
 
         Args:
             budget_range: the model's ``(min_budget, max_budget)``; positive, ``min <= max``.
-            budgets: user budgets, or ``None`` for the ladder.
-            max_batch_size: items per graph, or ``None`` to derive it.
             max_frames_per_batch: frames per graph, or ``None`` for no frame cap.
             ladder_steps: how finely the ladder splits each doubling (paths 2 and 4).
             items_name: how errors name ``max_batch_size`` (``"max_items_per_graph"`` when
@@ -225,8 +192,7 @@ class BudgetConfig:
         check_positive_int("max_budget", max_budget)
         if min_budget > max_budget:
             raise InvalidOptionError(
-                f"min_budget={min_budget} is larger than max_budget={max_budget}"
-            )
+                f"min_budget={min_budget} is larger than max_budget={max_budget}")
         if max_batch_size is not None:
             check_positive_int(items_name, max_batch_size)
         if max_frames_per_batch is not None:
@@ -242,8 +208,7 @@ class BudgetConfig:
             if max_batch_size > max_budget:
                 raise InvalidOptionError(
                     f"{items_name}={max_batch_size} is larger than max_budget={max_budget}: no "
-                    f"budget can give every item slot a token; lower {items_name}"
-                )
+                    f"budget can give every item slot a token; lower {items_name}")
             resolved = budget_ladder(max(min_budget, max_batch_size), max_budget, ladder_steps)
         else:  # path 4
             resolved = budget_ladder(min_budget, max_budget, ladder_steps)
@@ -267,19 +232,13 @@ class CaptureLayout:
         return self.slots * self.tokens_per_slot
 
 
-def capture_layout(
-    budget: int, max_batch_size: int, max_frames_per_batch: int | None = None
-) -> CaptureLayout:
-    """Size the dummy capture inputs of one budget with ceil division.
-
-    Not floor: a graph of budget ``B`` may serve one item that fills all of ``B``, and floor
-    division leaves the slots fewer than ``B`` tokens whenever ``slots`` does not divide ``B``
-    (800 over 64 slots: 768), overflowing the replay copy.
-
-    Args:
-        budget: the graph's token budget.
-        max_batch_size: item slots in the graph; must not exceed ``budget``.
-        max_frames_per_batch: frames per graph, or ``None`` (images only: one frame a slot).
+def capture_layout(budget: int, max_batch_size: int,
+                   max_frames_per_batch: int | None = None) -> CaptureLayout:
+    """Size the dummy capture inputs of one budget (``max_batch_size <= budget`` item slots;
+    ``max_frames_per_batch`` ``None``: one frame a slot) with ceil division. Not floor: a graph
+    of budget ``B`` may serve one item that fills all of ``B``, and floor division leaves the
+    slots fewer than ``B`` tokens whenever ``slots`` does not divide ``B`` (800 over 64 slots:
+    768), overflowing the replay copy.
 
     Example::
 
@@ -291,8 +250,7 @@ def capture_layout(
     if max_batch_size > budget:
         raise InvalidOptionError(
             f"max_batch_size={max_batch_size} is larger than budget={budget}: a slot would get "
-            "no token"
-        )
+            "no token")
     frames = 1
     if max_frames_per_batch is not None:
         frames = ceil_div(check_positive_int("max_frames_per_batch", max_frames_per_batch),

@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import re
 
-__all__ = [
-    "InvalidInputError",
-    "InvalidOptionError",
-    "MissingDependencyError",
-    "UnsupportedGraphError",
-    "UnsupportedModelError",
-    "VitGraphError",
-    "error_line",
-    "out_of_memory",
-]
+__all__ = ["InvalidInputError", "InvalidOptionError", "MissingDependencyError",
+           "UnsupportedGraphError", "UnsupportedModelError", "VitGraphError", "error_line",
+           "out_of_memory"]
 
 
 class VitGraphError(RuntimeError):
@@ -71,4 +64,3 @@ def error_line(exc: BaseException) -> str:
         first = text.splitlines()[0][:120] if text else type(exc).__name__
         return f"out of memory ({', '.join(parts) if parts else first})"
     return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}".rstrip(": ")
-

@@ -151,12 +151,9 @@ class VitGraphOptions:
         check_positive_int("max_graph_sets", self.max_graph_sets)
         if self.ladder_steps is not None:
             check_ladder_steps("ladder_steps", self.ladder_steps)
-        if isinstance(self.warmup_iters, bool) or not isinstance(self.warmup_iters, int) or (
-            self.warmup_iters < 0
-        ):
-            raise InvalidOptionError(
-                f"warmup_iters={self.warmup_iters!r} is invalid: must be an integer >= 0"
-            )
+        warmup = self.warmup_iters
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise InvalidOptionError(f"warmup_iters={warmup!r} is invalid: must be an integer >= 0")
         for name, allowed in (("policy", POLICIES), ("inner_compiler", INNER_COMPILERS),
                               ("capture", CAPTURE_MODES), ("epilogue_fusion", EPILOGUE_FUSIONS),
                               ("graph_launch", GRAPH_LAUNCHES),
@@ -177,20 +174,17 @@ class VitGraphOptions:
         for name in ("static_graphs", "backed_size_oblivious", "verify", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(
-                    f"{name}={getattr(self, name)!r} is invalid: must be True or False"
-                )
+                    f"{name}={getattr(self, name)!r} is invalid: must be True or False")
         tol = self.verify_tolerance
         if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
                                 or not tol > 0):
             raise InvalidOptionError(
-                f"verify_tolerance={tol!r} is invalid: must be a positive number or None"
-            )
+                f"verify_tolerance={tol!r} is invalid: must be a positive number or None")
         _check_memory_bound(self.max_graph_memory)
         if (self.min_budget is not None and self.max_budget is not None
                 and self.min_budget > self.max_budget):
             raise InvalidOptionError(
-                f"min_budget={self.min_budget} is larger than max_budget={self.max_budget}"
-            )
+                f"min_budget={self.min_budget} is larger than max_budget={self.max_budget}")
         if self.budgets is not None and self.max_items_per_graph is not None:
             check_items_fit(self.max_items_per_graph, self.budgets[0])
         if self.backed_size_oblivious and self.inner_compiler not in ("auto", "eager"):
@@ -216,21 +210,15 @@ class VitGraphOptions:
                 "inner_compiler='tensorrt' needs torch-tensorrt, which is not installed: "
                 "pip install 'vit-graph-backend[tensorrt]' (torch-tensorrt pins one torch minor "
                 "version and its native TensorRT libraries come from NVIDIA's package index), "
-                "or use inner_compiler='inductor'"
-            )
+                "or use inner_compiler='inductor'")
 
     def inner_compiler_for(self, *, cuda: bool, packed: bool = False) -> str:
         """The inner compiler a graph gets: ``inner_compiler`` itself unless it is ``"auto"``.
 
         ``"auto"`` resolves to ``"inductor"`` for a ``torch.compile`` graph on a CUDA device (fused
         elementwise kernels inside the graphs), and to ``"eager"`` on other devices, for packed
-        towers (their adapters fuse their own kernels), and with ``backed_size_oblivious`` or
-        ``batch_invariant``.
-
-        Args:
-            cuda: the graph runs on a CUDA device.
-            packed: the graph is a packed tower's compute (``serve``), not a Dynamo graph.
-        """
+        towers (``packed``: a tower's compute under ``serve``, whose adapter fuses its own
+        kernels), and with ``backed_size_oblivious`` or ``batch_invariant``."""
         if self.inner_compiler != "auto":
             return self.inner_compiler
         if packed or not cuda or self.backed_size_oblivious or self.batch_invariant:
@@ -238,42 +226,32 @@ class VitGraphOptions:
         return "inductor"
 
     @classmethod
-    def from_compile_kwargs(
-        cls, options: Mapping[str, Any] | None = None, mode: str | None = None
-    ) -> VitGraphOptions:
-        """Build options from ``torch.compile``'s ``options=`` dict or ``mode=`` string.
-
-        ``torch.compile`` refuses ``mode`` and ``options`` together, and so does this function.
+    def from_compile_kwargs(cls, options: Mapping[str, Any] | None = None,
+                            mode: str | None = None) -> VitGraphOptions:
+        """Build options from ``torch.compile``'s ``options=`` dict or ``mode=`` string (not both:
+        ``torch.compile`` refuses them together, and so does this function).
 
         Raises:
-            InvalidOptionError: unknown mode or key (with the valid ones), or a bad value.
-        """
+            InvalidOptionError: unknown mode or key (with the valid ones), or a bad value."""
         if options is not None and mode is not None:
             raise InvalidOptionError(
-                f"mode={mode!r} and options={dict(options)!r} were both given: pass one of them"
-            )
+                f"mode={mode!r} and options={dict(options)!r} were both given: pass one of them")
         if mode is not None:
             if mode not in MODES:
                 raise InvalidOptionError(
-                    f"mode={mode!r} is invalid: must be one of {sorted(MODES)}"
-                )
+                    f"mode={mode!r} is invalid: must be one of {sorted(MODES)}")
             return cls(**MODES[mode])
         if options is None:
             return cls()
         if not isinstance(options, Mapping):
             raise InvalidOptionError(
-                f"options={options!r} is invalid: must be a dict of option names to values"
-            )
+                f"options={options!r} is invalid: must be a dict of option names to values")
         return cls.from_dict(options)
 
     @classmethod
     def given(cls, options: VitGraphOptions | None, fields: Mapping[str, Any]) -> VitGraphOptions:
         """``options``, or options built from keyword ``fields``: an entry point's two ways to
-        take settings, never both.
-
-        Raises:
-            InvalidOptionError: for both given, or a bad field.
-        """
+        take settings, never both (both given, or a bad field: :class:`InvalidOptionError`)."""
         if options is None:
             return cls(**fields)
         if fields:
@@ -295,10 +273,9 @@ class VitGraphOptions:
 
     def resolve(self, model_range: tuple[int, int] | None = None, *,
                 batched: bool = False) -> BudgetConfig:
-        """The one resolution of these options into budgets and per-graph caps.
-
-        The runtime, the backend, ``vitgraph plan`` and ``vitgraph bench`` all resolve here, so
-        the plan a user previews is the plan the runtime replays.
+        """The one resolution of these options into budgets and per-graph caps: the runtime, the
+        backend, ``vitgraph plan`` and ``vitgraph bench`` all resolve here, so the plan a user
+        previews is the plan the runtime replays.
 
         Args:
             model_range: the model's ``(min_budget, max_budget)``; ``min_budget``/``max_budget``
@@ -309,8 +286,7 @@ class VitGraphOptions:
 
         Raises:
             InvalidOptionError: a packed-only option on a batched graph, or a combination the
-                model's range makes impossible (see :meth:`BudgetConfig.resolve`).
-        """
+                model's range makes impossible (see :meth:`BudgetConfig.resolve`)."""
         if batched:
             for name in PACKED_ONLY_OPTIONS:
                 value = getattr(self, name)
@@ -330,15 +306,13 @@ class VitGraphOptions:
             hi = lo
         if self.max_budget is not None and self.min_budget is None and lo > hi:
             lo = hi
-        default_steps = DEFAULT_BATCHED_LADDER_STEPS if batched else DEFAULT_LADDER_STEPS
-        return BudgetConfig.resolve(
-            (lo, hi),
-            budgets=self.budgets,
-            max_batch_size=1 if batched else self.max_items_per_graph,
-            max_frames_per_batch=self.max_frames_per_batch,
-            ladder_steps=self.ladder_steps if self.ladder_steps is not None else default_steps,
-            items_name="max_items_per_graph",
-        )
+        steps = self.ladder_steps
+        if steps is None:
+            steps = DEFAULT_BATCHED_LADDER_STEPS if batched else DEFAULT_LADDER_STEPS
+        return BudgetConfig.resolve((lo, hi), budgets=self.budgets,
+                                    max_batch_size=1 if batched else self.max_items_per_graph,
+                                    max_frames_per_batch=self.max_frames_per_batch,
+                                    ladder_steps=steps, items_name="max_items_per_graph")
 
 
 _dataclass_init = VitGraphOptions.__init__

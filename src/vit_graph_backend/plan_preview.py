@@ -15,14 +15,8 @@ from .planner import Plan, eager_reason, plan_batches
 from .specs import EncoderItemSpec
 from .stats import GraphStats
 
-__all__ = [
-    "eager_summary",
-    "format_plan",
-    "plan_line",
-    "plan_stream",
-    "plan_to_dict",
-    "summarize_plans",
-]
+__all__ = ["eager_summary", "format_plan", "plan_line", "plan_stream", "plan_to_dict",
+           "summarize_plans"]
 
 
 def summarize_plans(plans: Sequence[Plan], config: BudgetConfig) -> dict[str, Any]:
@@ -32,8 +26,7 @@ def summarize_plans(plans: Sequence[Plan], config: BudgetConfig) -> dict[str, An
         stats.record_call()
         for batch in plan.batches:
             if batch.eager:
-                stats.record_eager(len(batch.segments),
-                                   eager_reason(batch, config))
+                stats.record_eager(len(batch.segments), eager_reason(batch, config))
             else:
                 stats.record_replay(batch.budget, len(batch.segments), batch.tokens)
     return stats.as_dict()
@@ -70,8 +63,7 @@ def format_plan(plan: dict[str, Any], *, unit: str = "tokens", indent: str = "")
     total = plan["real_tokens"] + plan["padded_tokens"]
     lines.append(
         f"{indent}padding waste: {plan['padded_tokens']} of {total} graph {unit} "
-        f"({100.0 * plan['padding_ratio']:.1f} %); eager: {eager_summary(plan['eager_items'])}"
-    )
+        f"({100.0 * plan['padding_ratio']:.1f} %); eager: {eager_summary(plan['eager_items'])}")
     return lines
 
 
@@ -96,12 +88,7 @@ def plan_line(plan: dict[str, Any], *, unit: str = "tokens") -> str:
     return f"items of {sizes} {unit} -> {' '.join(parts)}"
 
 
-def plan_stream(
-    calls_specs: Sequence[Sequence[EncoderItemSpec]],
-    config: BudgetConfig,
-    *,
-    policy: str = "baseline",
-    chunk: bool = False,
-) -> list[Plan]:
+def plan_stream(calls_specs: Sequence[Sequence[EncoderItemSpec]], config: BudgetConfig, *,
+                policy: str = "baseline", chunk: bool = False) -> list[Plan]:
     """Plan every call of a stream."""
     return [plan_batches(specs, config, policy=policy, chunk=chunk) for specs in calls_specs]

@@ -53,13 +53,8 @@ class Segment:
 
 @dataclass(frozen=True)
 class Batch:
-    """Segments that run together: replayed from ``budget``'s graph, or eagerly if it is ``None``.
-
-    Attributes:
-        segments: the batch's segments, in the order they occupy the batch.
-        budget: the graph's budget, or ``None`` for an eager batch.
-        frames: frames the batch holds (sum over its items).
-    """
+    """Segments that run together, in the order they occupy the batch: replayed from
+    ``budget``'s graph, or eagerly if it is ``None``; ``frames`` sums its items' frames."""
 
     segments: tuple[Segment, ...]
     budget: int | None
@@ -88,14 +83,9 @@ class Batch:
 
 @dataclass(frozen=True)
 class Plan:
-    """An ordered plan for one call.
-
-    Attributes:
-        batches: batches in execution order.
-        num_items: items in the call.
-        restore_order: ``restore_order[i]`` is the position, in execution order, of caller item
-            ``i``'s output (an item is emitted when the last of its segments has run).
-    """
+    """An ordered plan for one call: ``batches`` in execution order, ``num_items`` items, and
+    ``restore_order[i]``: the position, in execution order, of caller item ``i``'s output (an item
+    is emitted when the last of its segments has run)."""
 
     batches: tuple[Batch, ...]
     num_items: int
@@ -138,9 +128,8 @@ class Plan:
     def restore(self, outputs_in_execution_order: Sequence[T]) -> list[T]:
         """Put per-item outputs, given in execution order, back in the caller's order."""
         if len(outputs_in_execution_order) != self.num_items:
-            raise ValueError(
-                f"got {len(outputs_in_execution_order)} outputs for a plan of {self.num_items} items"
-            )
+            raise ValueError(f"got {len(outputs_in_execution_order)} outputs for a plan of "
+                             f"{self.num_items} items")
         return [outputs_in_execution_order[p] for p in self.restore_order]
 
 
@@ -152,8 +141,7 @@ def _split_for_chunking(
     if spec.input_size != spec.output_tokens or spec.frames != 1:
         raise InvalidOptionError(
             f"chunk=True needs row items (input_size == output_tokens, frames == 1); item {item} "
-            f"has {spec}: packed items cannot be split, use chunk=False"
-        )
+            f"has {spec}: packed items cannot be split, use chunk=False")
     pieces, start, remaining = [], 0, spec.output_tokens
     for budget in reversed(config.budgets):
         if not exact and budget != config.max_budget:
@@ -176,21 +164,11 @@ def eager_reason(batch: Batch, config: BudgetConfig) -> str:
     return "exact policy: no budget equals the batch's tokens"
 
 
-def plan_batches(
-    specs: Sequence[EncoderItemSpec],
-    config: BudgetConfig,
-    *,
-    policy: Policy = "baseline",
-    chunk: bool = False,
-) -> Plan:
-    """Plan one call's items into budgeted batches.
-
-    Args:
-        specs: one spec per item, in the caller's order.
-        config: resolved budgets and per-graph caps.
-        policy: ``"baseline"`` or ``"exact"`` (see the module docstring).
-        chunk: cut row items larger than the largest budget into chunks instead of running them
-            eagerly (batched layouts only).
+def plan_batches(specs: Sequence[EncoderItemSpec], config: BudgetConfig, *,
+                 policy: Policy = "baseline", chunk: bool = False) -> Plan:
+    """Plan one call's items (one spec per item, in the caller's order) into budgeted batches
+    under ``policy`` (module docstring); ``chunk``: cut row items larger than the largest budget
+    into chunks instead of running them eagerly (batched layouts only).
 
     Returns:
         A :class:`Plan`: every item appears in exactly one batch (or, when chunked, in consecutive
@@ -244,13 +222,9 @@ def plan_batches(
         if exact and seg.tokens in budget_set:
             batches.append(Batch((seg,), seg.tokens, seg_frames))  # fills a graph exactly
             continue
-        fits = (
-            tokens + seg.tokens <= max_budget
-            and len(current) < max_items
-            and (max_frames is None or frames + seg_frames <= max_frames)
-        )
-        if not fits:
-            close()
+        if (tokens + seg.tokens > max_budget or len(current) >= max_items
+                or (max_frames is not None and frames + seg_frames > max_frames)):
+            close()  # the segment does not fit the current batch
         current.append(seg)
         tokens += seg.tokens
         frames += seg_frames
@@ -258,16 +232,9 @@ def plan_batches(
     batches.extend(oversize)
 
     # an item is complete when its last segment has run
-    remaining = [0] * len(specs)
-    for batch in batches:
-        for seg in batch.segments:
-            remaining[seg.item] += 1
-    completed: dict[int, int] = {}
-    for batch in batches:
-        for seg in batch.segments:
-            remaining[seg.item] -= 1
-            if remaining[seg.item] == 0:
-                completed[seg.item] = len(completed)
-    restore_order = tuple(completed[i] for i in range(len(specs)))
-    return Plan(tuple(batches), len(specs), restore_order)
-
+    last = {seg.item: (b, s) for b, batch in enumerate(batches)
+            for s, seg in enumerate(batch.segments)}
+    restore_order = [0] * len(specs)
+    for position, item in enumerate(sorted(last, key=last.__getitem__)):
+        restore_order[item] = position
+    return Plan(tuple(batches), len(specs), tuple(restore_order))

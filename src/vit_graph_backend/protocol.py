@@ -40,9 +40,8 @@ EncoderOutput = Any
 class SupportsEncoderCudaGraph(Protocol):
     """A packed encoder that can be replayed from budgeted CUDA graphs."""
 
-    def get_encoder_cudagraph_item_specs(
-        self, inputs: Mapping[str, torch.Tensor]
-    ) -> list[EncoderItemSpec]:
+    def get_encoder_cudagraph_item_specs(self, inputs: Mapping[str, torch.Tensor]
+                                         ) -> list[EncoderItemSpec]:
         """One spec per item of ``inputs``, in the caller's order. Runs on the host."""
         ...
 
@@ -51,22 +50,14 @@ class SupportsEncoderCudaGraph(Protocol):
         ...
 
     def prepare_encoder_cudagraph_capture_inputs(
-        self,
-        budget: int,
-        max_batch_size: int,
-        max_frames_per_batch: int | None,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> dict[str, torch.Tensor]:
+        self, budget: int, max_batch_size: int, max_frames_per_batch: int | None,
+        device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Dummy inputs for capturing ``budget``'s graph (``max_batch_size`` slots, sized with
         :func:`~vit_graph_backend.budgets.capture_layout`); they become its static buffers."""
         ...
 
     def prepare_encoder_cudagraph_replay_buffers(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        item_indices: Sequence[int],
-        budget: int,
+        self, inputs: Mapping[str, torch.Tensor], item_indices: Sequence[int], budget: int
     ) -> Mapping[str, torch.Tensor]:
         """Values for the static buffers that run ``item_indices`` in ``budget``'s graph, padding
         included (module docstring's layout contract): a dict or :class:`StampedBuffers`."""
@@ -84,18 +75,14 @@ class SupportsEncoderCudaGraph(Protocol):
 
 
 class StampedBuffers(dict):
-    """Replay buffers, some of which are a pure function of ``stamp``.
+    """Replay buffers, some of which are a pure function of ``stamp`` (any object standing for
+    the loaded values).
 
-    The mapping holds the buffers that change every call; ``load()`` returns the others and is
-    called only when the budget's static buffers were not last filled from this ``stamp`` (by
-    identity; the runtime keeps a reference, so its ``id`` is not reused). Give a new stamp
-    whenever the loaded values could differ; ``load()`` returns the same keys every time.
-
-    Args:
-        varying: the buffers written every call.
-        stamp: any object standing for the loaded values.
-        load: returns the other buffers (same rules as any replay buffer).
-    """
+    The mapping holds the ``varying`` buffers, written every call; ``load()`` returns the others
+    (same rules as any replay buffer, the same keys every time) and is called only when the
+    budget's static buffers were not last filled from this ``stamp`` (by identity; the runtime
+    keeps a reference, so its ``id`` is not reused). Give a new stamp whenever the loaded values
+    could differ."""
 
     __slots__ = ("load", "stamp")
 

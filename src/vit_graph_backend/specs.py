@@ -16,15 +16,11 @@ __all__ = ["EncoderItemSpec", "check_positive_int"]
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` if it is a positive ``int`` (``bool`` rejected), else raise naming ``name``.
-
-    Raises:
-        InvalidOptionError: (a ``ValueError``) naming the field, the bad value and what is allowed.
-    """
+    """``value`` if it is a positive ``int`` (``bool`` rejected), else :class:`InvalidOptionError`
+    (a ``ValueError``) naming ``name``, the bad value and what is allowed."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidOptionError(
-            f"{name}={value!r} is invalid: must be a positive integer, got {type(value).__name__}"
-        )
+            f"{name}={value!r} is invalid: must be a positive integer, got {type(value).__name__}")
     if value <= 0:
         raise InvalidOptionError(f"{name}={value!r} is invalid: must be a positive integer (>= 1)")
     return value
@@ -32,15 +28,13 @@ def check_positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class EncoderItemSpec:
-    """Size of one encoder item (an image or a video).
+    """Size of one encoder item (an image or a video); a field that is not a positive integer
+    raises :class:`InvalidOptionError` (a ``ValueError``).
 
     Args:
-        input_size: input rows of the item (patches, or batch rows for batched encoders); >= 1.
-        output_tokens: rows the encoder emits for the item, after spatial merge; >= 1.
-        frames: temporal frames, 1 for an image; >= 1.
-
-    Raises:
-        InvalidOptionError: (a ``ValueError``) if a field is not a positive integer.
+        input_size: input rows of the item (patches, or batch rows for batched encoders).
+        output_tokens: rows the encoder emits for the item, after spatial merge.
+        frames: temporal frames, 1 for an image.
 
     Example::
 

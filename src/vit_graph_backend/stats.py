@@ -34,8 +34,7 @@ class GraphStats:
         real_tokens: real tokens (rows) in graph and no-graph batches.
         padded_tokens: padding tokens in graph and no-graph batches.
         batches_per_budget: graph and no-graph batches counted by token budget.
-        fallback_reasons: eager batches counted by reason.
-    """
+        fallback_reasons: eager batches counted by reason."""
 
     calls: int = 0
     graph_replays: int = 0

@@ -115,14 +115,13 @@ def split_head(dim: int) -> tuple[int, int]:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
            scale: float, block_m: int = 128, block_n: int = 64, warps: int = 4,
-           stages: int = 3, registers: int | None = None) -> torch.Tensor:
+           stages: int = 3) -> torch.Tensor:
     """Attention of ``(rows, heads, head_dim)`` q, k, v (each row's heads contiguous, rows and
     heads 16-byte aligned) within the segments of int32 cumulative ``offsets`` (the last equal
-    to ``rows``: every row in some segment). ``registers`` caps the registers per thread
-    (Triton's ``maxnreg``; for probes only). Returns a fresh contiguous output."""
+    to ``rows``: every row in some segment); a fresh contiguous output."""
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     grid, args, options = _arguments(q, k, v, offsets, scale, out,
-                                     (block_m, block_n, warps, stages), registers)
+                                     (block_m, block_n, warps, stages))
     _segment_attention[grid](*args, **options)
     return out
 
@@ -137,23 +136,16 @@ def precompile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch
 
     def build(config: tuple[int, int, int, int]) -> None:
         with torch.cuda.device(q.device):  # Triton compiles for the thread's current device
-            grid, args, options = _arguments(q, k, v, offsets, scale, out, config, None)
+            grid, args, options = _arguments(q, k, v, offsets, scale, out, config)
             _segment_attention.warmup(*args, grid=grid, **options)
 
     build_side_by_side(build, configs)
 
 
-def slots(segments: int, least: int = MIN_SLOTS) -> int:
-    """The segment slots a program scans: a power of two, at least ``least`` and ``segments``."""
-    return max(least, triton.next_power_of_2(segments))
-
-
 def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-               scale: float, out: torch.Tensor, config: tuple[int, int, int, int],
-               registers: int | None, least: int = MIN_SLOTS
+               scale: float, out: torch.Tensor, config: tuple[int, int, int, int]
                ) -> tuple[tuple[int, int], tuple[object, ...], dict[str, object]]:
-    """The grid, arguments and options of an :func:`attend` launch writing into ``out``;
-    ``least``: the fewest slots scanned."""
+    """The grid, arguments and options of an :func:`attend` launch writing into ``out``."""
     block_m, block_n, warps, stages = config
     rows, heads, dim = q.shape
     part, tail = split_head(dim)
@@ -166,7 +158,8 @@ def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch
     args = (desc(q, block_m, part), desc(q, block_m, width), desc(k, block_n, part),
             desc(k, block_n, width), desc(v, block_n, part), desc(v, block_n, width), out,
             offsets, segments, out.stride(0), scale * _LOG2E)
-    options = dict(HEAD_DIM=dim, HEAD=part, TAIL=tail, SLOTS=slots(segments, least),
-                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-                   maxnreg=registers)
+    # the slots a program scans: a power of two, at least MIN_SLOTS and ``segments``
+    slots = max(MIN_SLOTS, triton.next_power_of_2(segments))
+    options = dict(HEAD_DIM=dim, HEAD=part, TAIL=tail, SLOTS=slots, BLOCK_M=block_m,
+                   BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return (heads, triton.cdiv(rows, block_m) + segments), args, options

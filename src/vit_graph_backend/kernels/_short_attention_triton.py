@@ -47,8 +47,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Ten
     """Attention of ``(rows, heads, head_dim)`` q, k, v (heads contiguous within a row, any row
     stride) within the segments of int32 ``offsets``, each at most ``block`` rows (a power of
     two, 16 to 64); a fresh contiguous output. Rows outside every segment are left unwritten.
-    ``warps``: four by default (eight were slower at window shapes).
-    """
+    ``warps``: four by default (eight were slower at window shapes)."""
     rows, heads, dim = q.shape
     out = torch.empty((rows, heads, dim), device=q.device, dtype=q.dtype)
     width = max(16, triton.next_power_of_2(dim))

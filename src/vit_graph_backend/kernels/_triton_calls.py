@@ -63,8 +63,7 @@ class TritonKernelCalls:
 
     Args:
         module: the kernel's module, imported at the first call.
-        what: the kernel's name in warnings; ``fallback``: the kernel that serves instead.
-    """
+        what: the kernel's name in warnings; ``fallback``: the kernel that serves instead."""
 
     def __init__(self, module: str, what: str, fallback: str) -> None:
         self._module, self._what, self._fallback = module, what, fallback

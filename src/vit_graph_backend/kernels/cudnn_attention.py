@@ -96,8 +96,7 @@ class RaggedAttention:
     Call it with ``(rows, heads, head_dim)`` q, k, v (any row and head strides), cumulative int32
     ``offsets`` and a static ``max_seqlen``; returns the output, or ``None`` where cuDNN cannot
     serve the shape (flash varlen then runs). Layout tensors derived from ``offsets`` go into
-    ``cache`` when given, so layers sharing the offsets compute them once.
-    """
+    ``cache`` when given, so layers sharing the offsets compute them once."""
 
     def __init__(self) -> None:
         self._cudnn: Any = None
@@ -151,7 +150,6 @@ class RaggedAttention:
 
     def _build(self, key: tuple[Any, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                slots: int, max_len: int, scale: float) -> _Plan | None:
-        reason = None
         largest = max(x.stride(0) for x in (q, k, v)) * q.shape[0]
         if q.dtype not in (torch.bfloat16, torch.float16):
             reason = f"dtype {q.dtype} (cuDNN ragged attention takes float16/bfloat16)"
@@ -161,12 +159,11 @@ class RaggedAttention:
             try:
                 if self._cudnn is None:
                     self._cudnn = importlib.import_module("cudnn")
-                if q.device.index not in self._handles:
-                    with torch.cuda.device(q.device):
-                        self._handles[q.device.index] = self._cudnn.create_handle()
-                handle = self._handles[q.device.index]
                 with torch.cuda.device(q.device):
-                    plan = _Plan(self._cudnn, handle, q, k, v, slots, max_len, scale)
+                    if q.device.index not in self._handles:
+                        self._handles[q.device.index] = self._cudnn.create_handle()
+                    plan = _Plan(self._cudnn, self._handles[q.device.index], q, k, v, slots,
+                                 max_len, scale)
             except Exception as exc:  # cuDNN refuses the shape, or the library is unusable
                 reason = error_line(exc)
                 if out_of_memory(exc):  # not remembered: tried again

@@ -32,8 +32,7 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     """Rotary embedding of q and k in ``qkv`` (``(rows, 3, heads, head_dim)``), as HF's
     ``apply_rotary_pos_emb_vision``: float32 math, one rounding back to the input dtype.
     ``cos`` and ``signed_sin`` are ``(rows, 1, 1, head_dim)`` float32, ``signed_sin`` with its
-    first half negated (``rotate_half(x) * sin == roll(x, half) * signed_sin``).
-    """
+    first half negated (``rotate_half(x) * sin == roll(x, half) * signed_sin``)."""
     qk = qkv[:, :2]
     rolled = torch.roll(qk, qk.shape[-1] // 2, dims=-1)
     q, k = torch.addcmul(qk * cos, rolled, signed_sin).to(qkv.dtype).unbind(1)

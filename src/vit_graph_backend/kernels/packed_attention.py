@@ -35,8 +35,7 @@ class Segments:
             the sequence's rows.
         max_seqlen: a Python int at least as large as the longest segment (fixed per budget in a
             graph: never read from ``offsets``).
-        host_offsets: the same offsets as Python ints when known (eager), else ``None``.
-    """
+        host_offsets: the same offsets as Python ints when known (eager), else ``None``."""
 
     offsets: torch.Tensor
     max_seqlen: int
@@ -61,9 +60,7 @@ def segment_loop_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             qs, ks, vs = (x[start:stop].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
             pieces.append(out[0].transpose(0, 1))
-    if not pieces:
-        return torch.zeros_like(q)
-    return torch.cat(pieces)
+    return torch.cat(pieces) if pieces else torch.zeros_like(q)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
@@ -91,8 +88,7 @@ def widen_for_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: tor
 
     The channel is 1 in every query, 0 in real keys, ``_HIDDEN_KEY`` in padding keys and 0 in v.
     Written as cat and pad so Inductor fuses it with the rotary embedding
-    (``fused_ops.rotate_qk_wide``).
-    """
+    (``fused_ops.rotate_qk_wide``)."""
     rows, heads, dim = q.shape
     width = wide_width(dim)
     hidden = torch.arange(rows, device=q.device) >= real
@@ -116,8 +112,7 @@ def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Dense SDPA over all rows where only rows ``[0, offsets[1])`` are keys.
 
     Through :func:`widen_for_dense`: real rows' outputs are exactly segment attention's;
-    padding rows attend to the real keys (finite values nobody reads).
-    """
+    padding rows attend to the real keys (finite values nobody reads)."""
     wide = widen_for_dense(q, k, v, segments.offsets[1:2])
     return dense_sdpa(wide, q.shape[-1], scale)
 
@@ -145,8 +140,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
             value (``head_dim ** -0.5``).
         varlen: ``torch.nn.attention.varlen.varlen_attn`` (``_compat.get_varlen_attn``).
         ragged: cuDNN's ragged attention to try first where flash varlen would serve a graph's
-            segments (:func:`varlen_attention`), or ``None``.
-    """
+            segments (:func:`varlen_attention`), or ``None``."""
     if segments.dense:
         return key_masked_attention(q, k, v, segments, scale)
     if varlen is not None and q.is_cuda and varlen_supported(q.dtype, q.shape[-1]):

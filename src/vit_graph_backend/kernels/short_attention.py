@@ -39,10 +39,8 @@ def short_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class ShortSegmentAttention(TritonKernelCalls):
-    """Segment attention through ``_short_attention_triton`` (thread-safe).
-
-    Called like ``RaggedAttention``; returns the output, or ``None`` where it does not serve.
-    """
+    """Segment attention through ``_short_attention_triton`` (thread-safe), called like
+    ``RaggedAttention``; returns the output, or ``None`` where it does not serve."""
 
     def __init__(self) -> None:
         super().__init__("vit_graph_backend.kernels._short_attention_triton",
