@@ -21,13 +21,8 @@ PLAN_CACHE_SIZE = 1024
 
 
 class ServedBudgets:
-    """The budgets of ``config`` still served, and cached plans over them.
-
-    Args:
-        config: the resolved budgets (``VitGraphOptions.resolve``).
-        policy: the planner policy.
-        chunk: cut row items larger than the largest budget (batched encoders).
-    """
+    """The budgets of ``config`` (``VitGraphOptions.resolve``) still served, and cached plans
+    over them; ``chunk``: cut row items larger than the largest budget (batched encoders)."""
 
     def __init__(self, config: BudgetConfig, policy: str, chunk: bool) -> None:
         self.config, self.policy, self.chunk = config, policy, chunk
