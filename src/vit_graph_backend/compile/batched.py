@@ -296,8 +296,7 @@ class BatchedGraphEncoder:
                                           chunk=not self.static_shape, budget_config=config,
                                           exact_rows=exact_rows)
         if manager.uses_cuda_graphs:
-            # never capture again into a pool whose graphs were all dropped: the allocator
-            # asserts (use_count > 0) on it
+            # never into a pool whose graphs were all dropped: the allocator asserts (use_count > 0)
             alive = self._graph_pool is not None and self._sets
             manager.graph_pool = self._graph_pool if alive else torch.cuda.graph_pool_handle()
         return graph_set, manager

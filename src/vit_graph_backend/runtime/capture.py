@@ -36,12 +36,13 @@ _CAPTURE_LOCK = threading.RLock()
 
 
 def capture_lock(device: torch.device) -> threading.RLock:
-    """The lock a capture on ``device`` holds, as does whatever must not run beside one (kernel
-    timings, ``clear()``'s synchronize): a device's graphs share one capture stream
-    (``launch.capture_stream``); ``torch.cuda.graph`` synchronizes the device and empties the
-    allocator's caches as it begins, which CUDA and PyTorch refuse while another thread
-    captures; a background preparation captures outside the stream order that serializes the
-    captures made inside calls. One lock for every device: emptying the caches acts on all."""
+    """The lock a capture on ``device`` holds, and whatever must not run beside one: every graph
+    of a device is captured on one stream (``launch.capture_stream``); ``torch.cuda.graph``
+    synchronizes the device and empties the allocator's caches as it begins, which CUDA and
+    PyTorch refuse while another thread captures; a background preparation (``manager.py``)
+    captures outside the stream order that serializes the captures made inside calls. Kernel
+    timings (``timing.graph_ms``) and ``clear()``'s synchronize take it too. One lock for every
+    device: emptying the caches acts on all of them."""
     return _CAPTURE_LOCK
 
 
@@ -54,12 +55,13 @@ class _Gate:
 
     While a thread captures, CUDA refuses a device-wide synchronize from any other thread, and
     PyTorch puts the device's default random generator in capture mode, so another thread's
-    random numbers on it raise. A call answered beside a background preparation can do either
-    (an allocator emptying its cache, a compile that times kernels): such calls wait while a
-    capture runs, and a capture waits for other threads' calls in flight (a call's own kernel
-    timings capture inside it); waiting captures go first, so calls cannot starve them. A
-    capture waits at most :data:`GATE_WAIT_S`, so a call that waits on something the capturing
-    thread holds delays it, never hangs."""
+    random numbers on it raise. A call answered by the model's own forward beside a background
+    preparation (``manager.py``) can do either (an allocator emptying its cache, a compile that
+    times kernels): such calls wait while a capture runs, and a capture waits for other threads'
+    calls in flight (a call's own kernel timings capture inside it); waiting captures go first,
+    so a stream of calls cannot starve them. A capture waits at most :data:`GATE_WAIT_S` for the
+    calls, so a call that waits on something the capturing thread holds delays it, never hangs.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()

@@ -64,13 +64,12 @@ class ServedBudgets:
 
     def eager_reason(self, batch: Batch) -> str:
         """Why ``batch`` has no budget, naming a disabled budget that would have held it."""
-        reason = eager_reason(batch, self.active)
         if batch.tokens > self.active.max_budget:
-            skipped = [b for b in self.disabled if b >= batch.tokens]
-            if skipped:
+            skipped = min((b for b in self.disabled if b >= batch.tokens), default=None)
+            if skipped is not None:
                 return (f"item exceeds the largest captured budget ({self.active.max_budget}); "
-                        f"budget {min(skipped)} is not served: {self.disabled[min(skipped)]}")
-        return reason
+                        f"budget {skipped} is not served: {self.disabled[skipped]}")
+        return eager_reason(batch, self.active)
 
     def _serve_remaining(self) -> bool:
         self._plans.clear()
