@@ -97,17 +97,24 @@ class VitGraphBackend:
     @staticmethod
     def _fuse_epilogues(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                         opts: VitGraphOptions, inner: str) -> int:
-        """``epilogue_fusion="auto"``: rewrite linear + GELU pairs where the fused op can serve;
-        returns how many."""
+        """``epilogue_fusion="auto"``: rewrite linear + GELU pairs unless the device lacks the
+        kernels, TensorRT or gradients rule it out; logs the outcome and returns how many."""
         if opts.epilogue_fusion == "off" or opts.batch_invariant:  # no choice made by timing
             return 0
-        fuse = functools.partial(fuse_linear_activations, rewritten=FUSED_CHOICES.prefetch)
-        return _rewrite(gm, example_inputs, inner, fuse,
-                        fused_epilogue_unavailable(next((x.device for x in example_inputs
-                                                         if isinstance(x, torch.Tensor)), None)),
-                        "epilogue_fusion='auto'", "leaves linear layers as they are",
-                        "linear + GELU pairs as one op, each shape timed against cuBLAS + a "
-                        "separate activation at its first run")
+        why = fused_epilogue_unavailable(next((x.device for x in example_inputs
+                                               if isinstance(x, torch.Tensor)), None))
+        if why is None and inner == "tensorrt":
+            why = "inner_compiler='tensorrt' compiles only PyTorch's own ops"
+        if why is None and torch.is_grad_enabled() and any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+            why = "the graph records gradients (the op has no backward)"
+        if why is not None:
+            log.info("vitgraph: epilogue_fusion='auto' leaves linear layers as they are: %s", why)
+            return 0
+        count = fuse_linear_activations(gm, example_inputs, rewritten=FUSED_CHOICES.prefetch)
+        log.info("vitgraph: epilogue_fusion='auto': %d linear + GELU pairs as one op, each shape "
+                 "timed against cuBLAS + a separate activation at its first run", count)
+        return count
 
     def _alone(self, encoder: BatchedGraphEncoder) -> bool:
         """Whether a static graph called again deserves its deferred inner compile: not when a
@@ -146,23 +153,6 @@ class VitGraphBackend:
         """The live compiled graphs' managers (one per graph set), then the ``served`` towers'."""
         return ([m for encoder in self.encoders for m in encoder.managers]
                 + [tower.manager for tower in served])
-
-
-def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner: str,
-             rewrite: Any, why: str | None, setting: str, left: str, done: str) -> int:
-    """Apply ``rewrite`` unless ``why`` (the device lacks the kernels), TensorRT or gradients
-    rule it out; logs the outcome and returns how many nodes were rewritten."""
-    if why is None and inner == "tensorrt":
-        why = "inner_compiler='tensorrt' compiles only PyTorch's own ops"
-    if why is None and torch.is_grad_enabled() and any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
-        why = "the graph records gradients (the op has no backward)"
-    if why is not None:
-        log.info("vitgraph: %s %s: %s", setting, left, why)
-        return 0
-    count = rewrite(gm, example_inputs)
-    log.info("vitgraph: %s: %d %s", setting, count, done)
-    return count
 
 
 class _Fragment:
@@ -218,14 +208,9 @@ def warm(model: Callable[..., Any], calls: Iterable[Any], *, cache_dir: Any = No
     served tower; a call is a tuple of positional arguments, or one argument), without grad,
     then :func:`wait_prepared`. Call it before this process compiles anything; a later process
     that calls ``use_cache_dir`` with the same folder before its first compile finds the
-    kernels. Give calls that reach every budget the deployment's stream needs.
-
-    Returns:
-        :func:`report`, with ``cache_dir``: the folder filled (``None`` where it was refused,
-        after a warning naming why).
-
-    Raises:
-        TimeoutError: a background preparation still ran after ``timeout`` seconds.
+    kernels. Give calls that reach every budget the deployment's stream needs. Returns
+    :func:`report` with ``cache_dir``: the folder filled (``None`` where it was refused, after a
+    warning naming why). Raises ``TimeoutError`` if a preparation still runs after ``timeout`` s.
     """
     folder = use_cache_dir(cache_dir)
     with torch.no_grad():

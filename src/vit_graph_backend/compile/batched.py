@@ -187,9 +187,8 @@ class BatchedGraphEncoder:
             self._compile_later = lambda: compile_fn() if defer(self) else None
         elif self._empty is None:
             self.fn = compile_fn()
-        self._copied: set[int] = set()
-        if self.static_shape:
-            self._copied = {i for i in self.layout.state if i not in self.layout.params}
+        self._copied: set[int] = ({i for i in self.layout.state if i not in self.layout.params}
+                                  if self.static_shape else set())
         # shapes a pinned graph (see analyze_graph) was made for; other calls run eagerly
         self._pinned = [(i, x.shape if isinstance(x, torch.Tensor) else x)
                         for i, x in enumerate(example_inputs)
@@ -202,15 +201,12 @@ class BatchedGraphEncoder:
 
     def __call__(self, *args: Any) -> Any:
         empty = _empty(args, self.layout) or self._empty
-        if empty:  # no rows: the traced graph as is (compiled code may not take zero rows)
-            self.stats.record_call()
-            self.stats.record_eager(1, empty)
-            return self._gm(*args)
-        reason = self.unsupported or (self._pinned and self._off_shape(args))
+        reason = empty or self.unsupported or (self._pinned and self._off_shape(args))
         if reason:
             self.stats.record_call()
             self.stats.record_eager(1, reason)
-            return self.fn(*args)
+            # no rows: the traced graph as is (compiled code may not take zero rows)
+            return self._gm(*args) if empty else self.fn(*args)
         with self._lock:
             if self._compile_later is not None and self._sets:  # a set: called before
                 self._compile_deferred()
@@ -300,8 +296,7 @@ class BatchedGraphEncoder:
                                           chunk=not self.static_shape, budget_config=config,
                                           exact_rows=exact_rows)
         if manager.uses_cuda_graphs:
-            # never capture again into a pool whose graphs were all dropped: the allocator
-            # asserts (use_count > 0) on it
+            # never into a pool whose graphs were all dropped: the allocator asserts (use_count > 0)
             alive = self._graph_pool is not None and self._sets
             manager.graph_pool = self._graph_pool if alive else torch.cuda.graph_pool_handle()
         return graph_set, manager

@@ -70,9 +70,7 @@ def analyze_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Gr
                 layout.batch_ints.append(i)
             else:
                 layout.key_ints.append(i)
-        elif isinstance(fake, (int, float, bool)) or fake is None:
-            continue
-        else:
+        elif fake is not None and not isinstance(fake, (int, float, bool)):
             layout.unsupported = f"input {i} of type {type(fake).__name__} is not supported"
     layout.unsupported = layout.unsupported or _unsafe_ops(gm)
     outputs = None if layout.unsupported else _check_outputs(gm, layout)

@@ -105,4 +105,3 @@ def _other(node: torch.fx.Node, value: torch.fx.Node) -> Any:
     """The operand of a two-operand node that is not ``value`` (``None`` if neither is)."""
     a, b = (list(node.args) + [None, None])[:2]
     return b if a is value else a if b is value else None
-

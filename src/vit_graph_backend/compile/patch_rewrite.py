@@ -93,4 +93,3 @@ def _pair(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value):
         return (value[0], value[0]) if len(value) == 1 else tuple(value)
     return None
-

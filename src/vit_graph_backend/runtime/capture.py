@@ -118,10 +118,9 @@ beside_captures = _GATE.call
 
 def close_failed_capture(pool: Any, device: torch.device) -> None:
     """Close what a capture that raised left open: the allocator still recording into ``pool``
-    (``_compat.end_failed_capture``) and the device's default random generator in capture mode
-    (``CUDAGraph.capture_end`` raises before it closes the generator's side, and every later
-    random number on the device would raise "Offset increment outside graph capture"). An empty
-    capture opens and closes the generator's side again."""
+    and the device's default random generator in capture mode (``capture_end`` raised before
+    closing it, and every later random number on the device would raise "Offset increment
+    outside graph capture"), which an empty capture opens and closes again."""
     _compat.end_failed_capture(pool, device)
     graph = torch.cuda.CUDAGraph()
     with capturing(), torch.cuda.device(device), warnings.catch_warnings():
@@ -141,7 +140,7 @@ def capture_broken(text: str) -> bool:
 
 
 def mib(n: int | None) -> str:
-    """``n`` bytes as a short MiB string for messages."""
+    """``n`` bytes as MiB for messages."""
     return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
 
@@ -170,10 +169,7 @@ class GraphMemory:
 
     def pool_bytes(self, device: torch.device) -> int:
         """Bytes the allocator reserved for every pool these graphs were captured into."""
-        total = 0
-        for pool in self.pools:
-            total += _compat.graph_pool_bytes(pool, device) or 0
-        return total
+        return sum(_compat.graph_pool_bytes(pool, device) or 0 for pool in self.pools)
 
     def clear(self) -> None:
         """Forget pools and estimates (the bound stays resolved)."""
@@ -182,7 +178,7 @@ class GraphMemory:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
-    """Bytes of the storages behind ``tensors``, each counted once (also across calls via ``seen``)."""
+    """Bytes of the storages behind ``tensors``, each counted once (across calls too: ``seen``)."""
     seen = set() if seen is None else seen
     total = 0
     for t in tensors:
@@ -273,8 +269,7 @@ def capture_budget_graph(
     except Exception as exc:  # e.g. out of memory, a host sync or CPU op in the forward
         del graph
         torch.cuda.empty_cache()
-        oom = out_of_memory(exc)
-        return CaptureOutcome(failed=True, oom=oom,
+        return CaptureOutcome(failed=True, oom=out_of_memory(exc),
                               skipped=f"capture failed: {error_line(exc)}")
     try:
         launcher = make_launcher(graph, device, graph_launch, uses_rng)
@@ -356,9 +351,7 @@ class BudgetGraphs:
 
     def pool_bytes(self) -> int:
         """Bytes reserved for the pools these graphs live in (0 off CUDA)."""
-        if self.device.type != "cuda" or not self.memory.pools:
-            return 0
-        return self.memory.pool_bytes(self.device)
+        return self.memory.pool_bytes(self.device) if self.device.type == "cuda" else 0
 
     def report(self) -> dict[str, Any]:
         """The memory part of the manager's ``memory_report()``."""
@@ -403,7 +396,7 @@ class BudgetGraphs:
 
     def capture(self, budget: int, wanted: Callable[[], bool] | None = None) -> CaptureOutcome:
         """Capture ``budget`` into the shared pool, measured and bounded; skips go to
-        :attr:`skipped`. ``wanted``: asked once the device's capture lock is held; False skips the capture."""
+        :attr:`skipped`. ``wanted``: asked under the capture lock; False skips the capture."""
         with capture_lock(self.device):
             if wanted is not None and not wanted():
                 return CaptureOutcome(skipped="cancelled")

@@ -47,7 +47,7 @@ def compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
 def inner_backend(options: VitGraphOptions) -> Callable[..., Any]:
     """A ``torch.compile`` backend that only runs the inner compiler (for packed compute graphs,
-    whose routing the runtime does outside Dynamo)."""
+    routed by the runtime outside Dynamo)."""
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **_: Any):
         return compile_inner(gm, example_inputs, options)
@@ -73,8 +73,6 @@ def _compile_tensorrt(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -
 
 
 def _has_tensorrt_engine(compiled: Any) -> bool:
-    """True if ``compiled`` holds a TensorRT submodule (torch-tensorrt names them ``_run_on_acc_*``)."""
+    """Whether ``compiled`` holds a TensorRT submodule (torch-tensorrt's ``_run_on_acc_*``)."""
     modules = getattr(compiled, "named_modules", None)
-    if modules is None:
-        return False
-    return any("_run_on_acc" in name for name, _ in modules())
+    return modules is not None and any("_run_on_acc" in name for name, _ in modules())

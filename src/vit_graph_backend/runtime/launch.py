@@ -90,7 +90,6 @@ class DeviceLaunchGraph:
         graph: the ``torch.cuda.CUDAGraph`` (captured with ``keep_graph=True``, not instantiated
             by PyTorch) whose graph this executes; kept alive with its memory pool.
         handle: the ``CUgraphExec``.
-        device: the graph's CUDA device.
     """
 
     kind = "device"
@@ -139,13 +138,8 @@ def launch_kind(launcher: Any) -> str:
 def make_launcher(graph: torch.cuda.CUDAGraph, device: torch.device, mode: str,
                   uses_rng: bool | None) -> Any:
     """What to replay for ``graph``: a :class:`DeviceLaunchGraph`, or ``graph`` instantiated by
-    PyTorch (module docstring).
-
-    Args:
-        mode: the ``graph_launch`` option (``options.GRAPH_LAUNCHES``).
-        uses_rng: whether the forward advanced the CUDA generator in its warm-up; ``None``
-            (unknown): PyTorch's replay.
-    """
+    PyTorch (module docstring). ``mode``: the ``graph_launch`` option; ``uses_rng``: whether the
+    forward advanced the CUDA generator in its warm-up (``None``, unknown: PyTorch's replay)."""
     reason = _device_launch_refused(mode, uses_rng)
     if reason is None:
         cu = _driver()

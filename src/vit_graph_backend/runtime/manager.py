@@ -28,8 +28,7 @@ from .capture import (BudgetGraphs, CaptureOutcome, beside_captures, capture_bro
 from ..options import VitGraphOptions
 from ..planner import Batch, Segment
 from .replay_io import (assemble, head_copy, infer_device_dtype, map_output, max_rel_error,
-                        needs_grad,
-                        split_rows, verify_tolerance, write_inputs)
+                        needs_grad, split_rows, verify_tolerance, write_inputs)
 from ..protocol import SupportsEncoderCudaGraph
 from .served_budgets import ServedBudgets
 from ..stats import GraphStats
@@ -48,8 +47,6 @@ class EncoderCudaGraphManager:
     """Serve an encoder's calls from one CUDA graph per token budget.
 
     Args:
-        model: the encoder, implementing ``SupportsEncoderCudaGraph``.
-        options: budgets, policy, capture and verification settings.
         device: where static buffers live; ``None`` for the model's first parameter's device.
         dtype: dtype of floating capture inputs; ``None`` for the model's parameter dtype.
         chunk: cut row items larger than the largest budget into chunks (needs the segment API).
@@ -160,15 +157,11 @@ class EncoderCudaGraphManager:
     def memory_report(self) -> dict[str, Any]:
         """Memory the captured set holds, from the CUDA caching allocator: ``pool_bytes`` (graph
         pools), ``static_input_bytes``, ``skipped_budgets`` and ``disabled_budgets`` (each with
-        its reason), ``estimated_bytes`` (warm-up estimates per budget).
-        """
-        report = self.graphs.report()
-        report["budgets"] = list(self.token_budgets)
-        report["disabled_budgets"] = dict(self.served.disabled)
-        report["graphs_off_reason"] = self._off_reason
-        report["preparing"] = self._preparing
-        report["prepare_seconds"] = self.prepare_seconds
-        return report
+        its reason), ``estimated_bytes`` (warm-up estimates per budget)."""
+        return {**self.graphs.report(), "budgets": list(self.token_budgets),
+                "disabled_budgets": dict(self.served.disabled),
+                "graphs_off_reason": self._off_reason, "preparing": self._preparing,
+                "prepare_seconds": self.prepare_seconds}
 
     def disable_graphs(self, reason: str) -> None:
         """Serve every later call eagerly, logging ``reason`` once."""
@@ -176,13 +169,9 @@ class EncoderCudaGraphManager:
         self._log_once(f"vitgraph: CUDA graphs disabled for this encoder: {reason}")
 
     def capture(self, graph_pool: Any = None) -> None:
-        """Capture every budget, largest first, into one pool (a background preparation is
-        cancelled first, after its capture in progress).
-
-        Args:
-            graph_pool: a ``torch.cuda.graph_pool_handle()`` to capture into (kept as given, e.g.
-                one shared with other graphs of the application); ``None`` creates one.
-        """
+        """Capture every budget, largest first, into ``graph_pool`` (kept as given, e.g. one
+        shared with other graphs of the application; ``None`` creates one). A background
+        preparation is cancelled first, after its capture in progress."""
         with self._lock:
             self._stop_preparing()
             if not self.uses_cuda_graphs:  # off CUDA: logged once per process (_log_cpu_once)
@@ -215,21 +204,19 @@ class EncoderCudaGraphManager:
 
     def _reenable_skipped(self) -> None:
         # memory may have been freed since: budgets skipped at capture get another try
-        if not self.graphs.skipped:
-            return
-        if self.served.enable(list(self.graphs.skipped)) and self._all_budgets_failed:
+        skipped = list(self.graphs.skipped)
+        if skipped and self.served.enable(skipped) and self._all_budgets_failed:
             self._off_reason, self._all_budgets_failed = None, False
 
     def run(self, inputs: Any) -> list[Any]:
-        """Run one call; returns one output per item, in the caller's order."""
+        """Run one call: one output per item, in the caller's order."""
         specs = tuple(self.model.get_encoder_cudagraph_item_specs(inputs))
         if not self._preparing:
             with self._lock:
                 if not self._preparing and not (self._background_mode
                                                 and self._background(inputs)):
                     return self._run_locked(inputs, specs)
-        # capture="background": the model's own forward, beside the preparation, holding
-        # neither the manager's lock nor the device's stream order
+        # capture="background": the model's own forward, holding neither lock nor stream order
         self.stats.record_call()
         return self._whole(inputs, specs, PREPARING)
 
@@ -278,8 +265,8 @@ class EncoderCudaGraphManager:
     def _background(self, inputs: Any) -> bool:
         """``capture="background"`` (under the lock): start preparing every budget's graphs on
         a thread when none is held; True if this call is to be answered beside it. Otherwise
-        (graphs held, graphs off, grad, no ``encoder_reference_forward``, no thread) the call
-        goes the locked way, capturing inside it where graphs are missing."""
+        (graphs held or off, grad, no ``encoder_reference_forward``, no thread) the call goes
+        the locked way, capturing inside it where graphs are missing."""
         if (self._graphs or not self.uses_cuda_graphs or self._grad_reason(inputs) is not None
                 or not self.token_budgets):
             return False
@@ -304,9 +291,9 @@ class EncoderCudaGraphManager:
         return True
 
     def _prepare(self, generation: int, start: float) -> None:
-        """The background preparation: every budget captured, largest first, into a new set,
-        served under the lock once complete unless a later ``clear()`` cancelled it (its
-        ``generation`` passed). A failure turns graphs off with the reason, never a call."""
+        """Capture every budget, largest first, into a new set, served under the lock once
+        complete unless a later ``clear()`` cancelled it (its ``generation`` passed). A failure
+        turns graphs off with the reason, never a call."""
         current = lambda: generation == self._generation  # noqa: E731
         outcomes: dict[int, CaptureOutcome] = {}
         failure = graphs = None
@@ -351,9 +338,8 @@ class EncoderCudaGraphManager:
             self._lock.release()
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
-        """Wait for a background preparation (``capture="background"``) to end; True once none
-        runs (none started, or it ended: served, cancelled or failed, as ``memory_report()``
-        says), False if ``timeout`` seconds passed first."""
+        """Wait for a background preparation to end; True once none runs (none started, or it
+        was served, cancelled or failed: see ``memory_report()``), False if ``timeout`` passed."""
         thread = self._preparer
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -484,7 +470,7 @@ class EncoderCudaGraphManager:
         return self.model.prepare_encoder_cudagraph_replay_buffers(inputs, list(batch.items), budget)
 
     def _python_outside(self) -> bool:
-        """Whether the encoder runs Python a graph would skip (hooks, patched code); turns graphs off."""
+        """Whether the encoder runs Python graphs skip (hooks, patched code), turning them off."""
         outside = python_outside_graphs(self.watched) if self.watched is not None else None
         if outside is not None:
             self.disable_graphs(f"{outside}, Python that graphs skip; served eagerly (remove "
@@ -512,8 +498,8 @@ class EncoderCudaGraphManager:
         # the graphs read the old addresses: capture again where that is still right
         assert self.watched is not None and self.weights is not None
         self.weights = WeightSlots(self.watched)
-        elsewhere = sorted(f"{d}, {t}" for d, t in self.weights.places() - {(self.device,
-                                                                              self.dtype)})
+        here = {(self.device, self.dtype)}
+        elsewhere = sorted(f"{d}, {t}" for d, t in self.weights.places() - here)
         if not elsewhere:
             log.warning("vitgraph: the encoder's weights have new storage since its graphs were "
                         "captured (.to(), assign=True, a replaced parameter); captured again")
@@ -573,5 +559,3 @@ class _Call:
 def _log_cpu_once() -> None:
     log.info("vitgraph: no CUDA device: each call runs eagerly, batch by batch as planned, at "
              "its own size (CUDA graphs, and the padding they need, want a CUDA device)")
-
-

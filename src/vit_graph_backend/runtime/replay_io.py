@@ -93,12 +93,10 @@ def write_inputs(entry: Any, values: Mapping[str, torch.Tensor]) -> None:
 
 def copy_padded(static: dict[str, torch.Tensor], key: str, value: torch.Tensor,
                 dirty: dict[str, int] | None = None) -> None:
-    """Copy ``value`` into the head of ``static[key]`` and zero the rest of its rows.
-
-    A pinned host ``value`` is copied without a host sync (the caller never writes it again).
-    ``dirty``, when given, holds per key how many leading rows may be non-zero (absent: all);
-    only rows between ``value``'s end and that count are zeroed, and the count is updated.
-    """
+    """Copy ``value`` into the head of ``static[key]`` and zero the rest of its rows. A pinned
+    host ``value`` is copied without a host sync (the caller never writes it again). ``dirty``,
+    when given, holds per key how many leading rows may be non-zero (absent: all); only rows
+    between ``value``'s end and that count are zeroed, and the count is updated."""
     try:
         target = static[key]
     except KeyError:
@@ -152,10 +150,8 @@ def assemble(pieces: list[tuple[int, Any]]) -> Any:
 
 
 def infer_device_dtype(model: Any, device: Any = None, dtype: Any = None) -> tuple[torch.device, torch.dtype]:
-    """``(device, dtype)`` given, or else those of ``model``'s first parameter (CPU/fp32 if none)."""
-    param = None
-    if isinstance(model, torch.nn.Module):
-        param = next(iter(model.parameters()), None)
+    """``(device, dtype)`` given, else those of ``model``'s first parameter (CPU/fp32 if none)."""
+    param = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
     if device is None:
         device = param.device if param is not None else torch.device("cpu")
     if dtype is None:

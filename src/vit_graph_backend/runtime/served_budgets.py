@@ -21,13 +21,8 @@ PLAN_CACHE_SIZE = 1024
 
 
 class ServedBudgets:
-    """The budgets of ``config`` still served, and cached plans over them.
-
-    Args:
-        config: the resolved budgets (``VitGraphOptions.resolve``).
-        policy: the planner policy.
-        chunk: cut row items larger than the largest budget (batched encoders).
-    """
+    """The budgets of ``config`` (``VitGraphOptions.resolve``) still served, and cached plans
+    over them; ``chunk``: cut row items larger than the largest budget (batched encoders)."""
 
     def __init__(self, config: BudgetConfig, policy: str, chunk: bool) -> None:
         self.config, self.policy, self.chunk = config, policy, chunk
@@ -69,13 +64,12 @@ class ServedBudgets:
 
     def eager_reason(self, batch: Batch) -> str:
         """Why ``batch`` has no budget, naming a disabled budget that would have held it."""
-        reason = eager_reason(batch, self.active)
         if batch.tokens > self.active.max_budget:
-            skipped = [b for b in self.disabled if b >= batch.tokens]
-            if skipped:
+            skipped = min((b for b in self.disabled if b >= batch.tokens), default=None)
+            if skipped is not None:
                 return (f"item exceeds the largest captured budget ({self.active.max_budget}); "
-                        f"budget {min(skipped)} is not served: {self.disabled[min(skipped)]}")
-        return reason
+                        f"budget {skipped} is not served: {self.disabled[skipped]}")
+        return eager_reason(batch, self.active)
 
     def _serve_remaining(self) -> bool:
         self._plans.clear()

@@ -25,11 +25,9 @@ _STREAMS_KEPT = 64
 
 
 class StreamOrder:
-    """Orders every call that touches graph memory on one device after the previous one.
-
-    Use as ``stream = order.enter()`` ... ``order.exit(stream)`` (``exit`` in a ``finally``), or
-    as a context manager. Re-entrant in one thread (a nested call simply keeps the order).
-    """
+    """Orders every call that touches graph memory on one device after the previous one: use
+    ``stream = order.enter()`` ... ``order.exit(stream)`` (``exit`` in a ``finally``), or as a
+    context manager. Re-entrant in one thread (a nested call keeps the order)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)

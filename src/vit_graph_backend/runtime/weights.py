@@ -79,11 +79,8 @@ def _held(tensor: torch.Tensor) -> tuple[int, ...]:
 
 def fingerprint(tensors: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Each tensor's address and version counter (-1 for ``None``), which derived weight copies
-    compare to know whether their sources were written or moved.
-
-    Raises:
-        RuntimeError: for an inference tensor, which keeps no version counter.
-    """
+    compare to know whether their sources were written or moved. Raises ``RuntimeError`` for an
+    inference tensor, which keeps no version counter."""
     try:
         return tuple(map(_data_ptr, tensors)), tuple(map(_version, tensors))
     except (TypeError, AttributeError):  # a projection without a bias: None in its slot
