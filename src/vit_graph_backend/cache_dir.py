@@ -26,8 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE_DIR_ENV", "CHOICES_FILE", "default_cache_dir", "keep_choice", "kept_choice",
-           "unsafe_reason", "use_cache_dir"]
+__all__ = ["CACHE_DIR_ENV", "CHOICES_FILE", "default_cache_dir", "keep_choice", "keeping",
+           "kept_choice", "unsafe_reason", "use_cache_dir"]
 
 log = logging.getLogger("vit_graph_backend")
 
@@ -113,23 +113,35 @@ def use_cache_dir(path: str | os.PathLike[str] | None = None) -> Path | None:
     return keyed
 
 
-def kept_choice(key: str) -> Any:
+def keeping() -> bool:
+    """Whether kernel choices are kept: :func:`use_cache_dir` set a folder in this process."""
+    return _folder is not None
+
+
+def kept_choice(key: str | None) -> Any:
     """The kernel choice kept under ``key`` (by this process or an earlier one) in the folder
-    :func:`use_cache_dir` set, or ``None``: none kept, no folder set, or a file that is not the
-    user's own (refused with one warning). The caller checks the value is still a candidate."""
+    :func:`use_cache_dir` set, or ``None``: none kept, no folder set (``key`` is then ``None``:
+    ``runtime.timing.choice_key``), or a file that is not the user's own (refused with one
+    warning). The caller checks the value is still a candidate."""
+    if key is None:
+        return None
     with _lock:
         return _read().get(key)
 
 
-def keep_choice(key: str, value: Any) -> None:
-    """Keep ``value`` (plain JSON) under ``key`` for later processes, merged with what others
-    kept meanwhile; nothing where no folder is set. A failed write is logged, never raised."""
+def keep_choice(key: str | None, value: Any) -> None:
+    """Keep ``value`` (plain JSON) under ``key`` for later processes; nothing where no folder is
+    set. The file is read again and merged just before it is replaced, so what other processes
+    kept stays, but for a write racing this one (its entries are then timed again). A failed
+    write is logged, never raised."""
     global _choices
+    if key is None:
+        return
     with _lock:
         choices = _read()
         if _folder is None or choices.get(key) == value:
             return
-        # what other processes kept meanwhile; a file not the user's own is replaced, unread
+        # a file not the user's own is replaced, unread
         merged = {**_load(_folder / CHOICES_FILE, warn=False), **choices, key: value}
         name = None
         try:   # a new file readable by its owner only (mkstemp), then renamed over the old
@@ -156,28 +168,33 @@ def _read() -> dict[str, Any]:
 
 
 def _load(path: Path, warn: bool = True) -> dict[str, Any]:
-    """The choices in ``path``: ``{}`` where it is missing, not a plain file of the user's own
-    that only they can write (a warning if ``warn``), or not a JSON object."""
+    """The choices in ``path``: ``{}`` where it is missing, a link, not a plain file of the
+    user's own that only they can write (a warning if ``warn``), or not a JSON object. The
+    checks read the file opened (no link followed), so it cannot be swapped between them."""
     try:
-        info = os.lstat(path)
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         return {}
-    getuid = getattr(os, "getuid", None)   # None on Windows: no owners to compare
-    if (not stat.S_ISREG(info.st_mode) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-            or (getuid is not None and info.st_uid != getuid())):
-        if warn:
-            log.warning("vitgraph: not reading kernel choices from %s: not a file of this "
-                        "user's that only they can write; timing the kernels instead", path)
-        return {}
-    try:
-        with open(path) as kept:
+    except OSError as exc:   # a link (ELOOP), or no permission
+        return _unread(path, f"{type(exc).__name__}: {exc}", warn)
+    with os.fdopen(handle) as kept:
+        info = os.fstat(kept.fileno())
+        getuid = getattr(os, "getuid", None)   # None on Windows: no owners to compare
+        if (not stat.S_ISREG(info.st_mode) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                or (getuid is not None and info.st_uid != getuid())):
+            return _unread(path, "not a file of this user's that only they can write", warn)
+        try:
             choices = json.load(kept)
-    except (OSError, ValueError) as exc:
-        if warn:
-            log.warning("vitgraph: kernel choices in %s unreadable (%s); timing the kernels",
-                        path, exc)
-        return {}
+        except (OSError, ValueError) as exc:
+            return _unread(path, f"unreadable: {exc}", warn)
     return choices if isinstance(choices, dict) else {}
+
+
+def _unread(path: Path, why: str, warn: bool) -> dict[str, Any]:
+    if warn:
+        log.warning("vitgraph: not reading kernel choices from %s (%s); timing the kernels "
+                    "instead", path, why)
+    return {}
 
 
 def _refused(folder: object, reason: str) -> None:

@@ -5,6 +5,7 @@ reset (``_choices = None``), as a new process starts with nothing read."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,10 +37,12 @@ def _later_process():
     cache_dir._choices = None
 
 
-def test_nothing_is_kept_without_a_folder(tmp_path):
+def test_nothing_is_kept_in_a_process_that_set_no_folder(folder):
+    cache_dir._folder, cache_dir._choices = None, None   # a process that never called it
+    assert choice_key("linear_act", CPU, 64) is None
     keep_choice("k", "v")
-    assert kept_choice("k") is None
-    assert not list(tmp_path.rglob(CHOICES_FILE))
+    assert kept_choice("k") is None and kept_choice(None) is None
+    assert not (folder / CHOICES_FILE).exists()
 
 
 def test_a_choice_is_kept_for_the_owner_alone_and_read_by_a_later_process(folder):
@@ -80,15 +83,30 @@ def test_a_file_others_can_write_is_not_read_and_is_replaced(folder, caplog):
 def test_an_unreadable_file_means_timing_again(folder, text, caplog):
     (folder / CHOICES_FILE).write_text(text)
     _later_process()
-    assert kept_choice("k") is None
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        assert kept_choice("k") is None
+    assert any("unreadable" in r.message for r in caplog.records) == (text == "{not json")
 
 
-def test_the_key_names_the_shape_device_releases_and_code():
+def test_a_link_in_place_of_the_file_is_not_followed(folder, tmp_path, caplog):
+    planted = tmp_path / "elsewhere.json"
+    planted.write_text(json.dumps({"k": "planted"}))
+    planted.chmod(0o600)
+    (folder / CHOICES_FILE).symlink_to(planted)
+    _later_process()
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        assert kept_choice("k") is None
+    assert any("not reading kernel choices" in r.message for r in caplog.records)
+
+
+def test_the_key_names_the_shape_device_releases_and_code(folder):
     key = choice_key("linear_act", CPU, torch.bfloat16, 64, 768, 3072, "gelu", True)
     parts = key.split("|")
     assert parts[:8] == ["linear_act", "torch.bfloat16", "64", "768", "3072", "gelu", "True",
                          "cpu"]
-    assert f"torch {torch.__version__}" in parts and any(p.startswith("triton ") for p in parts)
+    assert f"torch {torch.__version__}" in parts
+    for release in ("triton ", "cudnn ", "cudnn-frontend "):
+        assert sum(p.startswith(release) for p in parts) == 1, (release, parts)
     code = [p for p in parts if p.startswith("code ")]
     assert len(code) == 1 and len(code[0]) == len("code ") + 16
     assert choice_key("linear_act", CPU, torch.float16, 64) != choice_key(
@@ -140,6 +158,8 @@ def test_a_timing_short_of_memory_is_not_kept(folder, monkeypatch):
 
 
 class _Kernel:
+    state: dict = {}
+
     def __call__(self, *args):
         return None
 
@@ -164,7 +184,12 @@ def test_an_attention_choice_answers_a_later_process_without_a_race(folder, monk
 
     assert choose() == expected and raced == [300, 300]   # two layouts timed
     _later_process()
-    assert choose() == expected and raced == [300, 300]   # read, not raced
+    later = AttentionChoice(None)
+    later.segment = _Kernel()
+    assert later._choose_segment_kernel(300, 2, 80, 80 ** -0.5, 1, CPU, torch.bfloat16,
+                                        varlen=lambda *a: None) == expected
+    assert raced == [300, 300]   # read, not raced
+    assert later.state["kept"] == {"full": [300]} and later.full_timings == {}
     assert choose(heads=4) == expected and raced == [300] * 4   # another shape: raced
 
 
@@ -175,8 +200,40 @@ def test_a_kept_value_that_is_not_a_choice_is_ignored(folder, monkeypatch):
                                                                         "triton": 2.0})
     choice = AttentionChoice(None)
     choice.segment = _Kernel()
-    key = choice_key("full attention", CPU, 300, 2, 80, 1, torch.bfloat16, False)
+    key = choice_key("full attention", CPU, 300, 2, 80, 1, torch.bfloat16,
+                     choice.ragged is not None)
     keep_choice(key, "something else")
     assert choice._choose_segment_kernel(300, 2, 80, 80 ** -0.5, 1, CPU, torch.bfloat16,
                                          varlen=lambda *a: None) == "varlen"
     assert kept_choice(key) == "varlen"
+
+
+def test_a_kept_choice_that_fails_at_its_first_launch_is_refused_and_cublas_serves(
+        folder, monkeypatch, caplog):
+    """``run``'s kept path on CPU tensors standing for CUDA ones: the fused kernel a later
+    process reads back raises when launched (it does not build on this host)."""
+    config = fused_linear.FUSED_CONFIGS[0]
+    launched = []
+
+    def launch(choice, rows, weight, bias, activation):
+        launched.append(choice)
+        if choice != "cublas+activation":
+            raise RuntimeError("out of resources")
+        return rows @ weight.t()
+
+    monkeypatch.setattr(fused_linear.LinearActChoices, "_launch", staticmethod(launch))
+    monkeypatch.setattr(fused_linear.LinearActChoices, "_fusable",
+                        staticmethod(lambda rows, weight, bias: True))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x, w = torch.ones(4, 8), torch.ones(8, 8)
+    keep_choice(fused_linear._kept_key(x, w, None, "gelu"), list(config))
+    _later_process()
+    choices = fused_linear.LinearActChoices()
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        out = choices.run(x, w, None, "gelu")
+    assert launched == [config, "cublas+activation"]
+    torch.testing.assert_close(out, x @ w.t())
+    assert choices.chosen == {} and choices.refused == {(False, config):
+                                                        "RuntimeError: out of resources"}
+    assert any("the kept fused" in r.message for r in caplog.records)

@@ -89,6 +89,7 @@ class _QwenVisionAdapter(nn.Module):
     """Shared code of the family adapters; subclasses fill in the family hooks.
 
     Args:
+        model: the HF vision tower.
         options: the :class:`~vit_graph_backend.options.VitGraphOptions` it is served with;
             the adapter reads ``min_budget``/``max_budget`` (default: a 224 px square image to
             4096 tokens, 16384 for a tower without a merger), ``align_mlp``, ``fuse`` (graphs

@@ -4,8 +4,9 @@
   ``reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``.
 - ``vitgraph``: the defaults (batched: ``torch.compile(model, backend=vitgraph, options=...)``;
   packed: ``serve(tower, **options)``); ``vitgraph-eager``: ``inner_compiler="eager"``.
-- The other ``vitgraph-*`` modes, not in the default list: each ``vitgraph`` with one option
-  (:data:`VITGRAPH_MODES`); ``vitgraph-patch-conv`` applies to batched models.
+- Not in the default list, each ``vitgraph`` with one option (:data:`VITGRAPH_MODES`):
+  ``vitgraph-inductor``, ``vitgraph-epilogue-off``, ``vitgraph-batch-invariant``,
+  ``vitgraph-torch-launch``, ``vitgraph-patch-conv`` (batched models), ``vitgraph-background``.
 
 Packed towers go through :func:`vit_graph_backend.adapters.serve.serve`: Dynamo skips the router
 frame, so ``torch.compile`` options could not reach it. The backend object is passed directly, so

@@ -238,8 +238,9 @@ def _use_caches(cfg: BenchConfig) -> str | None:
         if cfg.cache_dir is None:
             return None
         used = use_cache_dir(cfg.cache_dir)
-        return (f"cache_dir: the caches stay as they were: {cfg.cache_dir} was refused"
-                if used is None else f"cache_dir: compiled kernels read from and kept in {used}")
+        if used is None:
+            return f"cache_dir: the caches stay as they were: {cfg.cache_dir} was refused"
+        return f"cache_dir: compiled kernels and kernel choices read from and kept in {used}"
     folder = tempfile.mkdtemp(prefix="vitgraph-cold-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     used = use_cache_dir(folder)

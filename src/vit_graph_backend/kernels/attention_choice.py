@@ -91,6 +91,8 @@ class AttentionChoice:
         self.full_by_rows: dict[int, str] = {}
         #: static row count -> the full segment kernels' measured ms
         self.full_timings: dict[int, dict[str, float]] = {}
+        #: "full", "window" or "one image" -> row counts whose choice was read back, untimed
+        self.kept: dict[str, list[int]] = {}
 
     def prepare(self, rows: int, heads: int, head_dim: int, scale: float, *, one_segment: bool,
                 device: torch.device, dtype: torch.dtype,
@@ -139,8 +141,9 @@ class AttentionChoice:
 
     @property
     def state(self) -> dict[str, Any]:
-        """The setting, each captured budget's kernel by its static row count, and the timings."""
-        return {"attention": self.setting,
+        """The setting, each captured budget's kernel by its static row count, the timings, and
+        (``kept``) the row counts whose choice was read back from an earlier process, untimed."""
+        return {"attention": self.setting, "kept": {k: sorted(v) for k, v in self.kept.items()},
                 "segments": "flash varlen" if self.ragged is None else "cudnn",
                 "cudnn_off": self.cudnn_off,
                 "cudnn": self.ragged.state if self.ragged is not None else None,
@@ -155,6 +158,17 @@ class AttentionChoice:
                             "by_rows": dict(sorted(self.window_by_rows.items())),
                             "timings_ms": dict(sorted(self.window_timings.items()))}}
 
+    def _kept(self, key: str | None, allowed: tuple[str, ...], rows: int, what: str) -> str | None:
+        """The choice an earlier timing kept under ``key`` (``use_cache_dir``), if ``allowed``;
+        recorded in ``kept`` (such a budget has no timings)."""
+        kept = kept_choice(key)
+        if kept not in allowed:
+            return None
+        self.kept.setdefault(what, []).append(rows)
+        log.info("vitgraph: %d rows, %s attention: %s, as kept from an earlier timing", rows,
+                 what, kept)
+        return kept
+
     def _choose_window_kernel(self, rows: int, heads: int, head_dim: int, scale: float,
                               windows: tuple[int, int], device: torch.device,
                               dtype: torch.dtype, varlen: Callable[..., Any] | None) -> str:
@@ -163,7 +177,7 @@ class AttentionChoice:
         if self.short is None or varlen is None or not _timed_on(device) or window < 1:
             return "varlen"
         key = choice_key("window attention", device, rows, heads, head_dim, window, slots, dtype)
-        if (kept := _kept(key, ("short", "varlen"), rows, "window attention")) is not None:
+        if (kept := self._kept(key, ("short", "varlen"), rows, "window")) is not None:
             return kept
         full, rest = divmod(rows, window)
         lengths = [window] * full + ([rest] if rest else [])
@@ -192,7 +206,7 @@ class AttentionChoice:
             return "varlen"
         key = choice_key("full attention", device, rows, heads, head_dim, frames, dtype,
                          self.ragged is not None)
-        if (kept := _kept(key, ("triton", "varlen"), rows, "full attention")) is not None:
+        if (kept := self._kept(key, ("triton", "varlen"), rows, "full")) is not None:
             return kept
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
         segment = self.segment
@@ -208,7 +222,7 @@ class AttentionChoice:
                 return "varlen"
             for name, value in ms.items():
                 total[name] = total.get(name, 0.0) + value
-        self.full_timings[rows] = {key: round(value, 4) for key, value in total.items()}
+        self.full_timings[rows] = {name: round(value, 4) for name, value in total.items()}
         choice = "triton" if total["triton"] < total["varlen"] else "varlen"
         keep_choice(key, choice)
         log.info("vitgraph: %d rows, full attention over segments: %s (%s %.3f ms, Triton "
@@ -221,7 +235,7 @@ class AttentionChoice:
                  device: torch.device, dtype: torch.dtype, varlen: Callable[..., Any]) -> str:
         key = choice_key("dense attention", device, rows, heads, head_dim, dtype,
                          self.full_by_rows.get(rows), self.ragged is not None)
-        if (kept := _kept(key, ("dense", "varlen"), rows, "full attention, one image")) is not None:
+        if (kept := self._kept(key, ("dense", "varlen"), rows, "one image")) is not None:
             return kept
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
         real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)
@@ -253,15 +267,6 @@ def full_layouts(rows: int, frames: int) -> list[list[int]]:
         ends = [*lengths, *[0] * max(0, frames - len(lengths)), rows - sum(lengths)]
         layouts.append([0, *itertools.accumulate(ends)])
     return layouts
-
-
-def _kept(key: str, allowed: tuple[str, ...], rows: int, what: str) -> str | None:
-    """The choice an earlier timing kept under ``key`` (``use_cache_dir``), if ``allowed``."""
-    kept = kept_choice(key)
-    if kept not in allowed:
-        return None
-    log.info("vitgraph: %d rows, %s: %s, as kept from an earlier timing", rows, what, kept)
-    return kept
 
 
 def _timed_on(device: torch.device) -> bool:

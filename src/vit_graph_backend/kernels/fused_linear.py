@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import _compat
 from ..cache_dir import keep_choice, kept_choice
+from ..errors import error_line, out_of_memory
 from ..runtime.capture import capture_lock
 from ..runtime.timing import choice_key, graph_ms, time_each
 
@@ -262,11 +263,13 @@ class LinearActChoices:
                 choice = self.chosen.get(key)
                 timed = (choice is None and len(self.chosen) < MAX_TIMED_SHAPES
                          and not torch.cuda.is_current_stream_capturing())
+            kept = None
             if timed:  # an earlier process's timing (use_cache_dir); never first run in a capture
-                choice = self._kept(rows, weight, bias, activation)
-                if choice is not None:
+                kept = self._kept(rows, weight, bias, activation)
+                if kept is not None:
                     with self._lock:
-                        choice, timed = self.chosen.setdefault(key, choice), False
+                        choice, timed = self.chosen.setdefault(key, kept), False
+                    kept = kept if choice == kept else None   # else another thread's, launched
             # the capture lock first, as a capture's warm-up holds it; busy (another thread
             # captures): cuBLAS + activation this time, timed at a later call
             lock = capture_lock(x.device)
@@ -282,9 +285,32 @@ class LinearActChoices:
                             choice = self.chosen.setdefault(key, choice)
                 finally:
                     lock.release()
-            out = self._launch(_UNFUSED if choice is None else choice, rows, weight, bias,
-                               activation)
+            if kept is not None and kept != _UNFUSED:   # its first launch in this process
+                out = self._first_kept_launch(key, kept, rows, weight, bias, activation)
+            else:
+                out = self._launch(_UNFUSED if choice is None else choice, rows, weight, bias,
+                                   activation)
         return out.reshape(*x.shape[:-1], n)
+
+    def _first_kept_launch(self, key: tuple[Any, ...], choice: Choice, rows: torch.Tensor,
+                           weight: torch.Tensor, bias: torch.Tensor | None,
+                           activation: str) -> torch.Tensor:
+        """Launch a choice read back from an earlier process; one that fails here (a kernel
+        that does not build on this host) is refused as a timed one would be, the shape timed
+        again at its next call, and cuBLAS + activation serves this one."""
+        try:
+            return self._launch(choice, rows, weight, bias, activation)
+        except Exception as exc:
+            reason = error_line(exc)
+            with self._lock:
+                if not out_of_memory(exc):
+                    self.refused[(activation == GATED, choice)] = reason
+                if self.chosen.get(key) == choice:
+                    del self.chosen[key]
+            log.warning("vitgraph: linear+%s: the kept %s failed (%s); cuBLAS + activation "
+                        "serves this call, and the shape is timed again", activation,
+                        _name(choice), reason)
+            return self._launch(_UNFUSED, rows, weight, bias, activation)
 
     @staticmethod
     def _fusable(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

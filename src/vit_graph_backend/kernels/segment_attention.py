@@ -61,7 +61,8 @@ def segment_unserved_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 class SegmentFlashAttention(TritonKernelCalls):
     """Full attention within segments through ``_segment_attention_triton`` (thread-safe), called
-    like ``RaggedAttention`` (``max_seqlen`` and ``cache`` unused)."""
+    like ``RaggedAttention`` (``max_seqlen`` and ``cache`` unused); returns the output, or
+    ``None`` where it does not serve."""
 
     def __init__(self) -> None:
         super().__init__("vit_graph_backend.kernels._segment_attention_triton",

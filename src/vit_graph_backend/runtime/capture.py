@@ -118,9 +118,10 @@ beside_captures = _GATE.call
 
 def close_failed_capture(pool: Any, device: torch.device) -> None:
     """Close what a capture that raised left open: the allocator still recording into ``pool``
-    and the device's default random generator in capture mode (``capture_end`` raised before
-    closing it, and every later random number on the device would raise "Offset increment
-    outside graph capture"), which an empty capture opens and closes again."""
+    (``_compat.end_failed_capture``) and the device's default random generator in capture mode
+    (``capture_end`` raised before closing it, and every later random number on the device
+    would raise "Offset increment outside graph capture"), which an empty capture opens and
+    closes again."""
     _compat.end_failed_capture(pool, device)
     graph = torch.cuda.CUDAGraph()
     with capturing(), torch.cuda.device(device), warnings.catch_warnings():

@@ -90,6 +90,7 @@ class DeviceLaunchGraph:
         graph: the ``torch.cuda.CUDAGraph`` (captured with ``keep_graph=True``, not instantiated
             by PyTorch) whose graph this executes; kept alive with its memory pool.
         handle: the ``CUgraphExec``.
+        device: the graph's CUDA device (launches go to its current stream).
     """
 
     kind = "device"

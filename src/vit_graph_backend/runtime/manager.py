@@ -47,6 +47,8 @@ class EncoderCudaGraphManager:
     """Serve an encoder's calls from one CUDA graph per token budget.
 
     Args:
+        model: the encoder, implementing ``SupportsEncoderCudaGraph``.
+        options: budgets, policy, capture and verification settings.
         device: where static buffers live; ``None`` for the model's first parameter's device.
         dtype: dtype of floating capture inputs; ``None`` for the model's parameter dtype.
         chunk: cut row items larger than the largest budget into chunks (needs the segment API).

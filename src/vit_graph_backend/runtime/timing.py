@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..cache_dir import keeping
 from ..errors import error_line, out_of_memory
 from .capture import capture_broken, capture_lock, capturing, close_failed_capture
 
@@ -112,10 +113,13 @@ def kernel_timing_seconds() -> float:
         return _TIMED[0]
 
 
-def choice_key(what: str, device: torch.device, *shape: Any) -> str:
+def choice_key(what: str, device: torch.device, *shape: Any) -> str | None:
     """The key a kernel choice is kept under across processes (``cache_dir.keep_choice``): what
-    was chosen and for which shape, on which GPU model, under which torch and Triton releases and
-    which code of this package (a digest of its sources: an edit times the kernels again)."""
+    was chosen and for which shape, on which GPU model, under which torch, Triton and cuDNN
+    releases and which code of this package (a digest of its sources: an edit times the kernels
+    again). ``None`` where no folder keeps choices (``use_cache_dir`` not called)."""
+    if not keeping():
+        return None
     device = torch.device(device)
     if device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index
@@ -128,14 +132,19 @@ def choice_key(what: str, device: torch.device, *shape: Any) -> str:
 
 @functools.cache
 def _releases() -> tuple[str, ...]:
-    try:
-        triton = metadata.version("triton")
-    except metadata.PackageNotFoundError:
-        triton = "none"
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "none"
+
     digest = hashlib.sha256()
     for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         digest.update(source.read_bytes())
-    return f"torch {torch.__version__}", f"triton {triton}", f"code {digest.hexdigest()[:16]}"
+    return (f"torch {torch.__version__}", f"triton {version('triton')}",
+            f"cudnn {torch.backends.cudnn.version()}",
+            f"cudnn-frontend {version('nvidia-cudnn-frontend')}",
+            f"code {digest.hexdigest()[:16]}")
 
 
 def time_each(candidates: Iterable[_T], run: Callable[[_T], Any], *, calls: int, reps: int,
