@@ -26,8 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE_DIR_ENV", "CHOICES_FILE", "default_cache_dir", "keep_choice", "keeping",
-           "kept_choice", "unsafe_reason", "use_cache_dir"]
+__all__ = ["CACHE_DIR_ENV", "CHOICES_FILE", "default_cache_dir", "installed_version",
+           "keep_choice", "keeping", "kept_choice", "unsafe_reason", "use_cache_dir"]
 
 log = logging.getLogger("vit_graph_backend")
 
@@ -41,6 +41,14 @@ CHOICES_FILE = "kernel_choices.json"
 _folder: Path | None = None
 _choices: dict[str, Any] | None = None
 _lock = threading.Lock()
+
+
+def installed_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, or ``None`` if it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def default_cache_dir() -> Path:
@@ -88,11 +96,7 @@ def use_cache_dir(path: str | os.PathLike[str] | None = None) -> Path | None:
     try:
         root = Path(os.path.abspath(Path(path).expanduser() if path is not None
                                     else default_cache_dir()))
-        try:
-            version = metadata.version("torch")
-        except metadata.PackageNotFoundError:
-            version = "unknown"
-        keyed = root / f"torch-{version}"
+        keyed = root / f"torch-{installed_version('torch') or 'unknown'}"
         folders = {"TORCHINDUCTOR_CACHE_DIR": keyed / "inductor",
                    "TRITON_CACHE_DIR": keyed / "triton"}
         holders = list(reversed(root.parents))   # what holds the root: none may be swapped

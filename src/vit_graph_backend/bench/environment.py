@@ -11,19 +11,13 @@ import os
 import platform
 from typing import Any
 
+from ..cache_dir import installed_version as package_version
+
 __all__ = ["OPTIONAL_PACKAGES", "backend_status", "collect_environment", "package_version"]
 
 #: Optional packages reported by ``vitgraph info`` and recorded with every result.
 OPTIONAL_PACKAGES: tuple[str, ...] = ("timm", "transformers", "matplotlib", "tqdm", "hypothesis",
                                        "pytest", "torch-tensorrt")
-
-
-def package_version(name: str) -> str | None:
-    """The installed version of distribution ``name``, or ``None`` if it is not installed."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _cpu_name() -> str:

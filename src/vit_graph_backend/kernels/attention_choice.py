@@ -91,7 +91,7 @@ class AttentionChoice:
         self.full_by_rows: dict[int, str] = {}
         #: static row count -> the full segment kernels' measured ms
         self.full_timings: dict[int, dict[str, float]] = {}
-        #: "full", "window" or "one image" -> row counts whose choice was read back, untimed
+        #: "full", "window" or "dense" -> row counts whose choice was read back, untimed
         self.kept: dict[str, list[int]] = {}
 
     def prepare(self, rows: int, heads: int, head_dim: int, scale: float, *, one_segment: bool,
@@ -158,16 +158,19 @@ class AttentionChoice:
                             "by_rows": dict(sorted(self.window_by_rows.items())),
                             "timings_ms": dict(sorted(self.window_timings.items()))}}
 
-    def _kept(self, key: str | None, allowed: tuple[str, ...], rows: int, what: str) -> str | None:
-        """The choice an earlier timing kept under ``key`` (``use_cache_dir``), if ``allowed``;
-        recorded in ``kept`` (such a budget has no timings)."""
+    def _kept(self, what: str, allowed: tuple[str, ...], device: torch.device, rows: int,
+              *shape: Any) -> tuple[str | None, str | None]:
+        """The key of race ``what`` on this budget (``runtime.timing.choice_key``), and the
+        choice an earlier timing kept under it (``use_cache_dir``) if ``allowed``, recorded in
+        ``kept`` (such a budget has no timings)."""
+        key = choice_key(f"{what} attention", device, rows, *shape)
         kept = kept_choice(key)
         if kept not in allowed:
-            return None
+            return key, None
         self.kept.setdefault(what, []).append(rows)
         log.info("vitgraph: %d rows, %s attention: %s, as kept from an earlier timing", rows,
                  what, kept)
-        return kept
+        return key, kept
 
     def _choose_window_kernel(self, rows: int, heads: int, head_dim: int, scale: float,
                               windows: tuple[int, int], device: torch.device,
@@ -176,8 +179,9 @@ class AttentionChoice:
         window, slots = windows
         if self.short is None or varlen is None or not _timed_on(device) or window < 1:
             return "varlen"
-        key = choice_key("window attention", device, rows, heads, head_dim, window, slots, dtype)
-        if (kept := self._kept(key, ("short", "varlen"), rows, "window")) is not None:
+        key, kept = self._kept("window", ("short", "varlen"), device, rows, heads, head_dim,
+                               window, slots, dtype)
+        if kept is not None:
             return kept
         full, rest = divmod(rows, window)
         lengths = [window] * full + ([rest] if rest else [])
@@ -204,9 +208,9 @@ class AttentionChoice:
         """Time the Triton segment kernel against cuDNN (else flash varlen); ``"triton"`` if faster."""
         if self.segment is None or varlen is None or not _timed_on(device):
             return "varlen"
-        key = choice_key("full attention", device, rows, heads, head_dim, frames, dtype,
-                         self.ragged is not None)
-        if (kept := self._kept(key, ("triton", "varlen"), rows, "full")) is not None:
+        key, kept = self._kept("full", ("triton", "varlen"), device, rows, heads, head_dim,
+                               frames, dtype, self.ragged is not None)
+        if kept is not None:
             return kept
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
         segment = self.segment
@@ -233,9 +237,9 @@ class AttentionChoice:
 
     def _measure(self, rows: int, heads: int, head_dim: int, scale: float,
                  device: torch.device, dtype: torch.dtype, varlen: Callable[..., Any]) -> str:
-        key = choice_key("dense attention", device, rows, heads, head_dim, dtype,
-                         self.full_by_rows.get(rows), self.ragged is not None)
-        if (kept := self._kept(key, ("dense", "varlen"), rows, "one image")) is not None:
+        key, kept = self._kept("dense", ("dense", "varlen"), device, rows, heads, head_dim,
+                               dtype, self.full_by_rows.get(rows), self.ragged is not None)
+        if kept is not None:
             return kept
         q, k, v = _random_qkv(rows, heads, head_dim, device, dtype)
         real = max(1, 2 * rows // 3)  # the bottom of the budget's range (module docstring)

@@ -16,15 +16,15 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
-from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from ..cache_dir import keeping
+from ..cache_dir import installed_version, keeping
 from ..errors import error_line, out_of_memory
 from .capture import capture_broken, capture_lock, capturing, close_failed_capture
+from .launch import device_index
 
 __all__ = ["LONG_REPLAY_MS", "LONG_REPS", "choice_key", "graph_ms", "kernel_timing_seconds",
            "time_each", "timings_short_of_memory"]
@@ -122,7 +122,7 @@ def choice_key(what: str, device: torch.device, *shape: Any) -> str | None:
         return None
     device = torch.device(device)
     if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
+        index = device_index(device)
         major, minor = torch.cuda.get_device_capability(index)
         where = f"{torch.cuda.get_device_name(index)} sm{major}{minor}"
     else:
@@ -132,18 +132,12 @@ def choice_key(what: str, device: torch.device, *shape: Any) -> str | None:
 
 @functools.cache
 def _releases() -> tuple[str, ...]:
-    def version(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "none"
-
     digest = hashlib.sha256()
     for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         digest.update(source.read_bytes())
-    return (f"torch {torch.__version__}", f"triton {version('triton')}",
+    return (f"torch {torch.__version__}", f"triton {installed_version('triton')}",
             f"cudnn {torch.backends.cudnn.version()}",
-            f"cudnn-frontend {version('nvidia-cudnn-frontend')}",
+            f"cudnn-frontend {installed_version('nvidia-cudnn-frontend')}",
             f"code {digest.hexdigest()[:16]}")
 
 
