@@ -13,7 +13,8 @@ the stream once), the time until graphs serve (the first pass plus the wait for 
 preparation, ``ready_s``) and the steady p50.
 
 ``--profile``: one more warm process per stream in mode ``vitgraph`` under cProfile, its 30
-functions of most cumulative time (what a warm first pass spends its time on).
+functions of most cumulative time (what a warm first pass spends its time on); the raw profile
+lands in ``$OUT/first_call_<stream>.prof`` when ``$OUT`` is set.
 
 Usage: python benchmarks/first_call.py [--streams vit,clip,qwen] [--modes a,b] [--calls 24]
 [--profile].
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,6 +116,8 @@ def _profile(stream: str, calls: int, caches: Path, tmp: Path) -> list[str]:
     lines = [f"# {stream}, vitgraph, warm, under cProfile: first pass "
              f"{m.get('first_pass_s')} s (the profiler slows Python-heavy phases)"]
     if stats_file.exists():
+        if os.environ.get("OUT"):   # the raw profile too, for pstats elsewhere
+            shutil.copy(stats_file, Path(os.environ["OUT"], f"first_call_{stream}.prof"))
         text = io.StringIO()
         pstats.Stats(str(stats_file), stream=text).sort_stats("cumulative").print_stats(30)
         lines += [line for line in text.getvalue().splitlines() if line.strip()][-32:]

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["buffer_table", "compile_cache_counts", "compile_phase_seconds", "compiling_code",
-           "compile_fx_without_cudagraphs", "current_raw_stream", "enable_backed_size_oblivious",
+           "compile_fx_without_cudagraphs", "current_raw_stream", "data_ptrs_equal",
+           "enable_backed_size_oblivious",
            "end_failed_capture", "example_value", "forward_hook_tables", "get_varlen_attn",
            "global_forward_hook_tables", "graph_pool_bytes", "hook_handles_made",
            "maybe_mark_dynamic", "parameter_table", "rearm_code", "register_dynamo_backend",
@@ -119,6 +120,23 @@ def current_raw_stream(index: int) -> int:
     if raw is None:
         return torch.cuda.current_stream(index).cuda_stream
     return raw(index)
+
+
+#: cudagraph_trees' check of static inputs' addresses; absent in CPU-only builds
+_PTRS_EQUAL: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def data_ptrs_equal(tensors: list[Any], data_ptrs: list[int], indices: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == data_ptrs[i]`` for every ``i`` in ``indices``, in one
+    C call: ``torch._C._tensors_data_ptrs_at_indices_equal`` (torch/csrc/cuda/Module.cpp), with
+    which PyTorch's CUDA graph trees check their static inputs; else compared in Python. A
+    non-tensor at an index raises (``RuntimeError`` from the C call, ``TypeError`` here)."""
+    equal = _PTRS_EQUAL
+    if equal is not None:
+        return equal(tensors, data_ptrs, indices)
+    data_ptr = torch.Tensor.data_ptr
+    return all(data_ptr(tensors[i]) == data_ptrs[i] for i in indices)
 
 
 def parameter_table(module: torch.nn.Module) -> dict[str, Any]:

@@ -39,3 +39,14 @@ def test_addmm_gelu_tanh_on_cuda_in_bf16_matches_the_unfused_pair():
     got = _compat.addmm_gelu_tanh(x, w, b)
     assert got.dtype == torch.bfloat16 and got.shape == (729, 4304)
     assert (got.float() - ref).abs().max() < 0.05
+
+
+def test_the_one_call_address_check_reads_cuda_tensors():
+    # the binding cudagraph_trees checks static inputs with; only CUDA builds have it
+    assert _compat._PTRS_EQUAL is torch._C._tensors_data_ptrs_at_indices_equal
+    weights = [torch.zeros(4, device="cuda") for _ in range(3)]
+    ptrs = [w.data_ptr() for w in weights]
+    assert _compat.data_ptrs_equal(weights, ptrs, [0, 1, 2])
+    weights[0] = weights[0].clone()
+    assert not _compat.data_ptrs_equal(weights, ptrs, [0, 1, 2])
+    assert _compat.data_ptrs_equal(weights, ptrs, [1, 2])

@@ -3,6 +3,7 @@ private API fails here, loudly, rather than in a user's call."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vit_graph_backend import _compat
@@ -242,3 +243,28 @@ def test_a_backend_sees_the_code_it_compiles_and_the_uncompiled_frames_above_it(
 def test_uncompiled_callers_outside_a_compile_is_empty():
     assert _compat.uncompiled_callers() == []
     assert _compat.compiling_code() is None
+
+
+@pytest.mark.parametrize("route", ["c", "python"])
+def test_data_ptrs_equal_compares_the_given_indices(route, monkeypatch):
+    if route == "c" and _compat._PTRS_EQUAL is None:
+        pytest.skip("this torch build has no torch._C._tensors_data_ptrs_at_indices_equal "
+                    "(a CPU-only build; tests/gpu/test_compat_gpu.py checks a CUDA one)")
+    if route == "python":
+        monkeypatch.setattr(_compat, "_PTRS_EQUAL", None)
+    a, b, c = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    tensors = [a, b, c]
+    ptrs = [a.data_ptr(), b.data_ptr(), c.data_ptr()]
+    assert _compat.data_ptrs_equal(tensors, ptrs, [0, 1, 2]) is True
+    tensors[1] = b.clone()
+    assert _compat.data_ptrs_equal(tensors, ptrs, [0, 1, 2]) is False
+    assert _compat.data_ptrs_equal(tensors, ptrs, [0, 2]) is True   # index 1 not asked
+    tensors[2] = None
+    with pytest.raises((RuntimeError, TypeError)):
+        _compat.data_ptrs_equal(tensors, ptrs, [2])
+
+
+def test_cuda_builds_have_the_one_call_address_check():
+    if torch.version.cuda is None:
+        pytest.skip("a CPU-only build of torch lacks the binding; a CUDA build must have it")
+    assert _compat._PTRS_EQUAL is torch._C._tensors_data_ptrs_at_indices_equal

@@ -6,7 +6,8 @@ table) is seen by :class:`WeightSlots` before any graph of a call launches, and 
 captured again. Anything else (a replaced submodule, a hook added, patched code) is the user's to
 announce with ``refresh()``; hooks and patched code present at capture are found then
 (:func:`python_outside_graphs`) and the encoder is served eagerly. The check compares every
-weight's address with the captured one, as PyTorch's CUDA graph trees check static inputs.
+weight's address with the captured one in one C call, as PyTorch's CUDA graph trees check static
+inputs (``_compat.data_ptrs_equal``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class WeightSlots:
         self._addresses = [_data_ptr(t) for t in tensors]
         self._wrapped = {i: _held(t) for i, t in enumerate(tensors)
                          if type(t) not in _PLAIN}
+        self._plain = [i for i in range(len(tensors)) if i not in self._wrapped]
 
     def read(self) -> list[Any]:
         """The tensors in the slots now (``None`` where one was deleted)."""
@@ -52,7 +54,7 @@ class WeightSlots:
         """Whether any weight lives elsewhere than when the slots were read."""
         tensors = self.read()
         try:
-            if list(map(_data_ptr, tensors)) != self._addresses:
+            if not _compat.data_ptrs_equal(tensors, self._addresses, self._plain):
                 return True
             return any(_held(tensors[i]) != held for i, held in self._wrapped.items())
         except (AttributeError, TypeError, RuntimeError):  # a slot emptied or holding no tensor

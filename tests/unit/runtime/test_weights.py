@@ -58,3 +58,15 @@ def test_in_place_writes_are_no_move():
     model[0].weight.add_(1)
     assert not slots.moved()
 
+
+
+@torch.no_grad()
+def test_a_deleted_or_emptied_slot_is_a_move():
+    model = _model()
+    slots = WeightSlots(model)
+    model[2]._parameters["bias"] = None     # what nn.Module does for ``layer.bias = None``
+    assert slots.moved()
+    model = _model()
+    slots = WeightSlots(model)
+    del model[0].weight
+    assert slots.moved()
