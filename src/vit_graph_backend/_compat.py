@@ -22,7 +22,7 @@ __all__ = ["buffer_table", "compile_cache_counts", "compile_phase_seconds", "com
            "enable_backed_size_oblivious",
            "end_failed_capture", "example_value", "forward_hook_tables", "get_varlen_attn",
            "global_forward_hook_tables", "graph_pool_bytes", "hook_handles_made",
-           "maybe_mark_dynamic", "parameter_table", "rearm_code", "register_dynamo_backend",
+           "maybe_mark_dynamic", "nested_region_calls", "parameter_table", "rearm_code", "register_dynamo_backend",
            "sym_name", "uncompiled_callers"]
 
 _SYMBOL = re.compile(r"^[A-Za-z_]+\d*$")
@@ -137,6 +137,24 @@ def data_ptrs_equal(tensors: list[Any], data_ptrs: list[int], indices: list[int]
         return equal(tensors, data_ptrs, indices)
     data_ptr = torch.Tensor.data_ptr
     return all(data_ptr(tensors[i]) == data_ptrs[i] for i in indices)
+
+
+def nested_region_calls(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """``gm``'s calls of nested compile regions, by the attribute holding the region's graph.
+
+    Dynamo traces a region marked with ``torch.compiler.nested_compile_region`` once into a
+    child ``GraphModule`` and calls it as ``torch.ops.higher_order.invoke_subgraph(subgraph,
+    identifier, *operands)`` (torch/_higher_order_ops/invoke_subgraph.py): a call's operands,
+    ``node.args[2:]``, are the region graph's placeholders in order."""
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    calls: dict[str, list[torch.fx.Node]] = {}
+    if hop is None:
+        return calls
+    for node in gm.graph.find_nodes(op="call_function", target=hop):
+        graph = node.args[0]
+        if isinstance(graph, torch.fx.Node) and graph.op == "get_attr":
+            calls.setdefault(graph.target, []).append(node)
+    return calls
 
 
 def parameter_table(module: torch.nn.Module) -> dict[str, Any]:

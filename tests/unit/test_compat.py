@@ -268,3 +268,26 @@ def test_cuda_builds_have_the_one_call_address_check():
     if torch.version.cuda is None:
         pytest.skip("a CPU-only build of torch lacks the binding; a CUDA build must have it")
     assert _compat._PTRS_EQUAL is torch._C._tensors_data_ptrs_at_indices_equal
+
+
+def test_nested_region_calls_finds_each_call_of_a_marked_region():
+    @torch.compiler.nested_compile_region
+    def region(x, w):
+        return torch.nn.functional.linear(x, w).relu()
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["calls"] = _compat.nested_region_calls(gm)
+        seen["gm"] = gm
+        return gm
+
+    w1, w2 = torch.randn(8, 8), torch.randn(8, 8)
+    torch.compile(lambda x: region(region(x, w1), w2), backend=backend, fullgraph=True)(
+        torch.randn(2, 8))
+    (name, calls), = seen["calls"].items()   # one region's graph, called twice
+    assert len(calls) == 2
+    graph = seen["gm"].get_submodule(name)
+    assert isinstance(graph, torch.fx.GraphModule)
+    assert len(graph.graph.find_nodes(op="placeholder")) == len(calls[0].args[2:]) == 2
+    assert _compat.nested_region_calls(graph) == {}

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import _compat
 from ..kernels.fused_linear import DTYPES
 
 __all__ = ["fuse_linear_activations", "linear_layers"]
@@ -38,11 +39,22 @@ def fuse_linear_activations(
     """Rewrite, in place, every ``act(F.linear(x, W, b))`` of ``gm`` whose weight is a 2-D
     bf16/fp16 graph input with both sides multiples of 8 into ``vitgraph::linear_act``; returns
     how many. ``rewritten(weight, bias, activation)`` is called for each rewritten layer whose
-    bias is a graph input or absent (the backend starts kernel builds there)."""
+    bias is a graph input or absent (the backend starts kernel builds there).
+
+    A layer inside a nested compile region (``torch.compiler.nested_compile_region``) is one
+    graph for every call of the region: it is rewritten once, its weight read from the first
+    call's operands (Dynamo traces another graph for operands of other shapes or dtypes), and
+    counted once a call."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return _fuse(gm, dict(zip(placeholders, example_inputs, strict=False)), rewritten)
+
+
+def _fuse(gm: torch.fx.GraphModule, inputs: dict[torch.fx.Node, Any],
+          rewritten: Callable[[torch.Tensor, torch.Tensor | None, str], None] | None) -> int:
+    """:func:`fuse_linear_activations` on ``gm``, whose placeholders hold ``inputs``."""
     fused = 0
-    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False))
-    for node, (x, weight_node, bias), source in linear_layers(gm):
-        weight = None if source is None else example_inputs[source]
+    for node, (x, weight_node, bias), _ in linear_layers(gm):
+        weight = inputs.get(weight_node)
         if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES
                 or any(s % 8 for s in weight.shape)):
             continue
@@ -64,6 +76,13 @@ def fuse_linear_activations(
     if fused:
         gm.graph.lint()
         gm.recompile()
+    for target, calls in _compat.nested_region_calls(gm).items():
+        region = gm.get_submodule(target)
+        operands = [inputs.get(a) if isinstance(a, torch.fx.Node) else None
+                    for a in calls[0].args[2:]]
+        placeholders = region.graph.find_nodes(op="placeholder")
+        fused += len(calls) * _fuse(region, dict(zip(placeholders, operands, strict=False)),
+                                    rewritten)
     return fused
 
 

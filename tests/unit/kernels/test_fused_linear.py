@@ -99,6 +99,45 @@ def test_hf_clip_every_mlp_is_rewritten_and_matches():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+class _Layer(nn.Module):
+    """A residual MLP layer marked as a nested compile region: one graph for every layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(32), _Mlp(nn.GELU(approximate="tanh"))
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def test_a_layer_in_a_nested_compile_region_is_rewritten_once_for_every_call():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Layer() for _ in range(3)]).to(DT).eval()
+    seen, named = {}, []
+
+    def backend(gm, example_inputs):
+        seen["count"] = fuse_linear_activations(
+            gm, example_inputs, lambda w, b, act: named.append((w, b, act)))
+        seen["gm"] = gm
+        return gm
+
+    x = torch.randn(4, 5, 32, dtype=DT)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+        ref = model(x)
+    gm = seen["gm"]
+    regions = [m for m in gm.children() if isinstance(m, torch.fx.GraphModule)]
+    assert len(regions) == 1   # the three layers share one graph
+    targets = [n.target for n in regions[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(OP) == 1 and targets.count(F.linear) == 1   # fc1 + GELU; fc2 stays
+    assert seen["count"] == 3   # one rewrite, called by three layers
+    first = model[0].mlp.fc1
+    assert [(w is first.weight, b is first.bias, act) for w, b, act in named] == [
+        (True, True, "gelu_tanh")]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)   # the op's PyTorch path on CPU
+
+
 @pytest.mark.parametrize("case", ["fp32", "odd width", "other constant", "y read again",
                                   "erf-free gelu", "no activation"])
 def test_what_the_rewrite_leaves_alone(case):

@@ -59,7 +59,6 @@ def test_in_place_writes_are_no_move():
     assert not slots.moved()
 
 
-
 @torch.no_grad()
 def test_a_deleted_or_emptied_slot_is_a_move():
     model = _model()
