@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 __all__ = ["buffer_table", "compile_cache_counts", "compile_phase_seconds", "compiling_code",
            "compile_fx_without_cudagraphs", "current_raw_stream", "data_ptrs_equal",
-           "enable_backed_size_oblivious",
-           "end_failed_capture", "example_value", "forward_hook_tables", "get_varlen_attn",
-           "global_forward_hook_tables", "graph_pool_bytes", "hook_handles_made",
-           "maybe_mark_dynamic", "nested_region_calls", "parameter_table", "rearm_code", "register_dynamo_backend",
-           "sym_name", "uncompiled_callers"]
+           "enable_backed_size_oblivious", "end_failed_capture", "example_value",
+           "forward_hook_tables", "get_varlen_attn", "global_forward_hook_tables",
+           "graph_pool_bytes", "hook_handles_made", "maybe_mark_dynamic", "nested_region_calls",
+           "parameter_table", "rearm_code", "register_dynamo_backend", "sym_name",
+           "uncompiled_callers"]
 
 _SYMBOL = re.compile(r"^[A-Za-z_]+\d*$")
 

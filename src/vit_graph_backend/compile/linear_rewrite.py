@@ -18,17 +18,13 @@ from ..kernels.fused_linear import DTYPES
 __all__ = ["fuse_linear_activations", "linear_layers"]
 
 
-def linear_layers(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[Any], int | None]]:
-    """Each ``F.linear`` node of ``gm`` with its ``[input, weight, bias]`` and the weight's
-    position among the graph's inputs (``None`` if not an input: Dynamo passes parameters as
-    placeholders)."""
-    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+def linear_layers(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, list[Any]]]:
+    """Each ``F.linear`` node of ``gm`` with its ``[input, weight, bias]``."""
     layers = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is F.linear:
-            args = [node.args[i] if i < len(node.args) else node.kwargs.get(name)
-                    for i, name in enumerate(("input", "weight", "bias"))]
-            layers.append((node, args, index.get(args[1])))
+            layers.append((node, [node.args[i] if i < len(node.args) else node.kwargs.get(name)
+                                  for i, name in enumerate(("input", "weight", "bias"))]))
     return layers
 
 
@@ -38,22 +34,25 @@ def fuse_linear_activations(
 ) -> int:
     """Rewrite, in place, every ``act(F.linear(x, W, b))`` of ``gm`` whose weight is a 2-D
     bf16/fp16 graph input with both sides multiples of 8 into ``vitgraph::linear_act``; returns
-    how many. ``rewritten(weight, bias, activation)`` is called for each rewritten layer whose
-    bias is a graph input or absent (the backend starts kernel builds there).
+    how many run a call. ``rewritten(weight, bias, activation)`` is called for each rewritten
+    layer whose bias is a graph input or absent (the backend starts kernel builds there).
 
     A layer inside a nested compile region (``torch.compiler.nested_compile_region``) is one
-    graph for every call of the region: it is rewritten once, its weight read from the first
-    call's operands (Dynamo traces another graph for operands of other shapes or dtypes), and
-    counted once a call."""
+    graph for every call of the region: it is rewritten once, reading each operand from the
+    first call that passes a graph input there (Dynamo traces another graph for operands of
+    other shapes or dtypes), and counted once a call."""
     placeholders = gm.graph.find_nodes(op="placeholder")
-    return _fuse(gm, dict(zip(placeholders, example_inputs, strict=False)), rewritten)
+    return _fuse(gm, dict(zip(placeholders, example_inputs, strict=False)), rewritten, {})
 
 
 def _fuse(gm: torch.fx.GraphModule, inputs: dict[torch.fx.Node, Any],
-          rewritten: Callable[[torch.Tensor, torch.Tensor | None, str], None] | None) -> int:
-    """:func:`fuse_linear_activations` on ``gm``, whose placeholders hold ``inputs``."""
+          rewritten: Callable[[torch.Tensor, torch.Tensor | None, str], None] | None,
+          per_call: dict[int, int]) -> int:
+    """:func:`fuse_linear_activations` on ``gm``, whose placeholders hold ``inputs``;
+    ``per_call``: the count of each region graph already rewritten (one graph may be called
+    under several names, from ``gm`` and from inside other regions)."""
     fused = 0
-    for node, (x, weight_node, bias), _ in linear_layers(gm):
+    for node, (x, weight_node, bias) in linear_layers(gm):
         weight = inputs.get(weight_node)
         if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES
                 or any(s % 8 for s in weight.shape)):
@@ -76,14 +75,26 @@ def _fuse(gm: torch.fx.GraphModule, inputs: dict[torch.fx.Node, Any],
     if fused:
         gm.graph.lint()
         gm.recompile()
+    regions: dict[int, tuple[torch.fx.GraphModule, list[torch.fx.Node]]] = {}
     for target, calls in _compat.nested_region_calls(gm).items():
         region = gm.get_submodule(target)
-        operands = [inputs.get(a) if isinstance(a, torch.fx.Node) else None
-                    for a in calls[0].args[2:]]
-        placeholders = region.graph.find_nodes(op="placeholder")
-        fused += len(calls) * _fuse(region, dict(zip(placeholders, operands, strict=False)),
-                                    rewritten)
+        regions.setdefault(id(region), (region, []))[1].extend(calls)
+    for key, (region, calls) in regions.items():
+        if key not in per_call:
+            placeholders = region.graph.find_nodes(op="placeholder")
+            operands = [_first_input(inputs, calls, 2 + i) for i in range(len(placeholders))]
+            per_call[key] = _fuse(region, dict(zip(placeholders, operands)), rewritten, per_call)
+        fused += len(calls) * per_call[key]
     return fused
+
+
+def _first_input(inputs: dict[torch.fx.Node, Any], calls: list[torch.fx.Node], at: int) -> Any:
+    """The first graph input any of ``calls`` passes as argument ``at`` (``None``: none does)."""
+    for call in calls:
+        arg = call.args[at] if at < len(call.args) else None
+        if isinstance(arg, torch.fx.Node) and isinstance(inputs.get(arg), torch.Tensor):
+            return inputs[arg]
+    return None
 
 
 def _activation_after(linear: torch.fx.Node) -> tuple[str, list[torch.fx.Node]] | None:

@@ -6,8 +6,8 @@ table) is seen by :class:`WeightSlots` before any graph of a call launches, and 
 captured again. Anything else (a replaced submodule, a hook added, patched code) is the user's to
 announce with ``refresh()``; hooks and patched code present at capture are found then
 (:func:`python_outside_graphs`) and the encoder is served eagerly. The check compares every
-weight's address with the captured one in one C call, as PyTorch's CUDA graph trees check static
-inputs (``_compat.data_ptrs_equal``).
+weight's address with the captured one, in one C call where the torch build has it, as
+PyTorch's CUDA graph trees check static inputs (``_compat.data_ptrs_equal``).
 """
 
 from __future__ import annotations

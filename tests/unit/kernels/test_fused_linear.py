@@ -111,10 +111,12 @@ class _Layer(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
-def test_a_layer_in_a_nested_compile_region_is_rewritten_once_for_every_call():
-    torch.manual_seed(0)
-    model = nn.Sequential(*[_Layer() for _ in range(3)]).to(DT).eval()
-    seen, named = {}, []
+def _run_counted(fn, x, monkeypatch):
+    """``fn`` through a backend that rewrites its graph; returns (the rewrite's count, how many
+    times the op ran in the call, the output, the backend's graph, the layers it named)."""
+    seen, named, ran = {}, [], []
+    run = CHOICES.run
+    monkeypatch.setattr(CHOICES, "run", lambda *args: ran.append(1) or run(*args))
 
     def backend(gm, example_inputs):
         seen["count"] = fuse_linear_activations(
@@ -122,20 +124,58 @@ def test_a_layer_in_a_nested_compile_region_is_rewritten_once_for_every_call():
         seen["gm"] = gm
         return gm
 
-    x = torch.randn(4, 5, 32, dtype=DT)
+    torch.compiler.reset()
     with torch.no_grad():
-        out = torch.compile(model, backend=backend, fullgraph=True)(x)
-        ref = model(x)
-    gm = seen["gm"]
+        out = torch.compile(fn, backend=backend, fullgraph=True)(x)
+    return seen["count"], len(ran), out, seen["gm"], named
+
+
+def test_a_layer_in_a_nested_compile_region_is_rewritten_once_for_every_call(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Layer() for _ in range(3)]).to(DT).eval()
+    x = torch.randn(4, 5, 32, dtype=DT)
+    count, ran, out, gm, named = _run_counted(model, x, monkeypatch)
     regions = [m for m in gm.children() if isinstance(m, torch.fx.GraphModule)]
     assert len(regions) == 1   # the three layers share one graph
     targets = [n.target for n in regions[0].graph.nodes if n.op == "call_function"]
     assert targets.count(OP) == 1 and targets.count(F.linear) == 1   # fc1 + GELU; fc2 stays
-    assert seen["count"] == 3   # one rewrite, called by three layers
+    assert "linear_act" in regions[0].code   # the graph that runs, recompiled
+    assert count == ran == 3   # one rewrite, run by each of the three layers
     first = model[0].mlp.fc1
     assert [(w is first.weight, b is first.bias, act) for w, b, act in named] == [
         (True, True, "gelu_tanh")]
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)   # the op's PyTorch path on CPU
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)   # the op's CPU path
+
+
+@torch.compiler.nested_compile_region
+def _gelu_layer(x, w, b):
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+@torch.compiler.nested_compile_region
+def _two_layers(x, w, b, w2):
+    return F.linear(_gelu_layer(x, w, b), w2)
+
+
+@pytest.mark.parametrize("case", ["computed weight first", "region inside a region"])
+def test_the_count_is_how_often_the_rewritten_op_runs(case, monkeypatch):
+    """A region's weight read from whichever call passes a graph input; one region graph
+    called both from the graph and from inside another region counted at every call."""
+    gen = torch.Generator().manual_seed(0)
+    w, b = ([torch.randn(*shape, dtype=DT, generator=gen) for _ in range(3)]
+            for shape in ((32, 32), (32,)))
+    x = torch.randn(4, 32, dtype=DT, generator=gen)
+    if case == "computed weight first":
+        def fn(x):
+            return _gelu_layer(_gelu_layer(x, w[0] * 1, b[0]), w[1], b[1])
+    else:
+        def fn(x):
+            return _gelu_layer(_two_layers(x, w[0], b[0], w[1]), w[2], b[2])
+    count, ran, out, _, named = _run_counted(fn, x, monkeypatch)
+    assert count == ran == 2
+    assert len(named) == 1 and named[0][0] is (w[1] if case == "computed weight first" else w[0])
+    torch.testing.assert_close(out, fn(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", ["fp32", "odd width", "other constant", "y read again",
