@@ -29,11 +29,12 @@ __all__ = ["Batch", "BudgetConfig", "CaptureLayout", "EncoderItemSpec", "GraphSt
            "PackedGraphEncoder", "Plan", "Segment", "StampedBuffers", "SupportsEncoderCudaGraph",
            "UnsupportedGraphError", "UnsupportedModelError", "VitGraphError", "VitGraphOptions",
            "__version__", "adapt", "budget_ladder", "capture_layout", "ceil_div", "data_parallel",
-           "plan_batches", "report", "restore_vision_", "serve", "serve_vision_",
-           "supports_encoder_cudagraph", "use_cache_dir", "wait_prepared", "warm"]
+           "mark_layer_regions", "plan_batches", "report", "restore_vision_", "serve",
+           "serve_vision_", "supports_encoder_cudagraph", "use_cache_dir", "wait_prepared", "warm"]
 
 _LAZY = {"PackedGraphEncoder": "adapters.serve", "serve": "adapters.serve",
          "report": "compile.backend", "wait_prepared": "compile.backend", "warm": "compile.backend",
+         "mark_layer_regions": "compile.regions",
          "serve_vision_": "integrations.hf", "restore_vision_": "integrations.hf",
          "data_parallel": "integrations.parallel"}
 

@@ -21,8 +21,8 @@ __all__ = ["buffer_table", "compile_cache_counts", "compile_phase_seconds", "com
            "compile_fx_without_cudagraphs", "current_raw_stream", "data_ptrs_equal",
            "enable_backed_size_oblivious", "end_failed_capture", "example_value",
            "forward_hook_tables", "get_varlen_attn", "global_forward_hook_tables",
-           "graph_pool_bytes", "hook_handles_made", "maybe_mark_dynamic", "nested_region_calls",
-           "parameter_table", "rearm_code", "register_dynamo_backend", "sym_name",
+           "graph_pool_bytes", "hook_handles_made", "maybe_mark_dynamic", "nested_region",
+           "nested_region_calls", "parameter_table", "rearm_code", "register_dynamo_backend", "sym_name",
            "uncompiled_callers"]
 
 _SYMBOL = re.compile(r"^[A-Za-z_]+\d*$")
@@ -137,6 +137,26 @@ def data_ptrs_equal(tensors: list[Any], data_ptrs: list[int], indices: list[int]
         return equal(tensors, data_ptrs, indices)
     data_ptr = torch.Tensor.data_ptr
     return all(data_ptr(tensors[i]) == data_ptrs[i] for i in indices)
+
+
+def nested_region(fn: Callable[..., Any], max_entries: int) -> Callable[..., Any]:
+    """``fn`` as a nested compile region (``torch.compiler.nested_compile_region``) that Dynamo
+    may trace up to ``max_entries`` times in one graph before refusing: its default, 8, raises
+    for a region that needs one trace per layer (a layer that reads a value of its own)."""
+    mark = torch.compiler.nested_compile_region
+    try:
+        return mark(fn, max_reuse_entries=max_entries)
+    except TypeError:   # a release without the argument
+        return mark(fn)
+
+
+def region_body(fn: Any) -> Any:
+    """The function a ``nested_compile_region`` wrapper runs (``fn`` itself if not one): the
+    wrapper keeps it as ``__marked_compile_region_fn__``
+    (torch/_higher_order_ops/invoke_subgraph.py), and runs it unchanged outside a compile."""
+    while callable(getattr(fn, "__marked_compile_region_fn__", None)):
+        fn = fn.__marked_compile_region_fn__
+    return fn
 
 
 def nested_region_calls(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:

@@ -151,6 +151,9 @@ def _add_bench(sub: Any) -> argparse.ArgumentParser:
                         "caches stay warm); without it they are read as earlier runs left them")
     caches.add_argument("--cache-dir", metavar="PATH", help="read and keep compiled kernels in "
                         "PATH (use_cache_dir), so the next run with it starts warm")
+    p.add_argument("--layer-regions", action="store_true", help="mark the model's repeated "
+                   "layers as nested compile regions (mark_layer_regions): each compiled mode "
+                   "traces and compiles one layer for all")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--strict", action="store_true", help="exit 1 if any mode failed")
     p.add_argument("--list", action="store_true", help="list models, workloads and modes")
@@ -332,7 +335,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         max_items_per_graph=args.max_items_per_graph,
         max_frames_per_batch=args.max_frames_per_batch, policy=args.policy, device=args.device,
         dtype=args.dtype, check_calls=args.check_calls, data_parallel=args.data_parallel,
-        cold=args.cold, cache_dir=args.cache_dir,
+        cold=args.cold, cache_dir=args.cache_dir, layer_regions=args.layer_regions,
         progress=not args.no_progress and sys.stderr.isatty())
     try:
         run = resolve(config, cuda_available=torch.cuda.is_available())

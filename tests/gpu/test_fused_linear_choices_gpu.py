@@ -113,20 +113,47 @@ def test_hf_clip_through_vitgraph_matches_eager(epilogue_fusion):
     torch.compiler.reset()
 
 
-def test_hf_clip_with_its_layers_as_nested_compile_regions_matches_eager(monkeypatch):
-    """Each encoder layer a nested compile region: one layer graph serves the four, its MLP's
-    fc1 rewritten once and counted per layer, inside the captured graphs."""
+@pytest.mark.parametrize("marked_by", ["the class", "mark_layer_regions"])
+def test_hf_clip_with_its_layers_as_nested_compile_regions_matches_eager(monkeypatch, marked_by):
+    """Each encoder layer a nested compile region, marked on its class by the user or by
+    ``mark_layer_regions``: one layer graph serves the four, its MLP's fc1 rewritten once and
+    counted per layer, inside the captured graphs."""
     from transformers.models.clip import modeling_clip
 
-    monkeypatch.setattr(modeling_clip.CLIPEncoderLayer, "forward",
-                        torch.compiler.nested_compile_region(
-                            modeling_clip.CLIPEncoderLayer.forward))
     model = _clip()
+    if marked_by == "the class":
+        monkeypatch.setattr(modeling_clip.CLIPEncoderLayer, "forward",
+                            torch.compiler.nested_compile_region(
+                                modeling_clip.CLIPEncoderLayer.forward))
+    else:
+        assert vit_graph_backend.mark_layer_regions(model) == 4
     torch.compiler.reset()
     _compiled_matches_eager(model)
     report = vit_graph_backend.report()
-    assert report["fused_linear_activations"] == 4 * report["compiles"] > 0
+    assert report["fused_linear_activations"] == 4 * report["compiles"] > 0, report
     assert report["stats"]["graph_replays"] >= 3
+    torch.compiler.reset()
+
+
+def test_timm_vit_with_its_blocks_marked_matches_eager():
+    """timm's ``Block`` (the bench's ViT-B/16) through ``mark_layer_regions``: the 4 blocks
+    fused through one region graph, captured, within bf16's tolerance of eager."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0,
+                              depth=4).to(DEV, DT).eval()
+    assert vit_graph_backend.mark_layer_regions(model) == 4
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="vitgraph", options={"budgets": [2, 6]})
+    with torch.no_grad():
+        for batch in (2, 5, 6, 3):
+            x = torch.randn(batch, 3, 224, 224, device=DEV, dtype=DT)
+            ref, out = model(x).float(), compiled(x).float()
+            rel = ((out - ref).abs().max() / ref.abs().max()).item()
+            assert rel < 3e-2, (batch, rel)
+    report = vit_graph_backend.report()
+    assert report["fused_linear_activations"] == 4 * report["compiles"] > 0, report
+    assert report["stats"]["graph_replays"] >= 3 and report["stats"]["eager_items"] == 0
     torch.compiler.reset()
 
 

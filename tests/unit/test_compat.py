@@ -291,3 +291,15 @@ def test_nested_region_calls_finds_each_call_of_a_marked_region():
     assert isinstance(graph, torch.fx.GraphModule)
     assert len(graph.graph.find_nodes(op="placeholder")) == len(calls[0].args[2:]) == 2
     assert _compat.nested_region_calls(graph) == {}
+
+
+def test_nested_region_takes_its_trace_bound_and_region_body_finds_the_function():
+    def add_one(x):
+        return x + 1
+
+    marked = _compat.nested_region(add_one, 3)
+    assert marked is not add_one
+    assert _compat.region_body(marked) is add_one and _compat.region_body(add_one) is add_one
+    # where Dynamo reads the bound (torch/_dynamo/variables/higher_order_ops.py)
+    assert add_one.__marked_compile_region_max_reuse_entries__ == 3
+    assert torch.equal(marked(torch.ones(2)), torch.full((2,), 2.0))   # eager: the function

@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["RESULT_SCHEMA", "SCHEMA_VERSION", "format_text", "latency_figure", "validate",
            "write_json", "write_plot"]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class _Of:
@@ -89,7 +89,7 @@ RESULT_SCHEMA: dict[str, Any] = {
         "ladder_steps": Nullable(int), "max_items_per_graph": Nullable(int),
         "max_frames_per_batch": Nullable(int), "policy": str, "device": str, "dtype": str,
         "check_calls": int, "progress": bool, "data_parallel": bool, "cold": bool,
-        "cache_dir": Nullable(str), "world_size": int,
+        "cache_dir": Nullable(str), "layer_regions": bool, "world_size": int,
         "layout": OneOf("batched", "packed"), "family": str, "params": int, "items": int,
     },
     "routing": {

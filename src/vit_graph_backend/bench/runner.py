@@ -80,6 +80,7 @@ class BenchConfig:
     data_parallel: bool = False  # under torchrun: each vitgraph mode also as <mode>+dp
     cold: bool = False  # Inductor's and Triton's caches empty: a first pass as in a new machine
     cache_dir: str | None = None  # use_cache_dir(cache_dir): what a process keeps for the next
+    layer_regions: bool = False  # mark_layer_regions(model) before the compiled modes
 
 
 @dataclass(frozen=True)
@@ -408,6 +409,11 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
             and any(name in VITGRAPH_MODES for name in cfg.modes)):
         notes.append(JOB_ID_NOTE)
     roof = _roofline(built.module, inputs, cfg.device, dtype, notes)
+    if cfg.layer_regions:   # after the eager reference and the FLOP count: regions change no op
+        from ..compile.regions import mark_layer_regions
+
+        notes.append(f"layer_regions: {mark_layer_regions(built.module)} layers marked as "
+                     "nested compile regions, for every compiled mode")
     modes = [_run_mode(name, run, built, inputs, refs, timer) for name in cfg.modes]
     eager = next((m for m in modes if m["mode"] == "eager" and m["status"] == "ok"), None)
     for m in modes:

@@ -93,7 +93,8 @@ def fingerprint(tensors: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def python_outside_graphs(module: nn.Module) -> str | None:
     """Why calls of ``module`` would run Python that its captured graphs skip (a forward hook on
     a submodule or a global one, a ``forward`` set on an instance or patched into a class), or
-    ``None``. ``module``'s own hooks are fine: they run around the whole call."""
+    ``None``. ``module``'s own hooks are fine: they run around the whole call, and so is a
+    ``forward`` marked as a nested compile region (``compile/regions.py``)."""
     pre, post = _compat.global_forward_hook_tables()
     if pre or post:
         return "a global forward hook is registered"
@@ -106,7 +107,8 @@ def python_outside_graphs(module: nn.Module) -> str | None:
         if "forward" in vars(sub):
             return f"{name} has a forward set on the instance"
         owner = next((c for c in type(sub).__mro__ if "forward" in vars(c)), None)
-        forward = vars(owner).get("forward") if owner is not None else None
+        # a nested compile region runs its function unchanged outside a compile
+        forward = _compat.region_body(vars(owner).get("forward")) if owner is not None else None
         if getattr(forward, "__module__", owner.__module__ if owner else None) != (
                 owner.__module__ if owner else None):
             return (f"{name}'s class {owner.__qualname__} runs a forward patched in from "

@@ -309,6 +309,21 @@ def test_code_patched_into_a_tower_class_runs_as_in_the_towers_own_forward(when,
 
 
 @torch.no_grad()
+def test_blocks_marked_as_nested_compile_regions_keep_the_graphs(padded_cpu):
+    """``mark_layer_regions`` on a whole model (a VLM's text layers and its tower's blocks)
+    before serving: a region runs its function unchanged, so it is not patched code."""
+    torch.manual_seed(0)
+    tower = Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(
+        depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=2)).eval()
+    assert vg.mark_layer_regions(tower) == 2
+    served, pixels = vg.serve(tower, min_budget=4, max_budget=16), _pixels()
+    want = tower(pixels, torch.tensor(GRID)).pooler_output
+    torch.testing.assert_close(served(pixels, GRID), want, atol=1e-5, rtol=1e-5)
+    assert served.manager.memory_report()["graphs_off_reason"] is None
+    assert served.manager.stats.eager_batches == 0
+
+
+@torch.no_grad()
 def test_a_forward_set_on_an_attention_instance_runs_as_in_the_towers_own_forward(padded_cpu):
     """Hand-patched attention (to record its maps, say) and accelerate's hooks replace
     ``forward`` on the instance; the adapter calls the attention's parts, not its forward."""

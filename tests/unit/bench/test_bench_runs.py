@@ -36,12 +36,12 @@ TINY = [name for name in MODELS if name.endswith("-tiny") or name == "vit-micro"
 
 # -- JSON schema ---------------------------------------------------------------------------------
 
-#: Schema version 7, frozen here: changing the document's keys must bump SCHEMA_VERSION.
+#: Schema version 8, frozen here: changing the document's keys must bump SCHEMA_VERSION.
 #: (v2 = v1 plus config.ladder_steps; v3: the option names max_items_per_graph and
 #: max_frames_per_batch, and the stats of report()'s graph/no-graph counts; v4: the roofline,
 #: each mode's achieved TFLOP/s, fraction of peak and per-rank busy seconds, data parallelism;
 #: v5: each mode's first pass by phase, config.cold; v6: each mode's first call and the time
-#: until its graphs serve; v7: config.cache_dir.)
+#: until its graphs serve; v7: config.cache_dir; v8: config.layer_regions.)
 V1_TOP = {"schema_version", "tool", "package_version", "created_utc", "environment", "config",
           "routing", "notes", "modes", "roofline"}
 V1_MODE = {"mode", "status", "error", "traceback", "latency_ms", "per_call_ms", "stream_total_s",
@@ -52,7 +52,8 @@ V1_MODE = {"mode", "status", "error", "traceback", "latency_ms", "per_call_ms", 
 V1_CONFIG = {"model", "workload", "modality", "modes", "calls", "seed", "max_batch", "budgets",
              "max_budget", "ladder_steps", "max_items_per_graph", "max_frames_per_batch",
              "policy", "device", "dtype", "check_calls", "progress", "layout", "family",
-             "params", "items", "data_parallel", "cold", "cache_dir", "world_size"}
+             "params", "items", "data_parallel", "cold", "cache_dir", "layer_regions",
+             "world_size"}
 V1_ROUTING = {"unit", "budgets", "max_items_per_graph", "max_frames_per_batch", "policy",
               "planned", "sample_plans"}
 V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_graph_items",
@@ -62,7 +63,7 @@ V3_STATS = {"calls", "graph_replays", "graph_items", "no_graph_batches", "no_gra
 
 
 def test_schema_v7_is_pinned():
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
     assert set(RESULT_SCHEMA["routing"]["planned"]) == V3_STATS
     assert set(RESULT_SCHEMA) == V1_TOP
     assert set(RESULT_SCHEMA["modes"].spec) == V1_MODE

@@ -115,6 +115,18 @@ def test_cache_dir_keeps_compiled_kernels_in_the_named_folder(tmp_path, capsys, 
     assert any(f"kept in {tmp_path / 'keep'}" in note for note in doc["notes"]), doc["notes"]
 
 
+def test_layer_regions_marks_the_models_layers_before_the_compiled_modes(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    code, _, _ = _run(capsys, "bench", *FAST, "--modes", "eager,vitgraph", "--layer-regions",
+                      "--json", str(path))
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert doc["config"]["layer_regions"] is True
+    assert "layer_regions: 2 layers marked as nested compile regions" in " ".join(doc["notes"])
+    assert [m["status"] for m in doc["modes"]] == ["ok", "ok"]
+    assert doc["modes"][1]["max_abs_error"] < 1e-4
+
+
 def test_cold_and_cache_dir_are_one_choice(tmp_path, capsys):
     from vit_graph_backend.bench.runner import BenchConfig, resolve
 
