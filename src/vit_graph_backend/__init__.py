@@ -28,13 +28,13 @@ __all__ = ["Batch", "BudgetConfig", "CaptureLayout", "EncoderItemSpec", "GraphSt
            "InvalidInputError", "InvalidOptionError", "MissingDependencyError",
            "PackedGraphEncoder", "Plan", "Segment", "StampedBuffers", "SupportsEncoderCudaGraph",
            "UnsupportedGraphError", "UnsupportedModelError", "VitGraphError", "VitGraphOptions",
-           "__version__", "adapt", "budget_ladder", "capture_layout", "ceil_div", "data_parallel",
-           "mark_layer_regions", "plan_batches", "report", "restore_vision_", "serve",
-           "serve_vision_", "supports_encoder_cudagraph", "use_cache_dir", "wait_prepared", "warm"]
+           "__version__", "adapt", "budget_ladder", "capture_layout", "ceil_div",
+           "compile_in_background", "data_parallel", "mark_layer_regions", "plan_batches",
+           "report", "restore_vision_", "serve", "serve_vision_", "supports_encoder_cudagraph", "use_cache_dir", "wait_prepared", "warm"]
 
 _LAZY = {"PackedGraphEncoder": "adapters.serve", "serve": "adapters.serve",
          "report": "compile.backend", "wait_prepared": "compile.backend", "warm": "compile.backend",
-         "mark_layer_regions": "compile.regions",
+         "mark_layer_regions": "compile.regions", "compile_in_background": "compile.background",
          "serve_vision_": "integrations.hf", "restore_vision_": "integrations.hf",
          "data_parallel": "integrations.parallel"}
 

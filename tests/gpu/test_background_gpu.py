@@ -164,3 +164,53 @@ def test_calls_beside_the_preparation_may_synchronize_and_draw_random_numbers():
           f"skipped {report['skipped_budgets']}")
     assert served.manager.num_graphs == len(served.manager.token_budgets)
     assert report["stats"]["fallback_reasons"].get(PREPARING, 0) > 1
+
+
+@torch.no_grad()
+def test_compile_in_background_answers_eagerly_then_runs_compiled_from_threads():
+    """``compile_in_background``: the first call answered by the model's own forward at once,
+    calls from two threads on two streams answered while a thread traces, compiles and
+    captures, then every batch size (a batch of one too) from the graphs."""
+    import vit_graph_backend
+    from vit_graph_backend.bench.models import MODELS, build_model
+    from vit_graph_backend.compile.background import COMPILING
+
+    torch.compiler.reset()
+    built = build_model(MODELS["vit-s16"], device="cuda", dtype=torch.bfloat16,
+                        dynamic_size=False)
+    model = built.module
+    served = vit_graph_backend.compile_in_background(model, {"budgets": [4, 8]})
+    x = {b: torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.bfloat16) for b in (1, 3, 8, 5)}
+    refs = {b: model(t) for b, t in x.items()}
+    errors: list[str] = []
+
+    def calls(stream: torch.cuda.Stream, seed: int) -> None:
+        rng = random.Random(seed)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for _ in range(40):
+                b = rng.choice(list(x))
+                out = served(x[b])
+                stream.synchronize()
+                if _error(out, (refs[b],)) > 5e-2:
+                    errors.append(f"batch {b}: {_error(out, (refs[b],))}")
+    try:
+        first = served(x[3])
+        assert _error(first, (refs[3],)) == 0.0   # the model's own forward: eager exactly
+        threads = [threading.Thread(target=calls, args=(torch.cuda.Stream(), s)) for s in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert vit_graph_backend.wait_prepared(timeout=300) and served.wait_compiled(0)
+        assert served.failure is None and served.compile_seconds > 0
+        before = vit_graph_backend.report()["stats"]
+        for b, t in x.items():
+            assert _error(served(t), (refs[b],)) < 5e-2
+        after = vit_graph_backend.report()["stats"]
+        print(f"compile_in_background: {served.compile_seconds:.2f} s; {after}")
+        assert not errors, errors[:5]
+        assert before["fallback_reasons"].get(COMPILING, 0) >= 1
+        assert after["eager_batches"] == before["eager_batches"]   # none after the switch
+        assert after["graph_replays"] + after["exact_shape_batches"] > before["graph_replays"]
+    finally:
+        torch.compiler.reset()

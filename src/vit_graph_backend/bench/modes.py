@@ -6,7 +6,9 @@
   packed: ``serve(tower, **options)``); ``vitgraph-eager``: ``inner_compiler="eager"``.
 - Not in the default list, each ``vitgraph`` with one option (:data:`VITGRAPH_MODES`):
   ``vitgraph-inductor``, ``vitgraph-epilogue-off``, ``vitgraph-batch-invariant``,
-  ``vitgraph-torch-launch``, ``vitgraph-patch-conv`` (batched models), ``vitgraph-background``.
+  ``vitgraph-torch-launch``, ``vitgraph-patch-conv`` (batched models), ``vitgraph-background``;
+  ``vitgraph-compile-background``: :func:`~vit_graph_backend.compile.background.compile_in_background`
+  (a packed tower, whose first call holds no Dynamo trace: ``capture="background"``).
 
 Packed towers go through :func:`vit_graph_backend.adapters.serve.serve`: Dynamo skips the router
 frame, so ``torch.compile`` options could not reach it. The backend object is passed directly, so
@@ -29,7 +31,8 @@ DEFAULT_MODES: tuple[str, ...] = ("eager", "compile-default", "reduce-overhead",
 #: Every mode ``--modes`` accepts.
 MODES: tuple[str, ...] = (*DEFAULT_MODES, "vitgraph-inductor",
                           "vitgraph-epilogue-off", "vitgraph-batch-invariant",
-                          "vitgraph-torch-launch", "vitgraph-patch-conv", "vitgraph-background")
+                          "vitgraph-torch-launch", "vitgraph-patch-conv", "vitgraph-background",
+                          "vitgraph-compile-background")
 
 #: The vitgraph modes and the backend options each one adds.
 VITGRAPH_MODES: dict[str, dict[str, Any]] = {
@@ -41,6 +44,7 @@ VITGRAPH_MODES: dict[str, dict[str, Any]] = {
     "vitgraph-torch-launch": {"graph_launch": "torch"},
     "vitgraph-patch-conv": {"patch_embedding": "conv"},
     "vitgraph-background": {"capture": "background"},
+    "vitgraph-compile-background": {},   # batched: compile_in_background (prepare_mode)
 }
 
 
@@ -76,6 +80,8 @@ def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> 
     if name not in VITGRAPH_MODES:
         raise ValueError(f"mode={name!r} is invalid: choose from {', '.join(MODES)}")
     options = {**vitgraph_options, **VITGRAPH_MODES[name]}
+    if name == "vitgraph-compile-background" and built.entry.packed:
+        options["capture"] = "background"
     if built.entry.packed:
         from ..adapters.serve import serve
 
@@ -86,7 +92,12 @@ def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> 
     from ..compile.backend import vitgraph as backend
     from ..compile.backend import wait_prepared
 
-    fn = torch.compile(built.module, backend=backend, options=options)
+    if name == "vitgraph-compile-background":
+        from ..compile.background import compile_in_background
+
+        fn = compile_in_background(built.module, options)
+    else:
+        fn = torch.compile(built.module, backend=backend, options=options)
     return PreparedMode(name, fn, backend.report, backend.reset, options, wait_prepared)
 
 

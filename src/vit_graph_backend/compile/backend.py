@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from .background import live_background
 from .batched import BatchedGraphEncoder
 from .layout import returns_nothing
 from ..errors import InvalidOptionError
@@ -146,8 +147,11 @@ class VitGraphBackend:
         with self._lock:
             encoders = list(self._encoders)
             compiles, fused = self.compiles, self.fused_linear_activations
-        return {"compiles": compiles, "fused_linear_activations": fused,
-                **summarize(self.managers(served), [encoder.stats for encoder in encoders])}
+        compiling = live_background()   # compile_in_background: its eager calls, its thread
+        summary = summarize(self.managers(served), [encoder.stats for encoder in encoders]
+                            + [model.stats for model in compiling])
+        summary["preparing"] += sum(model.preparing for model in compiling)
+        return {"compiles": compiles, "fused_linear_activations": fused, **summary}
 
     def managers(self, served: Sequence[Any] = ()) -> list[Any]:
         """The live compiled graphs' managers (one per graph set), then the ``served`` towers'."""
@@ -190,13 +194,17 @@ def register() -> bool:
 
 def wait_prepared(timeout: float | None = None) -> bool:
     """Wait for every background preparation (``capture="background"``) of this process's
-    compiled graphs and served towers to end; True once none runs, False if ``timeout``
+    compiled graphs and served towers, and every ``compile_in_background`` compile, to end; True once none runs, False if ``timeout``
     seconds passed first. ``report()`` says what they left (``graphs_captured``,
     ``skipped_budgets``)."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
+    for model in live_background():   # first: its compile makes managers
+        model.wait_compiled(left())
+        if model.preparing:
+            return False
     for manager in vitgraph.managers(live_served()):
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not manager.wait_prepared(left):
+        if not manager.wait_prepared(left()):
             return False
     return True
 

@@ -1,0 +1,145 @@
+"""``compile_in_background`` on CPU: calls answered by the model's own forward until the thread
+has compiled, then by the compiled model; a bad first request raises as eager does and starts
+nothing; a failed compile leaves calls eager with the reason; what ``report()`` and
+``wait_prepared()`` say. Graphs on CUDA: ``tests/gpu/test_background_gpu.py``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+import vit_graph_backend
+from test_backend import ATOL, _hf, _tensors
+from vit_graph_backend.compile.background import COMPILING, compile_in_background
+from vit_graph_backend.errors import InvalidOptionError
+
+
+def _close(got, want) -> None:
+    for g, w in zip(_tensors(got), _tensors(want), strict=True):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+
+
+@pytest.fixture
+def clip():
+    torch.manual_seed(0)
+    torch.compiler.reset()
+    yield _hf("clip").eval()
+    torch.compiler.reset()
+
+
+@torch.no_grad()
+def test_calls_are_eager_until_compiled_then_compiled_at_every_batch_size(clip, padded_cpu):
+    served = compile_in_background(clip, {"max_budget": 8})
+    x = {b: torch.randn(b, 3, 32, 32) for b in (3, 1, 5, 12)}
+    _close(served(x[3]), clip(x[3]))
+    assert served.wait_compiled(timeout=300), served.failure
+    eager = vit_graph_backend.report()["stats"]["fallback_reasons"][COMPILING]
+    for b, t in x.items():
+        _close(served(t), clip(t))
+    report = vit_graph_backend.report()
+    assert report["stats"]["fallback_reasons"][COMPILING] == eager >= 1   # none after
+    assert report["compiles"] == 2   # the dynamic batch axis, then a batch of one
+    assert report["preparing"] == 0 and served.compile_seconds > 0
+    assert list(served.state_dict()) == list(clip.state_dict())
+    assert served.config is clip.config   # the model's own attributes
+
+
+@torch.no_grad()
+def test_a_bad_first_request_raises_as_eager_and_starts_nothing(clip, padded_cpu):
+    served = compile_in_background(clip)
+    with pytest.raises(RuntimeError) as raised:
+        served(torch.randn(2, 4, 32, 32))   # 4 channels for 3
+    with pytest.raises(RuntimeError) as eager:
+        clip(torch.randn(2, 4, 32, 32))
+    assert str(raised.value) == str(eager.value)
+    assert served._thread is None and vit_graph_backend.report()["compiles"] == 0
+    x = torch.randn(2, 3, 32, 32)
+    _close(served(x), clip(x))
+    assert served.wait_compiled(timeout=300)
+
+
+@torch.no_grad()
+def test_a_failed_compile_leaves_calls_eager_with_the_reason(clip, caplog):
+    served = compile_in_background(clip)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    served.__dict__["compiled"] = broken
+    x = torch.randn(2, 3, 32, 32)
+    with caplog.at_level(logging.WARNING, logger="vit_graph_backend"):
+        served(x)
+        assert not served.wait_compiled(timeout=60)
+    reason = "compiling in the background failed: RuntimeError: no compiler here"
+    assert served.failure == reason and reason in caplog.text
+    _close(served(x), clip(x))
+    assert vit_graph_backend.report()["stats"]["fallback_reasons"][reason] == 1
+
+
+@torch.no_grad()
+def test_the_thread_traces_a_dynamic_batch_then_a_batch_of_one_answered_eagerly_until_then(clip):
+    """A first batch of one is traced repeated to two rows; until the batch of one is traced,
+    batches of one are answered eagerly and larger ones run compiled."""
+    served = compile_in_background(clip)
+    seen, release = [], threading.Event()
+
+    def compiled(x):
+        seen.append(x.clone())
+        if len(seen) == 2 and threading.current_thread() is served._thread:
+            release.wait(60)   # the trace of a batch of one, held
+        return clip(x)
+
+    served.__dict__["compiled"] = compiled
+    one = torch.randn(1, 3, 32, 32)
+    served(one)
+    while len(seen) < 2:
+        served._thread.join(0.01)
+    assert seen[0].shape[0] == 2 and torch.equal(seen[0], one.repeat(2, 1, 1, 1))
+    assert seen[1].shape[0] == 1 and served.preparing
+    assert vit_graph_backend.report()["preparing"] >= 1
+    assert not vit_graph_backend.wait_prepared(timeout=0.05)
+    served(one)                         # eager: no compiled call
+    served(torch.randn(4, 3, 32, 32))   # compiled
+    assert [t.shape[0] for t in seen] == [2, 1, 4]
+    release.set()
+    assert vit_graph_backend.wait_prepared(timeout=60) and served.wait_compiled(0)
+    served(one)
+    assert [t.shape[0] for t in seen] == [2, 1, 4, 1]
+
+
+@torch.no_grad()
+def test_threads_calling_through_the_switch_get_eager_numbers(clip, padded_cpu):
+    served = compile_in_background(clip, {"max_budget": 8})
+    x = [torch.randn(b, 3, 32, 32) for b in (2, 3, 5, 7)]
+    refs = [clip(t) for t in x]
+    errors = []
+
+    def calls(k: int) -> None:
+        with torch.no_grad():
+            for i in range(12):
+                j = (i + k) % len(x)
+                try:
+                    _close(served(x[j]), refs[j])
+                except AssertionError as exc:
+                    errors.append(str(exc)[:200])
+
+    threads = [threading.Thread(target=calls, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    assert served.wait_compiled(timeout=300)
+    assert vit_graph_backend.report()["stats"]["calls"] >= 36
+
+
+def test_options_are_checked_when_wrapped():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(InvalidOptionError, match="batch_invariant=True is invalid with "
+                                                 "compile_in_background"):
+        compile_in_background(model, {"batch_invariant": True})
+    with pytest.raises(InvalidOptionError, match="max_budgte"):
+        compile_in_background(model, {"max_budgte": 8})
