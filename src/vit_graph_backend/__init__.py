@@ -30,7 +30,8 @@ __all__ = ["Batch", "BudgetConfig", "CaptureLayout", "EncoderItemSpec", "GraphSt
            "UnsupportedGraphError", "UnsupportedModelError", "VitGraphError", "VitGraphOptions",
            "__version__", "adapt", "budget_ladder", "capture_layout", "ceil_div",
            "compile_in_background", "data_parallel", "mark_layer_regions", "plan_batches",
-           "report", "restore_vision_", "serve", "serve_vision_", "supports_encoder_cudagraph", "use_cache_dir", "wait_prepared", "warm"]
+           "report", "restore_vision_", "serve", "serve_vision_", "supports_encoder_cudagraph",
+           "use_cache_dir", "wait_prepared", "warm"]
 
 _LAZY = {"PackedGraphEncoder": "adapters.serve", "serve": "adapters.serve",
          "report": "compile.backend", "wait_prepared": "compile.backend", "warm": "compile.backend",

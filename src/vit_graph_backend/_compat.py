@@ -22,8 +22,8 @@ __all__ = ["buffer_table", "compile_cache_counts", "compile_phase_seconds", "com
            "enable_backed_size_oblivious", "end_failed_capture", "example_value",
            "forward_hook_tables", "get_varlen_attn", "global_forward_hook_tables",
            "graph_pool_bytes", "hook_handles_made", "maybe_mark_dynamic", "nested_region",
-           "nested_region_calls", "parameter_table", "rearm_code", "register_dynamo_backend", "sym_name",
-           "uncompiled_callers"]
+           "nested_region_calls", "parameter_table", "rearm_code", "region_body",
+           "register_dynamo_backend", "sym_name", "uncompiled_callers"]
 
 _SYMBOL = re.compile(r"^[A-Za-z_]+\d*$")
 

@@ -189,10 +189,13 @@ def test_compile_in_background_answers_eagerly_then_runs_compiled_from_threads()
         with torch.no_grad(), torch.cuda.stream(stream):
             for _ in range(40):
                 b = rng.choice(list(x))
-                out = served(x[b])
-                stream.synchronize()
-                if _error(out, (refs[b],)) > 5e-2:
-                    errors.append(f"batch {b}: {_error(out, (refs[b],))}")
+                try:
+                    out = served(x[b])
+                    stream.synchronize()
+                    if _error(out, (refs[b],)) > 5e-2:
+                        errors.append(f"batch {b}: {_error(out, (refs[b],))}")
+                except Exception as exc:   # noqa: BLE001 - every failure is the test's
+                    errors.append(f"batch {b}: {type(exc).__name__}: {exc}"[:300])
     try:
         first = served(x[3])
         assert _error(first, (refs[3],)) == 0.0   # the model's own forward: eager exactly
@@ -201,6 +204,7 @@ def test_compile_in_background_answers_eagerly_then_runs_compiled_from_threads()
             t.start()
         for t in threads:
             t.join(300)
+        assert not any(t.is_alive() for t in threads)
         assert vit_graph_backend.wait_prepared(timeout=300) and served.wait_compiled(0)
         assert served.failure is None and served.compile_seconds > 0
         before = vit_graph_backend.report()["stats"]
@@ -211,6 +215,6 @@ def test_compile_in_background_answers_eagerly_then_runs_compiled_from_threads()
         assert not errors, errors[:5]
         assert before["fallback_reasons"].get(COMPILING, 0) >= 1
         assert after["eager_batches"] == before["eager_batches"]   # none after the switch
-        assert after["graph_replays"] + after["exact_shape_batches"] > before["graph_replays"]
+        assert after["graph_replays"] >= before["graph_replays"] + len(x)
     finally:
         torch.compiler.reset()

@@ -7,8 +7,8 @@
 - Not in the default list, each ``vitgraph`` with one option (:data:`VITGRAPH_MODES`):
   ``vitgraph-inductor``, ``vitgraph-epilogue-off``, ``vitgraph-batch-invariant``,
   ``vitgraph-torch-launch``, ``vitgraph-patch-conv`` (batched models), ``vitgraph-background``;
-  ``vitgraph-compile-background``: :func:`~vit_graph_backend.compile.background.compile_in_background`
-  (a packed tower, whose first call holds no Dynamo trace: ``capture="background"``).
+  ``vitgraph-compile-background``: ``compile_in_background`` (``compile/background.py``; batched
+  models; a served tower's first call holds no Dynamo trace: ``vitgraph-background``).
 
 Packed towers go through :func:`vit_graph_backend.adapters.serve.serve`: Dynamo skips the router
 frame, so ``torch.compile`` options could not reach it. The backend object is passed directly, so
@@ -80,8 +80,6 @@ def prepare_mode(name: str, built: Any, vitgraph_options: Mapping[str, Any]) -> 
     if name not in VITGRAPH_MODES:
         raise ValueError(f"mode={name!r} is invalid: choose from {', '.join(MODES)}")
     options = {**vitgraph_options, **VITGRAPH_MODES[name]}
-    if name == "vitgraph-compile-background" and built.entry.packed:
-        options["capture"] = "background"
     if built.entry.packed:
         from ..adapters.serve import serve
 

@@ -141,6 +141,9 @@ def resolve(config: BenchConfig, *, cuda_available: bool) -> Resolved:
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid: choose from {', '.join(MODES)}")
+        if mode == "vitgraph-compile-background" and entry.packed:
+            raise ValueError(f"mode={mode!r} is invalid for the packed model {model!r}: a served "
+                             "tower's first call holds no Dynamo trace; use vitgraph-background")
     if config.data_parallel:
         if not launched():
             raise ValueError(LAUNCH_HINT)

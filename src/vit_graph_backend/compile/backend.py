@@ -194,9 +194,9 @@ def register() -> bool:
 
 def wait_prepared(timeout: float | None = None) -> bool:
     """Wait for every background preparation (``capture="background"``) of this process's
-    compiled graphs and served towers, and every ``compile_in_background`` compile, to end; True once none runs, False if ``timeout``
-    seconds passed first. ``report()`` says what they left (``graphs_captured``,
-    ``skipped_budgets``)."""
+    compiled graphs and served towers, and every ``compile_in_background`` compile, to end;
+    True once none runs, False if ``timeout`` seconds passed first. ``report()`` says what they
+    left (``graphs_captured``, ``skipped_budgets``)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
     for model in live_background():   # first: its compile makes managers

@@ -20,7 +20,11 @@ from torch import nn
 
 from .. import _compat
 
-__all__ = ["WeightSlots", "fingerprint", "python_outside_graphs"]
+__all__ = ["DISPATCHES_TO_BASE", "WeightSlots", "fingerprint", "python_outside_graphs"]
+
+#: Set on a class whose ``forward`` only runs its base class's as a nested compile region
+#: (``compile/regions.py``): the base's ``forward`` is the code to check.
+DISPATCHES_TO_BASE = "_vitgraph_dispatches_to_base"
 
 _data_ptr = torch.Tensor.data_ptr
 _version = operator.attrgetter("_version")
@@ -106,7 +110,8 @@ def python_outside_graphs(module: nn.Module) -> str | None:
             return f"{name} has forward hooks"
         if "forward" in vars(sub):
             return f"{name} has a forward set on the instance"
-        owner = next((c for c in type(sub).__mro__ if "forward" in vars(c)), None)
+        owner = next((c for c in type(sub).__mro__
+                      if "forward" in vars(c) and DISPATCHES_TO_BASE not in vars(c)), None)
         # a nested compile region runs its function unchanged outside a compile
         forward = _compat.region_body(vars(owner).get("forward")) if owner is not None else None
         if getattr(forward, "__module__", owner.__module__ if owner else None) != (

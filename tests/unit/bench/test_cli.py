@@ -45,7 +45,7 @@ def test_bench_eager_writes_valid_json_and_a_png(tmp_path, capsys):
     assert "budgets (rows): 1 2 3 4" in out  # routing preview (batched default ladder)
     doc = json.loads(json_path.read_text())
     assert validate(doc) == []
-    assert doc["schema_version"] == SCHEMA_VERSION == 7
+    assert doc["schema_version"] == SCHEMA_VERSION == 8
     (eager,) = doc["modes"]
     assert eager["status"] == "ok" and len(eager["per_call_ms"]) == 4
     assert eager["max_abs_error"] == 0.0 and eager["speedup_vs_eager"] == pytest.approx(1.0)
@@ -125,6 +125,26 @@ def test_layer_regions_marks_the_models_layers_before_the_compiled_modes(tmp_pat
     assert "layer_regions: 2 layers marked as nested compile regions" in " ".join(doc["notes"])
     assert [m["status"] for m in doc["modes"]] == ["ok", "ok"]
     assert doc["modes"][1]["max_abs_error"] < 1e-4
+
+
+def test_compile_background_mode_answers_then_compiles_and_is_refused_for_packed_towers(
+        tmp_path, capsys):
+    from vit_graph_backend.bench.runner import BenchConfig, resolve
+    from vit_graph_backend.compile.background import COMPILING
+
+    path = tmp_path / "r.json"
+    code, _, _ = _run(capsys, "bench", *FAST, "--modes", "eager,vitgraph-compile-background",
+                      "--json", str(path))
+    assert code == 0
+    mode = json.loads(path.read_text())["modes"][1]
+    assert mode["status"] == "ok" and mode["max_abs_error"] < 1e-4
+    assert mode["backend_report"]["stats"]["fallback_reasons"][COMPILING] >= 1
+    assert mode["ready_s"] >= mode["first_call_s"]
+
+    with pytest.raises(ValueError, match="mode='vitgraph-compile-background' is invalid for "
+                                         "the packed model 'qwen2-vl-tiny'"):
+        resolve(BenchConfig(model="qwen2-vl-tiny", modes=("vitgraph-compile-background",)),
+                cuda_available=False)
 
 
 def test_cold_and_cache_dir_are_one_choice(tmp_path, capsys):

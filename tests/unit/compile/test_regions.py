@@ -73,6 +73,26 @@ def test_marks_the_outermost_stack_of_one_class_defined_outside_torch():
     assert mark_layer_regions(model) == 0   # marked already
 
 
+def test_a_model_that_is_itself_a_stack_has_only_its_own_layers_marked():
+    model = nn.Sequential(Inner(), Inner(), Inner())
+    assert mark_layer_regions(model) == 3
+    assert all(type(part) is Layer for layer in model for part in layer.parts)
+
+
+@torch.no_grad()
+def test_a_forward_patched_into_the_class_after_marking_runs_and_is_seen(monkeypatch):
+    """Marked layers run their class's ``forward`` as it is at each call; a served encoder's
+    check reads the class's code, so a patch from another module is found."""
+    torch.manual_seed(0)
+    model, x = Encoder().eval(), torch.randn(2, 16)
+    mark_layer_regions(model)
+    monkeypatch.setattr(Layer, "forward", lambda self, x: x * 2)
+    assert torch.equal(model.layers[0](x), x * 2)
+    assert python_outside_graphs(model) is None   # the lambda is this module's, as Layer is
+    monkeypatch.setattr(Layer, "forward", nn.Identity.forward)   # from another module
+    assert "patched in from torch.nn.modules.linear" in python_outside_graphs(model)
+
+
 def test_a_class_the_user_marked_is_left_as_it_is(monkeypatch):
     monkeypatch.setattr(Layer, "forward", torch.compiler.nested_compile_region(Layer.forward))
     model = Encoder()
