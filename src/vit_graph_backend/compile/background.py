@@ -144,12 +144,11 @@ class BackgroundCompiled(nn.Module):
     def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         thread = threading.Thread(target=self._compile, args=(args, kwargs, _caller_state()),
                                   name="vitgraph-compile", daemon=True)
+        self._thread = thread   # before it runs: what it runs may ask whether it is the thread
         try:
             thread.start()
         except RuntimeError as exc:   # no thread to start (the interpreter is exiting)
             self.failure = f"could not start its thread ({error_line(exc)})"
-            return
-        self._thread = thread
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  state: list[contextlib.AbstractContextManager[Any]]) -> None:

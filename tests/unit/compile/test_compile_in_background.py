@@ -132,19 +132,23 @@ def test_threads_calling_through_the_switch_get_eager_numbers(clip, padded_cpu):
     served.__dict__["compiled"] = held
     x = [torch.randn(b, 3, 32, 32) for b in (2, 3, 5, 7)]
     refs = [clip(t) for t in x]
-    errors, answered = [], [0]
+    errors, answered, lock = [], [0], threading.Lock()
 
     def calls(k: int) -> None:
+        deadline = time.monotonic() + 120
         with torch.no_grad():
-            for i in range(40):
+            i = 0   # 40 calls, then on until some ran compiled
+            while (i < 40 or not compiled_calls) and time.monotonic() < deadline:
+                i += 1
                 j = (i + k) % len(x)
                 try:
                     _close(served(x[j]), refs[j])
                 except Exception as exc:   # noqa: BLE001 - every failure is the test's
                     errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
-                answered[0] += 1
-                if answered[0] == 30:
-                    release.set()   # the compile goes on mid-stream
+                with lock:
+                    answered[0] += 1
+                    if answered[0] >= 30:
+                        release.set()   # the compile goes on mid-stream
                 time.sleep(0.01)
 
     threads = [threading.Thread(target=calls, args=(k,)) for k in range(3)]
