@@ -307,3 +307,20 @@ def test_nested_region_takes_its_trace_bound_and_region_body_finds_the_function(
     if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters:
         assert add_one.__marked_compile_region_max_reuse_entries__ == 3
     assert torch.equal(marked(torch.ones(2)), torch.full((2,), 2.0))   # eager: the function
+
+
+def test_nested_region_marks_without_a_bound_where_the_release_takes_none(monkeypatch):
+    """torch 2.11's ``nested_compile_region`` takes no ``max_reuse_entries``: the function is
+    marked all the same (and that release refuses no region for its number of traces)."""
+    marked = []
+
+    def old_release(fn):
+        marked.append(fn)
+        return fn
+
+    monkeypatch.setattr(torch.compiler, "nested_compile_region", old_release)
+
+    def add_one(x):
+        return x + 1
+
+    assert _compat.nested_region(add_one, 3) is add_one and marked == [add_one]
