@@ -110,6 +110,8 @@ class BackgroundCompiled(nn.Module):
             _live.add(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ready_one and not self.preparing:   # every batch size compiled: nothing to look at
+            return self.compiled(*args, **kwargs)
         batch = _batch_size(args, kwargs)
         if self._ready and (batch != 1 or self._ready_one):
             if not self.preparing:
@@ -213,17 +215,20 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return None if first is None else first.shape[0]
 
 
+def _batched(value: Any, batch: int | None) -> bool:
+    """Whether ``value`` is a tensor of the call's batch (its leading size is ``batch``)."""
+    return isinstance(value, torch.Tensor) and bool(value.dim()) and value.shape[0] == batch
+
+
 def _first(value: Any, batch: int) -> Any:
     """A tensor of the call's batch cut to its first row; anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
-        return value[:1]
-    return value
+    return value[:1] if _batched(value, batch) else value
 
 
 def _dynamic(value: Any, batch: int | None) -> Any:
     """A tensor of the call's batch as a new tensor over the same rows (a batch of one repeated
     to two), its batch axis marked dynamic for Dynamo; anything else as it is."""
-    if not isinstance(value, torch.Tensor) or not value.dim() or value.shape[0] != batch:
+    if not _batched(value, batch):
         return value
     alias = value.repeat(2, *([1] * (value.dim() - 1))) if batch == 1 else value.view(value.shape)
     _compat.maybe_mark_dynamic(alias, 0)

@@ -73,13 +73,12 @@ def mark_layer_regions(model: nn.Module) -> int:
 def _marked(cls: type) -> type:
     """``cls`` with a ``forward`` that runs ``cls.forward`` as a region, read at each call (a
     forward patched into ``cls`` later runs), under ``cls``'s name and module; it names itself a
-    dispatcher, so ``runtime/weights.python_outside_graphs`` checks ``cls``'s code."""
+    dispatcher, so ``runtime/weights.python_outside_graphs`` checks ``cls``'s code, not its own."""
     subclass = _MARKED.get(cls)
     if subclass is None:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return cls.forward(self, *args, **kwargs)
 
-        forward.__module__, forward.__qualname__ = cls.__module__, f"{cls.__qualname__}.forward"
         subclass = type(cls.__name__, (cls,), {
             "forward": _compat.nested_region(forward, _MAX_TRACES),
             DISPATCHES_TO_BASE: True, "__reduce_ex__": _reduce_unmarked,
